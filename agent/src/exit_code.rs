@@ -1,0 +1,127 @@
+//! muster's exit codes.
+//!
+//! A Kubernetes Job's `podFailurePolicy` matches on container exit codes, so every outcome that
+//! belongs to the agent itself (not to a worker) has its own reserved code. The reserved codes
+//! live at 200 and above: outside the 128+signal range (129–192) that a worker killed by a signal
+//! maps to, and away from the small codes scripts commonly use.
+//!
+//! | code | meaning |
+//! |---|---|
+//! | 0 | every worker on every node succeeded (or: preempted and checkpointed, by default) |
+//! | 1–127 | the root-cause worker's own exit code |
+//! | 128+N | the root-cause worker died of signal N, or the agent was stopped by signal N |
+//! | 200 | preempted and the checkpoint was committed (when chosen instead of 0) |
+//! | 201 | preempted but the checkpoint was aborted (deadline, or a worker died while saving) |
+//! | 202 | configuration error (bad flag, missing script, unwritable log dir, ...) |
+//! | 203 | rendezvous timeout (nodes missing at the join deadline) |
+//! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
+//! | 205 | the store host (node 0) was lost |
+//! | 206 | internal agent error |
+
+use std::process::ExitCode;
+
+/// Everything succeeded.
+pub const SUCCESS: u8 = 0;
+/// Preempted, and every rank's checkpoint was committed (opt-in; the default for that outcome is 0
+/// so the Job's backoff budget is not consumed).
+pub const PREEMPTED_CHECKPOINTED: u8 = 200;
+/// Preempted, but the checkpoint could not be committed before the deadline.
+pub const CHECKPOINT_ABORTED: u8 = 201;
+/// Bad command line, environment or file system setup.
+pub const CONFIG_ERROR: u8 = 202;
+/// The gang did not form before the join deadline.
+pub const RENDEZVOUS_TIMEOUT: u8 = 203;
+/// GPU pre-flight failed here or on a peer.
+pub const UNHEALTHY_GPU: u8 = 204;
+/// The node hosting the store went away.
+pub const STORE_HOST_LOST: u8 = 205;
+/// A bug or an unexpected OS failure in the agent itself.
+pub const INTERNAL_ERROR: u8 = 206;
+
+/// Exit code for a process that died of `signal` (the shell convention).
+pub fn for_signal(signal: i32) -> u8 {
+    (128 + signal.clamp(0, 127)) as u8
+}
+
+/// An error that knows which exit code it maps to. Library errors implement this so that the one
+/// mapping function in [`crate::commands`] can find the code by walking the error chain.
+pub trait Coded {
+    fn exit_code(&self) -> u8;
+}
+
+/// A classified outcome carried through `anyhow` so the top level can pick the exit code.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Exit {
+    pub code: u8,
+    pub message: String,
+}
+
+impl Exit {
+    pub fn new(code: u8, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn config(message: impl Into<String>) -> Self {
+        Self::new(CONFIG_ERROR, message)
+    }
+}
+
+impl Coded for Exit {
+    fn exit_code(&self) -> u8 {
+        self.code
+    }
+}
+
+/// The exit code for an error: the first [`Exit`] in its chain, else [`INTERNAL_ERROR`].
+pub fn for_error(err: &anyhow::Error) -> u8 {
+    err.chain()
+        .find_map(|cause| cause.downcast_ref::<Exit>().map(Coded::exit_code))
+        .unwrap_or(INTERNAL_ERROR)
+}
+
+/// Convenience for `main`.
+pub fn to_exit_code(code: u8) -> ExitCode {
+    ExitCode::from(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_codes_follow_the_shell_convention() {
+        assert_eq!(for_signal(15), 143);
+        assert_eq!(for_signal(9), 137);
+    }
+
+    #[test]
+    fn reserved_codes_are_distinct_and_outside_the_signal_range() {
+        let reserved = [
+            PREEMPTED_CHECKPOINTED,
+            CHECKPOINT_ABORTED,
+            CONFIG_ERROR,
+            RENDEZVOUS_TIMEOUT,
+            UNHEALTHY_GPU,
+            STORE_HOST_LOST,
+            INTERNAL_ERROR,
+        ];
+        for (i, a) in reserved.iter().enumerate() {
+            assert!(*a > 192, "{a} collides with 128+signal");
+            for b in &reserved[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn the_first_exit_in_the_chain_wins() {
+        let err = anyhow::Error::new(Exit::new(RENDEZVOUS_TIMEOUT, "nodes 2 missing"))
+            .context("launch failed");
+        assert_eq!(for_error(&err), RENDEZVOUS_TIMEOUT);
+        assert_eq!(for_error(&anyhow::anyhow!("boom")), INTERNAL_ERROR);
+    }
+}

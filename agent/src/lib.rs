@@ -1,0 +1,16 @@
+//! The muster agent: a drop-in replacement for `torchrun` that runs as PID 1 of a training pod.
+//!
+//! # Layout
+//! - [`commands`]: dispatch between the torchrun-compatible launch form
+//!   (`muster [OPTIONS] script.py ...`) and muster's own subcommands (`store`, `gpu-check`,
+//!   `dry-run`), and the one place where errors become exit codes.
+//! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
+//!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
+//! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+#![deny(unsafe_code)]
+
+pub mod commands;
+pub mod exit_code;
+pub mod store_cmd;
+
+pub use commands::main;

@@ -1,0 +1,13 @@
+//! The rendezvous side of muster: everything that travels over PyTorch's c10d TCPStore protocol.
+//!
+//! # Layout
+//! - [`store::protocol`]: a pure codec for the TCPStore wire format (torch 2.15, commands 0–18).
+//!   Parsing never does I/O; "not enough bytes yet" is `Ok(None)`, never an error.
+//! - [`store::state`]: keys, counters, queues and waiters, with no I/O and no async, so every
+//!   semantic edge case is unit-tested directly.
+//! - [`store::server`]: the tokio server around them: accept loop, admission limit, shutdown.
+//! - [`store::client`]: a client for the same protocol with a timeout on every read (torch's own
+//!   client blocks forever on a silent server). The agents use it to rendezvous.
+#![forbid(unsafe_code)]
+
+pub mod store;

@@ -1,0 +1,81 @@
+"""Shared fixtures for the suites that drive real PyTorch against muster.
+
+Environment (set by scripts/test):
+  MUSTER_BIN           the muster binary under test
+  MUSTER_TORCH_PYTHON  the interpreter of the PyTorch virtualenv (this one, normally)
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def muster_bin() -> str:
+    path = os.environ.get("MUSTER_BIN") or str(REPO / "target" / "release" / "muster")
+    if not Path(path).exists():
+        pytest.fail(f"muster binary not found at {path}; build it or set MUSTER_BIN", pytrace=False)
+    return path
+
+
+def torch_python() -> str:
+    return os.environ.get("MUSTER_TORCH_PYTHON") or sys.executable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StoreProcess:
+    """`muster store` on 127.0.0.1, started on port 0; the address is read from its first line."""
+
+    def __init__(self, extra_args=()):
+        self.proc = subprocess.Popen(
+            [muster_bin(), "store", "--host", "127.0.0.1", "--port", "0", *extra_args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read()
+            raise RuntimeError(f"muster store did not start: {err}")
+        # The line ends with the chosen address, e.g. "muster store listening on 127.0.0.1:40123".
+        addr = line.strip().rsplit(" ", 1)[-1]
+        host, port = addr.rsplit(":", 1)
+        self.host = host.strip("[]")
+        self.port = int(port)
+
+    def stop(self, timeout=10):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def muster_store():
+    store = StoreProcess()
+    yield store
+    store.stop()
+
+
+def wait_until(predicate, timeout=10.0, interval=0.05, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
