@@ -21,6 +21,9 @@ import pytest
 from conftest import StoreProcess, torch_python
 
 TOOLS = Path(__file__).resolve().parent / "tools"
+# torch's dual-stack servers reverse-resolve ::ffff:127.0.0.1 per connection; tools/nodns.sh
+# keeps that lookup off DNS (see the script) so that a slow resolver cannot stall the suite.
+NODNS = str(TOOLS / "nodns.sh")
 
 
 class _LineProcess:
@@ -63,7 +66,7 @@ class TorchServerHost:
 
     def __init__(self):
         self._p = _LineProcess(
-            [torch_python(), str(TOOLS / "torch_store_host.py")], "torch store host"
+            [NODNS, torch_python(), str(TOOLS / "torch_store_host.py")], "torch store host"
         )
 
     def new(self, backend):
@@ -87,7 +90,7 @@ class ClientWorker:
 
     def _start(self):
         self._p = _LineProcess(
-            [torch_python(), str(TOOLS / "store_client_worker.py")], "torch client worker"
+            [NODNS, torch_python(), str(TOOLS / "store_client_worker.py")], "torch client worker"
         )
         if self._p.readline(120) is None:
             raise RuntimeError("torch client worker did not start")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import torch_python
-from store_harness import Server, torch_host  # noqa: F401  (fixture)
+from store_harness import NODNS, Server, torch_host  # noqa: F401  (fixture)
 
 WORKER = str(Path(__file__).resolve().parent / "tools" / "allreduce_worker.py")
 
@@ -49,7 +49,7 @@ def test_env_init_four_ranks(torch_host, kind):  # noqa: F811
     try:
         procs = [
             subprocess.Popen(
-                [torch_python(), WORKER],
+                [NODNS, torch_python(), WORKER],
                 env=_env(
                     RANK=str(r), WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(server.port), TORCHELASTIC_USE_AGENT_STORE="True",
@@ -77,7 +77,7 @@ def test_two_torchrun_agents_rendezvous_through_muster(torch_host):  # noqa: F81
     # MUSTER_E2E_RDZV_SERVER=torch-libuv runs the same job against torch's server (proves the test)
     server = Server(os.environ.get("MUSTER_E2E_RDZV_SERVER", "muster"), torch_host)
     run_id = "e2e-" + uuid.uuid4().hex[:8]
-    argv = _torchrun() + [
+    argv = [NODNS] + _torchrun() + [
         "--nnodes", "2", "--nproc-per-node", "1",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{server.port}",
         "--rdzv-conf", "is_host=0", "--rdzv-id", run_id,
