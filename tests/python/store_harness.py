@@ -13,6 +13,7 @@ import json
 import os
 import select
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -123,14 +124,23 @@ class Server:
         self.host = "127.0.0.1"
         self._muster = None
         self._torch_host = torch_host
+        self.log = []
         if kind == "muster":
             self._muster = StoreProcess()
             self.port = self._muster.port
+            # drain its logs: a full stderr pipe would stall the store, and a death is reported
+            # with them
+            proc = self._muster.proc
+            threading.Thread(target=lambda: self.log.extend(proc.stderr), daemon=True).start()
         else:
             self.port = torch_host.new(kind.removeprefix("torch-"))
 
     def alive(self):
         return self._muster is None or self._muster.proc.poll() is None
+
+    def death_note(self):
+        rc = self._muster.proc.poll() if self._muster else None
+        return f"{self.kind} exited with {rc}; its log:\n{''.join(self.log)[-4000:]}"
 
     def stop(self):
         if self._muster is not None:

@@ -29,8 +29,9 @@ def server(request, torch_host):  # noqa: F811
     srv = Server(request.param, torch_host)
     yield srv
     alive = srv.alive()
+    note = "" if alive else srv.death_note()
     srv.stop()
-    assert alive, f"{srv.kind} died during the test"
+    assert alive, note
 
 
 @pytest.fixture(params=CLIENTS)
