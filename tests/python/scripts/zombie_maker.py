@@ -1,0 +1,36 @@
+"""Orphans short-lived grandchildren (double fork), then, as rank 0, counts zombies in this PID
+namespace once the grandchildren are long dead, and prints `zombies=N`."""
+import os
+import time
+
+
+def orphan_grandchild():
+    pid = os.fork()
+    if pid == 0:
+        if os.fork() == 0:
+            time.sleep(0.1)
+            os._exit(0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def zombies():
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            found.append(entry)
+    return found
+
+
+for _ in range(3):
+    orphan_grandchild()
+time.sleep(0.8)
+if os.environ["RANK"] == "0":
+    print(f"pid1={os.getppid() == 1} zombies={len(zombies())}", flush=True)
