@@ -486,3 +486,84 @@ pub fn short_hostname() -> String {
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
     Launch::new(config).run(shutdown).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(status: ExitStatus) -> Failure {
+        Failure {
+            host: "h".into(),
+            local_rank: 0,
+            rank: 0,
+            pid: 1,
+            status,
+            at: SystemTime::UNIX_EPOCH,
+            error_file: PathBuf::new(),
+            message: None,
+        }
+    }
+
+    #[test]
+    fn exit_codes_of_outcomes() {
+        assert_eq!(GroupOutcome::Succeeded.exit_code(), 0);
+        assert_eq!(
+            GroupOutcome::Failed(failure(ExitStatus::Exited(3))).exit_code(),
+            3
+        );
+        assert_eq!(
+            GroupOutcome::Failed(failure(ExitStatus::Signaled(Signal::SIGSEGV))).exit_code(),
+            139
+        );
+        let stopped = |signal, all_clean| GroupOutcome::Stopped { signal, all_clean };
+        assert_eq!(stopped(Some(Signal::SIGTERM), false).exit_code(), 143);
+        assert_eq!(stopped(Some(Signal::SIGINT), false).exit_code(), 130);
+        assert_eq!(stopped(None, false).exit_code(), 143);
+        assert_eq!(stopped(Some(Signal::SIGTERM), true).exit_code(), 0);
+    }
+
+    #[test]
+    fn launch_errors_map_to_reserved_codes() {
+        let nf = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let spawn = LaunchError::Spawn {
+            program: "x".into(),
+            source: nf,
+        };
+        assert_eq!(spawn.exit_code(), exit_code::CONFIG_ERROR);
+        assert_eq!(
+            LaunchError::Config("x".into()).exit_code(),
+            exit_code::CONFIG_ERROR
+        );
+        assert_eq!(
+            LaunchError::Coded {
+                code: exit_code::RENDEZVOUS_TIMEOUT,
+                message: "x".into()
+            }
+            .exit_code(),
+            exit_code::RENDEZVOUS_TIMEOUT
+        );
+    }
+
+    #[tokio::test]
+    async fn local_rendezvous_hosts_a_fresh_store_per_round() {
+        let config = Config::for_program("/bin/true", vec![], 3);
+        let stop = StopRequest::new(&CancellationToken::new());
+        let mut rdzv = LocalRendezvous;
+        let a = rdzv.next_round(&config, 0, &stop).await.unwrap();
+        let b = rdzv.next_round(&config, 1, &stop).await.unwrap();
+        assert_eq!(a.assignment.master_addr, "127.0.0.1");
+        assert_eq!(a.assignment.world_size, 3);
+        assert_eq!(b.assignment.restart_count, 1);
+        assert_ne!(a.assignment.master_port, b.assignment.master_port);
+        for round in [a, b] {
+            let store = round.store.unwrap();
+            let addr = store.addr();
+            let mut client =
+                rendezvous::store::client::Client::connect(addr, std::time::Duration::from_secs(5))
+                    .await
+                    .unwrap();
+            client.set(b"k", b"v").await.unwrap();
+            store.shutdown().await;
+        }
+    }
+}
