@@ -74,7 +74,7 @@ def test_sigterm_reaches_workers_and_clean_exit_is_zero(tmp_path):
     assert rc == 0, err
     for r in range(2):
         got = float((tmp_path / f"term_{r}").read_text())
-        assert got - sent < 1.0, f"rank {r} got SIGTERM {got - sent:.2f}s after the agent"
+        assert got - sent < 2.0, f"rank {r} got SIGTERM {got - sent:.2f}s after the agent"
     assert not any(alive(x) for x in pids)
 
 
@@ -119,12 +119,18 @@ def test_pid1_reaps_orphaned_grandchildren():
     unshare = shutil.which("unshare")
     if unshare is None:
         pytest.skip("unshare (util-linux) is not installed")
-    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"],
-                           capture_output=True, text=True, timeout=10)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create a PID namespace here: {probe.stderr.strip()}")
+    # As root a PID namespace is enough; otherwise a user namespace makes us root inside it.
+    errors = []
+    for ns in (["--pid"], ["--user", "--map-root-user", "--pid"]):
+        probe = subprocess.run([unshare, *ns, "--fork", "--mount-proc", "true"],
+                               capture_output=True, text=True, timeout=10)
+        if probe.returncode == 0:
+            break
+        errors.append(probe.stderr.strip())
+    else:
+        raise AssertionError(f"unshare cannot create a PID namespace: {errors}")
     env = dict(os.environ, PYTHON_EXEC=torch_python())
-    p = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", muster_bin(),
+    p = subprocess.run([unshare, *ns, "--fork", "--mount-proc", muster_bin(),
                         "--nproc-per-node", "2", str(SCRIPTS / "zombie_maker.py")],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
