@@ -158,7 +158,7 @@ pub async fn run_group(
                 });
             }
         };
-        let pid = child.id();
+        let pid = child.pid;
         let streams: [(Streams, Option<OwnedFd>, &str); 2] = [
             (
                 Streams::STDOUT,

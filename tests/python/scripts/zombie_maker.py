@@ -1,13 +1,16 @@
-"""Orphans short-lived grandchildren (double fork), then, as rank 0, counts zombies in this PID
-namespace once the grandchildren are long dead, and prints `zombies=N`."""
+"""Orphans short-lived grandchildren (double fork; some leave the worker's session with setsid,
+like daemons do), then, as rank 0, counts zombies in this PID namespace once the grandchildren
+are long dead, and prints `zombies=N`."""
 import os
 import time
 
 
-def orphan_grandchild():
+def orphan_grandchild(daemon):
     pid = os.fork()
     if pid == 0:
         if os.fork() == 0:
+            if daemon:
+                os.setsid()
             time.sleep(0.1)
             os._exit(0)
         os._exit(0)
@@ -29,8 +32,8 @@ def zombies():
     return found
 
 
-for _ in range(3):
-    orphan_grandchild()
+for i in range(4):
+    orphan_grandchild(daemon=i % 2 == 1)
 time.sleep(0.8)
 if os.environ["RANK"] == "0":
     print(f"pid1={os.getppid() == 1} zombies={len(zombies())}", flush=True)
