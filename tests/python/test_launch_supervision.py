@@ -135,4 +135,4 @@ def test_pid1_reaps_orphaned_grandchildren():
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     # The agent is PID 1 and the grandchildren were re-parented to it and reaped.
-    assert "pid1=True zombies=0" in p.stdout, p.stdout + p.stderr
+    assert "pid1=True grandchildren=4 zombies=0" in p.stdout, p.stdout + p.stderr
