@@ -323,8 +323,12 @@ impl Launch {
             Some(r) => r,
             None if config.nnodes.max > 1 => {
                 return Err(LaunchError::Config(format!(
-                    "--nnodes {}:{} needs the multi-node rendezvous, which this build lacks",
-                    config.nnodes.min, config.nnodes.max
+                    "--nnodes {} needs the multi-node rendezvous, which this build lacks",
+                    if config.nnodes.min == config.nnodes.max {
+                        config.nnodes.max.to_string()
+                    } else {
+                        format!("{}:{}", config.nnodes.min, config.nnodes.max)
+                    }
                 )))
             }
             None => Box::new(LocalRendezvous),
@@ -369,10 +373,11 @@ impl Launch {
         let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
         if let Ok(outcome) = &result {
             if let GroupOutcome::Failed(f) = &outcome.last {
-                sink.agent_line(
-                    Console::Stderr,
-                    summary::render(f, outcome.attempts).into_bytes(),
-                );
+                let text = match config.logs.format {
+                    config::LogFormat::Text => summary::render(f, outcome.attempts),
+                    config::LogFormat::Json => summary::render_json(f, outcome.attempts),
+                };
+                sink.agent_line(Console::Stderr, text.into_bytes());
             }
             publisher.phase(Phase::Finished {
                 exit_code: outcome.exit_code,
