@@ -7,6 +7,10 @@
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
+//! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
+//! - [`logs`]: worker output: prefixed or JSON lines, per-rank files, one console writer.
+//! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
