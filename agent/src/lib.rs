@@ -6,6 +6,8 @@
 //!   `dry-run`), and the one place where errors become exit codes.
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
+//! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
+//!   protocol over the store).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
 //! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
 //! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
@@ -15,6 +17,7 @@
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
+pub mod checkpoint;
 pub mod cli;
 pub mod commands;
 pub mod exit_code;
