@@ -6,6 +6,7 @@
 //! restart. Whatever the outcome, every worker's process group is swept at the end so a worker's
 //! own children do not outlive the attempt.
 
+use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -46,6 +47,8 @@ pub struct WorkerGroupSpec {
     pub reaper: Reaper,
     pub logs: LogSink,
     pub publisher: Publisher,
+    /// Extra variables for every worker, set after torchrun's (e.g. the checkpoint socket).
+    pub extra_env: Vec<(String, OsString)>,
 }
 
 struct Worker {
@@ -134,6 +137,7 @@ pub async fn run_group(
         let mut cmd = Command::new(&config.entrypoint.program);
         cmd.args(&config.entrypoint.args)
             .envs(worker_env)
+            .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::inherit())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -34,6 +34,7 @@ pub mod signals;
 mod store_host;
 pub mod summary;
 
+use std::ffi::OsString;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
@@ -267,6 +268,7 @@ pub struct Launch {
     terminate_hook: Option<TerminateHook>,
     publisher: Publisher,
     logs: Option<LogSink>,
+    extra_env: Vec<(String, OsString)>,
 }
 
 impl Launch {
@@ -277,7 +279,16 @@ impl Launch {
             terminate_hook: None,
             publisher: Publisher::new(),
             logs: None,
+            extra_env: Vec::new(),
         }
+    }
+
+    /// Sets `key=value` in every worker's environment (after torchrun's variables), e.g.
+    /// `MUSTER_CHECKPOINT_SOCKET`.
+    #[must_use]
+    pub fn with_worker_env(mut self, key: impl Into<String>, value: impl Into<OsString>) -> Self {
+        self.extra_env.push((key.into(), value.into()));
+        self
     }
 
     /// Replaces the single-node [`LocalRendezvous`].
@@ -318,6 +329,7 @@ impl Launch {
             terminate_hook,
             publisher,
             logs,
+            extra_env,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -369,6 +381,7 @@ impl Launch {
             reaper,
             logs: sink.clone(),
             publisher: publisher.clone(),
+            extra_env,
         };
         let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
         if let Ok(outcome) = &result {
@@ -607,7 +620,8 @@ mod tests {
     #[tokio::test]
     async fn cancelling_the_token_stops_the_workers() {
         let shutdown = CancellationToken::new();
-        let launch = Launch::new(sh("exec sleep 30", 2));
+        let launch = Launch::new(sh(r#"[ "$EXTRA" = yes ] && exec sleep 30"#, 2))
+            .with_worker_env("EXTRA", "yes");
         let mut observer = launch.observer();
         let run = tokio::spawn(launch.run(shutdown.clone()));
         observer
