@@ -163,7 +163,15 @@ pub async fn run_group(
             }
         };
         let pid = child.pid;
-        let streams: [(Streams, Option<OwnedFd>, &str); 2] = [
+        workers.push(Worker {
+            local_rank,
+            rank,
+            pid: Pid::from_raw(pid as i32),
+            status: None,
+            seen: None,
+            error_file,
+        });
+        let streams = [
             (
                 Streams::STDOUT,
                 child.stdout.take().map(OwnedFd::from),
@@ -177,37 +185,28 @@ pub async fn run_group(
         ];
         for (stream, fd, file_name) in streams {
             let Some(fd) = fd else { continue };
-            let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
-                what: "cannot watch a worker's output pipe",
-                source,
-            })?;
-            let file = if spec.wants_file(local_rank, stream) {
-                let path = dir.join(file_name);
-                let f = std::fs::File::create(&path)
-                    .map_err(|source| LaunchError::LogDir { path, source })?;
-                Some(Arc::new(f))
-            } else {
-                None
-            };
-            let pump_config = PumpConfig {
-                console: spec.console_target(local_rank, rank, stream),
-                file,
-            };
-            pumps.spawn(logs::pump(receiver, pump_config, spec.logs.clone()));
+            match start_pump(spec, local_rank, rank, stream, fd, &dir.join(file_name)) {
+                Ok(pump) => {
+                    pumps.spawn(pump);
+                }
+                Err(e) => {
+                    stop_workers(
+                        &mut workers,
+                        &mut exits,
+                        Signal::SIGKILL,
+                        Duration::ZERO,
+                        stop,
+                    )
+                    .await;
+                    return Err(e);
+                }
+            }
         }
         spec.publisher.event(Event::WorkerStarted {
             restart_count,
             local_rank,
             rank,
             pid,
-        });
-        workers.push(Worker {
-            local_rank,
-            rank,
-            pid: Pid::from_raw(pid as i32),
-            status: None,
-            seen: None,
-            error_file,
         });
     }
     drop(exits_tx);
@@ -289,6 +288,35 @@ pub async fn run_group(
         },
     });
     Ok(outcome)
+}
+
+/// Watches one of a worker's pipes: the console target and, when asked for, the log file.
+fn start_pump(
+    spec: &WorkerGroupSpec,
+    local_rank: u32,
+    rank: u32,
+    stream: Streams,
+    fd: OwnedFd,
+    file_path: &std::path::Path,
+) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
+    let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
+        what: "cannot watch a worker's output pipe",
+        source,
+    })?;
+    let file = if spec.wants_file(local_rank, stream) {
+        let f = std::fs::File::create(file_path).map_err(|source| LaunchError::LogDir {
+            path: file_path.to_owned(),
+            source,
+        })?;
+        Some(Arc::new(f))
+    } else {
+        None
+    };
+    let config = PumpConfig {
+        console: spec.console_target(local_rank, rank, stream),
+        file,
+    };
+    Ok(logs::pump(receiver, config, spec.logs.clone()))
 }
 
 fn record_exit(
