@@ -51,6 +51,23 @@ pub struct WorkerGroupSpec {
     pub extra_env: Vec<(String, OsString)>,
 }
 
+/// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
+/// by an embedding caller): without it they would run on until the agent's thread exits.
+struct KillOnDrop {
+    pgids: Vec<Pid>,
+    armed: bool,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            for pgid in &self.pgids {
+                let _ = killpg(*pgid, Signal::SIGKILL);
+            }
+        }
+    }
+}
+
 struct Worker {
     local_rank: u32,
     rank: u32,
@@ -115,6 +132,10 @@ pub async fn run_group(
     let mut workers: Vec<Worker> = Vec::new();
     let mut pumps = JoinSet::new();
     let agent = nix::unistd::getpid();
+    let mut guard = KillOnDrop {
+        pgids: Vec::new(),
+        armed: true,
+    };
 
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
@@ -163,6 +184,7 @@ pub async fn run_group(
             }
         };
         let pid = child.pid;
+        guard.pgids.push(Pid::from_raw(pid as i32));
         workers.push(Worker {
             local_rank,
             rank,
@@ -265,6 +287,7 @@ pub async fn run_group(
             .await;
     }
     sweep_groups(&workers, config.shutdown_timeout, stop).await;
+    guard.armed = false;
     drain(&mut pumps).await;
 
     let outcome = if let Some(f) = failure {

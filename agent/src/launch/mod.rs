@@ -399,7 +399,7 @@ impl Launch {
         if let Some(writer) = writer {
             writer.finish();
         }
-        run_dir.finish();
+        drop(run_dir);
         result
     }
 }
@@ -458,7 +458,7 @@ async fn attempts(
 }
 
 /// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory. Without `--log-dir` it lives in a
-/// private temporary directory that is removed at the end unless files were asked for.
+/// private temporary directory that is removed when this is dropped, unless files were asked for.
 struct RunDir {
     path: PathBuf,
     remove: Option<PathBuf>,
@@ -483,9 +483,12 @@ impl RunDir {
         })?;
         Ok(RunDir { path, remove })
     }
+}
 
-    fn finish(self) {
-        if let Some(dir) = self.remove {
+impl Drop for RunDir {
+    // Also when the launch future is dropped half-way (an embedding caller gave up on it).
+    fn drop(&mut self) {
+        if let Some(dir) = self.remove.take() {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
@@ -639,6 +642,38 @@ mod tests {
             }
         );
         assert_eq!(outcome.exit_code, 143);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_launch_kills_its_workers() {
+        let launch = Launch::new(sh("exec sleep 30", 2));
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(CancellationToken::new()));
+        let mut pids = Vec::new();
+        while pids.len() < 2 {
+            if let Ok(Event::WorkerStarted { pid, .. }) = observer.events.recv().await {
+                pids.push(pid);
+            }
+        }
+        run.abort();
+        let _ = run.await;
+        let alive = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .map(|r| !r.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(false)
+        };
+        for _ in 0..100 {
+            if !pids.iter().any(|p| alive(*p)) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("workers {pids:?} outlived the abandoned launch");
     }
 
     #[tokio::test]
