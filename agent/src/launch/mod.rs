@@ -373,6 +373,9 @@ impl Launch {
             (writer.sink(), Some(writer))
         };
         let run_dir = RunDir::create(&config)?;
+        if !(config.logs.redirects.is_empty() && config.logs.tee.is_empty()) {
+            tracing::info!("worker log files under {}", run_dir.path.display());
+        }
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
