@@ -7,10 +7,14 @@
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
+//! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
 pub mod commands;
 pub mod exit_code;
+pub mod logging;
+pub mod signals;
 pub mod store_cmd;
 
 pub use commands::main;
