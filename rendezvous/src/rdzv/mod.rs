@@ -36,6 +36,7 @@ pub mod driver;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod store_kv;
 
 use std::time::Duration;
 
@@ -43,6 +44,7 @@ use serde::{Deserialize, Serialize};
 
 pub use driver::{BarrierOutcome, Event, Joined, Rendezvous, Watcher};
 pub use kv::{Kv, KvError};
+pub use store_kv::StoreKv;
 
 /// torchrun's defaults (`dynamic_rendezvous.py`), except the heartbeat: torchrun declares a node
 /// dead after 3 × 5 s; we default to the same 15 s.
