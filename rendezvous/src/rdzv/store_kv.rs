@@ -54,11 +54,13 @@ impl StoreKv {
     }
 
     fn fail(&mut self, e: ClientError) -> KvError {
-        if matches!(e, ClientError::WaitTimeout { .. }) {
-            return KvError::WaitTimeout;
+        match e {
+            ClientError::WaitTimeout { .. } => KvError::WaitTimeout,
+            other => {
+                self.client = None;
+                KvError::Unavailable(other.to_string())
+            }
         }
-        self.client = None;
-        KvError::Unavailable(e.to_string())
     }
 }
 
