@@ -11,10 +11,14 @@
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
+pub mod cli;
 pub mod commands;
 pub mod exit_code;
+pub mod launch;
 pub mod logging;
+pub mod logs;
 pub mod signals;
 pub mod store_cmd;
+pub mod sys;
 
 pub use commands::main;

@@ -1,0 +1,488 @@
+//! The launch pipeline: what `muster [OPTIONS] script.py` does after the command line is parsed.
+//!
+//! # Theory of operation
+//! [`run`] (or [`Launch::run`]) starts the agent's services once — the [`reaper`] (child
+//! subreaper; every child is reaped in one place, driven by SIGCHLD), the [`signals`] listeners
+//! and the console writer ([`crate::logs`]) — all before the first worker exists. Then, per
+//! attempt (`restart_count` = 0, 1, ... up to `--max-restarts`):
+//!
+//! 1. **Obtain the assignment**: [`Rendezvous::next_round`] returns a [`Round`]: the
+//!    [`RankAssignment`] (ranks, world size, where the workers' store is, the run id) and, on the
+//!    node that hosts it, the [`HostedStore`]: a fresh store on an ephemeral port for every
+//!    attempt, so a restarted group never reads the dead attempt's keys. [`LocalRendezvous`] does
+//!    this for one node; the multi-node rendezvous plugs in here through
+//!    [`Launch::with_rendezvous`].
+//! 2. **Run the group**: [`run_group`] starts `nproc-per-node` workers with torchrun's
+//!    environment ([`env`]), each in its own session and process group with a parent-death
+//!    signal ([`crate::sys`]), pumps their output, and waits for exits as events.
+//! 3. **Decide**: [`GroupOutcome::Succeeded`] → exit 0; [`GroupOutcome::Failed`] → restart while
+//!    the budget lasts, else exit with the root-cause worker's code (or 128+signal) after a
+//!    [`summary`]; [`GroupOutcome::Stopped`] (a terminate signal or the caller's token) → exit
+//!    128+signal, or 0 when every worker still exited cleanly.
+//!
+//! Observers (metrics, health probes) subscribe with [`Launch::observer`]: a `watch` of the
+//! [`Phase`] and a `broadcast` of [`Event`]s. The preemption work hooks SIGTERM with
+//! [`Launch::on_terminate`]: the hook runs instead of the immediate stop and calls
+//! [`StopRequest::request`] when the checkpoint barrier is done.
+
+pub mod config;
+pub mod env;
+mod group;
+pub mod observe;
+pub mod reaper;
+pub mod signals;
+mod store_host;
+pub mod summary;
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use nix::sys::signal::Signal;
+use tokio_util::sync::CancellationToken;
+
+pub use config::Config;
+pub use group::{run_group, WorkerGroupSpec};
+pub use observe::{Event, Observer, Phase, Publisher};
+pub use reaper::{ExitStatus, Reaper};
+pub use signals::{StopRequest, TerminateHook};
+pub use store_host::HostedStore;
+
+use crate::exit_code;
+use crate::logs::{Console, LogSink};
+
+/// Where this node's workers sit in the job, for one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankAssignment {
+    /// GROUP_RANK.
+    pub node_rank: u32,
+    /// GROUP_WORLD_SIZE: nodes in this round.
+    pub group_world_size: u32,
+    /// RANK of local rank 0.
+    pub base_global_rank: u32,
+    /// WORLD_SIZE.
+    pub world_size: u32,
+    /// MASTER_ADDR: the workers' store, numerically.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// TORCHELASTIC_RESTART_COUNT.
+    pub restart_count: u32,
+    /// TORCHELASTIC_RUN_ID.
+    pub run_id: String,
+}
+
+/// What one round of the rendezvous hands to the launch loop.
+pub struct Round {
+    pub assignment: RankAssignment,
+    /// The workers' store when this node hosts it; shut down when the attempt ends.
+    pub store: Option<HostedStore>,
+}
+
+/// The first failure of an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub host: String,
+    pub local_rank: u32,
+    pub rank: u32,
+    pub pid: u32,
+    pub status: ExitStatus,
+    /// When the agent saw the exit.
+    pub at: SystemTime,
+    pub error_file: PathBuf,
+    /// The message of `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if the worker left one.
+    pub message: Option<String>,
+}
+
+/// How an attempt ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GroupOutcome {
+    /// Every worker exited 0.
+    Succeeded,
+    /// A worker failed (the first observed failure); the others were stopped.
+    Failed(Failure),
+    /// A stop was requested: by `signal`, or by the caller's token (`None`). `all_clean`: every
+    /// worker still exited 0.
+    Stopped {
+        signal: Option<Signal>,
+        all_clean: bool,
+    },
+}
+
+impl GroupOutcome {
+    /// The agent's exit code for this outcome (see [`crate::exit_code`]).
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            GroupOutcome::Succeeded
+            | GroupOutcome::Stopped {
+                all_clean: true, ..
+            } => exit_code::SUCCESS,
+            GroupOutcome::Failed(f) => f.status.exit_code(),
+            GroupOutcome::Stopped { signal, .. } => {
+                exit_code::for_signal(signal.unwrap_or(Signal::SIGTERM) as i32)
+            }
+        }
+    }
+}
+
+/// The end of a launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub exit_code: u8,
+    /// How the last attempt ended.
+    pub last: GroupOutcome,
+    /// Attempts made (1 + restarts).
+    pub attempts: u32,
+}
+
+/// Errors of the launch itself (not of the workers).
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("{0}")]
+    Config(String),
+    #[error("log directory {}: {source}", path.display())]
+    LogDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the worker program {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("cannot host the workers' store on {ip}: {source}")]
+    Store { ip: IpAddr, source: std::io::Error },
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    /// An outcome with its own exit code (rendezvous timeout, unhealthy GPU, ...), for the parts
+    /// that plug into the loop.
+    #[error("{message}")]
+    Coded { code: u8, message: String },
+}
+
+impl LaunchError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LaunchError::Config(_) | LaunchError::LogDir { .. } => exit_code::CONFIG_ERROR,
+            LaunchError::Spawn { source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                ) =>
+            {
+                exit_code::CONFIG_ERROR
+            }
+            LaunchError::Coded { code, .. } => *code,
+            _ => exit_code::INTERNAL_ERROR,
+        }
+    }
+}
+
+impl exit_code::Coded for LaunchError {
+    fn exit_code(&self) -> u8 {
+        LaunchError::exit_code(self)
+    }
+}
+
+/// A boxed future, for the object-safe [`Rendezvous`] trait.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The "obtain assignment" step of every attempt.
+pub trait Rendezvous: Send {
+    /// Joins round `restart_count` and returns the assignment. Should give up promptly when
+    /// `stop` is requested.
+    fn next_round<'a>(
+        &'a mut self,
+        config: &'a Config,
+        restart_count: u32,
+        stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>>;
+}
+
+/// One node, no peers: this agent hosts a fresh store per attempt on its advertised address.
+#[derive(Debug, Default)]
+pub struct LocalRendezvous;
+
+impl LocalRendezvous {
+    /// The address workers reach the store at: `--local-addr` (resolved once, numerically),
+    /// else loopback — on one node nothing else needs to reach it.
+    pub async fn advertised_ip(config: &Config) -> Result<IpAddr, LaunchError> {
+        let Some(addr) = config.local_addr.as_deref().filter(|_| !config.standalone) else {
+            return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        };
+        if let Ok(ip) = addr
+            .trim_matches(|c| c == '[' || c == ']')
+            .parse::<IpAddr>()
+        {
+            return Ok(ip);
+        }
+        let mut found = tokio::net::lookup_host((addr, 0))
+            .await
+            .map_err(|e| LaunchError::Config(format!("--local-addr {addr}: {e}")))?;
+        found
+            .next()
+            .map(|sa| sa.ip())
+            .ok_or_else(|| LaunchError::Config(format!("--local-addr {addr}: no address")))
+    }
+}
+
+impl Rendezvous for LocalRendezvous {
+    fn next_round<'a>(
+        &'a mut self,
+        config: &'a Config,
+        restart_count: u32,
+        _stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>> {
+        Box::pin(async move {
+            let ip = Self::advertised_ip(config).await?;
+            let store = HostedStore::start(ip)
+                .await
+                .map_err(|source| LaunchError::Store { ip, source })?;
+            Ok(Round {
+                assignment: RankAssignment {
+                    node_rank: 0,
+                    group_world_size: 1,
+                    base_global_rank: 0,
+                    world_size: config.nproc_per_node,
+                    master_addr: store.addr().ip().to_string(),
+                    master_port: store.addr().port(),
+                    restart_count,
+                    run_id: config.run_id.clone(),
+                },
+                store: Some(store),
+            })
+        })
+    }
+}
+
+/// A launch being set up: plug in a rendezvous, a terminate hook, observers; then [`Launch::run`].
+pub struct Launch {
+    config: Arc<Config>,
+    rendezvous: Option<Box<dyn Rendezvous>>,
+    terminate_hook: Option<TerminateHook>,
+    publisher: Publisher,
+    logs: Option<LogSink>,
+}
+
+impl Launch {
+    pub fn new(config: Config) -> Self {
+        Self {
+            config: Arc::new(config),
+            rendezvous: None,
+            terminate_hook: None,
+            publisher: Publisher::new(),
+            logs: None,
+        }
+    }
+
+    /// Replaces the single-node [`LocalRendezvous`].
+    #[must_use]
+    pub fn with_rendezvous(mut self, rendezvous: Box<dyn Rendezvous>) -> Self {
+        self.rendezvous = Some(rendezvous);
+        self
+    }
+
+    /// Runs `hook` instead of stopping at once when a `terminate` signal arrives.
+    #[must_use]
+    pub fn on_terminate(mut self, hook: TerminateHook) -> Self {
+        self.terminate_hook = Some(hook);
+        self
+    }
+
+    /// Writes worker output through an existing console writer (else one is started).
+    #[must_use]
+    pub fn with_log_sink(mut self, sink: LogSink) -> Self {
+        self.logs = Some(sink);
+        self
+    }
+
+    /// A subscription to phases and events; take it before [`Launch::run`].
+    pub fn observer(&self) -> Observer {
+        self.publisher.subscribe()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Runs every attempt to the end. Cancelling `shutdown` stops the workers like SIGTERM.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
+        let Launch {
+            config,
+            rendezvous,
+            terminate_hook,
+            publisher,
+            logs,
+        } = self;
+        let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
+            Some(r) => r,
+            None if config.nnodes.max > 1 => {
+                return Err(LaunchError::Config(format!(
+                    "--nnodes {}:{} needs the multi-node rendezvous, which this build lacks",
+                    config.nnodes.min, config.nnodes.max
+                )))
+            }
+            None => Box::new(LocalRendezvous),
+        };
+
+        // Services first, so no signal and no child exit can be missed.
+        let reaper = Reaper::start().map_err(|source| LaunchError::Io {
+            what: "cannot watch child processes",
+            source,
+        })?;
+        let stop = StopRequest::new(&shutdown);
+        let _listeners = signals::install(
+            &config.signals,
+            &stop,
+            &reaper,
+            &publisher,
+            terminate_hook.as_ref(),
+        )
+        .map_err(|source| LaunchError::Io {
+            what: "cannot install signal handlers",
+            source,
+        })?;
+        let (sink, writer) = if let Some(sink) = logs {
+            (sink, None)
+        } else {
+            let writer = crate::logs::start().map_err(|source| LaunchError::Io {
+                what: "cannot start the log writer",
+                source,
+            })?;
+            (writer.sink(), Some(writer))
+        };
+        let run_dir = RunDir::create(&config)?;
+
+        let spec = WorkerGroupSpec {
+            config: config.clone(),
+            hostname: short_hostname(),
+            run_dir: run_dir.path.clone(),
+            reaper,
+            logs: sink.clone(),
+            publisher: publisher.clone(),
+        };
+        let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
+        if let Ok(outcome) = &result {
+            if let GroupOutcome::Failed(f) = &outcome.last {
+                sink.agent_line(
+                    Console::Stderr,
+                    summary::render(f, outcome.attempts).into_bytes(),
+                );
+            }
+            publisher.phase(Phase::Finished {
+                exit_code: outcome.exit_code,
+            });
+        }
+        if let Some(writer) = writer {
+            writer.finish();
+        }
+        run_dir.finish();
+        result
+    }
+}
+
+async fn attempts(
+    spec: &WorkerGroupSpec,
+    rendezvous: &mut dyn Rendezvous,
+    stop: &StopRequest,
+) -> Result<Outcome, LaunchError> {
+    let config = &spec.config;
+    let mut restart_count = 0;
+    loop {
+        if stop.is_requested() {
+            let last = GroupOutcome::Stopped {
+                signal: stop.received_signal(),
+                all_clean: false,
+            };
+            return Ok(Outcome {
+                exit_code: last.exit_code(),
+                last,
+                attempts: restart_count,
+            });
+        }
+        spec.publisher.phase(Phase::Rendezvous { restart_count });
+        let round = tokio::select! {
+            round = rendezvous.next_round(config, restart_count, stop) => round?,
+            () = stop.requested() => continue,
+        };
+        let outcome = run_group(spec, &round.assignment, stop).await;
+        if let Some(store) = round.store {
+            store.shutdown().await;
+        }
+        let outcome = outcome?;
+        match &outcome {
+            GroupOutcome::Failed(f)
+                if restart_count < config.max_restarts && !stop.is_requested() =>
+            {
+                restart_count += 1;
+                tracing::warn!(
+                    "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
+                    f.rank,
+                    f.status,
+                    config.max_restarts
+                );
+                spec.publisher.event(Event::Restarting { restart_count });
+            }
+            _ => {
+                return Ok(Outcome {
+                    exit_code: outcome.exit_code(),
+                    last: outcome,
+                    attempts: restart_count + 1,
+                })
+            }
+        }
+    }
+}
+
+/// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory. Without `--log-dir` it lives in a
+/// private temporary directory that is removed at the end unless files were asked for.
+struct RunDir {
+    path: PathBuf,
+    remove: Option<PathBuf>,
+}
+
+impl RunDir {
+    fn create(config: &Config) -> Result<RunDir, LaunchError> {
+        let suffix: String = (0..8)
+            .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
+            .collect();
+        let (root, remove) = if let Some(dir) = &config.logs.log_dir {
+            (dir.clone(), None)
+        } else {
+            let tmp = std::env::temp_dir().join(format!("muster_{suffix}"));
+            let keep = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
+            (tmp.clone(), (!keep).then_some(tmp))
+        };
+        let path = root.join(format!("{}_{suffix}", config.run_id));
+        std::fs::create_dir_all(&path).map_err(|source| LaunchError::LogDir {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(RunDir { path, remove })
+    }
+
+    fn finish(self) {
+        if let Some(dir) = self.remove {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// The host name up to the first dot (what torchrun's `${hostname}` gives).
+pub fn short_hostname() -> String {
+    let name = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    name.split('.').next().unwrap_or(&name).to_owned()
+}
+
+/// Runs a launch with the single-node rendezvous and no hooks.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
+    Launch::new(config).run(shutdown).await
+}
