@@ -13,6 +13,7 @@
 
 pub mod cli;
 pub mod commands;
+pub mod discovery;
 pub mod exit_code;
 pub mod launch;
 pub mod logging;
