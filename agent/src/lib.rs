@@ -14,10 +14,12 @@
 pub mod cli;
 pub mod commands;
 pub mod discovery;
+pub mod dry_run;
 pub mod exit_code;
 pub mod launch;
 pub mod logging;
 pub mod logs;
+pub mod node;
 pub mod signals;
 pub mod store_cmd;
 pub mod sys;

@@ -86,6 +86,11 @@ impl<K: Kv> Rendezvous<K> {
         &self.cfg
     }
 
+    /// The store connection, for callers that need a second one (the watcher's).
+    pub fn kv(&self) -> &K {
+        &self.kv
+    }
+
     pub fn registration_mut(&mut self) -> &mut Registration {
         &mut self.reg
     }
