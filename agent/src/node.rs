@@ -166,10 +166,10 @@ impl GangRendezvous {
         } else {
             let ips = discovery::resolve(&self.endpoint.host, deadline)
                 .await
-                .map_err(timeout_error)?;
+                .map_err(|e| timeout_error(&e))?;
             discovery::connect(&self.endpoint, &ips, deadline, op_timeout)
                 .await
-                .map_err(timeout_error)?
+                .map_err(|e| timeout_error(&e))?
         };
         let reg = Registration {
             agent_id: format!(
@@ -222,7 +222,7 @@ impl GangRendezvous {
                 if let Some(s) = store {
                     s.shutdown().await;
                 }
-                return Err(rdzv_error(e));
+                return Err(rdzv_error(&e));
             }
         };
         let a = joined.assignment;
@@ -289,7 +289,7 @@ impl GangRendezvous {
                     let barrier = rdzv
                         .exit_barrier(&running.assignment, &running.fired)
                         .await
-                        .map_err(rdzv_error)?;
+                        .map_err(|e| rdzv_error(&e))?;
                     if barrier != BarrierOutcome::Interrupted {
                         running.stop.cancel();
                         let _ = running.task.await;
@@ -305,7 +305,10 @@ impl GangRendezvous {
                         "rank {} (local rank {}) failed: {}",
                         f.rank, f.local_rank, f.status
                     );
-                    let rec = rdzv.report_failure(code, &what).await.map_err(rdzv_error)?;
+                    let rec = rdzv
+                        .report_failure(code, &what)
+                        .await
+                        .map_err(|e| rdzv_error(&e))?;
                     return Ok(match rec.kind {
                         BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
                         _ => AfterGroup::Restart,
@@ -377,8 +380,8 @@ impl crate::launch::Rendezvous for GangRendezvous {
     }
 }
 
-fn rdzv_error(e: RdzvError) -> LaunchError {
-    let code = match &e {
+fn rdzv_error(e: &RdzvError) -> LaunchError {
+    let code = match e {
         RdzvError::Timeout(_) => exit_code::RENDEZVOUS_TIMEOUT,
         RdzvError::StoreLost(_) => exit_code::STORE_HOST_LOST,
         RdzvError::Rejected(_) => exit_code::CONFIG_ERROR,
@@ -391,7 +394,7 @@ fn rdzv_error(e: RdzvError) -> LaunchError {
     }
 }
 
-fn timeout_error(e: discovery::DiscoveryError) -> LaunchError {
+fn timeout_error(e: &discovery::DiscoveryError) -> LaunchError {
     LaunchError::Coded {
         code: exit_code::RENDEZVOUS_TIMEOUT,
         message: format!("rendezvous timed out: {e}"),

@@ -323,7 +323,7 @@ pub fn pick_global(addrs: &[IpAddr]) -> Option<IpAddr> {
         .iter()
         .filter(usable)
         .find(|ip| ip.is_ipv4())
-        .or_else(|| addrs.iter().filter(usable).next())
+        .or_else(|| addrs.iter().find(usable))
         .copied()
 }
 

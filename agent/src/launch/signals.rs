@@ -46,6 +46,7 @@ impl StopRequest {
 
     /// A request for one attempt: requested with this one, or on its own (the multi-node
     /// rendezvous stops the group when the gang must re-form) without touching this one.
+    #[must_use]
     pub fn child(&self) -> Self {
         Self {
             token: self.token.child_token(),
