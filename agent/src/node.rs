@@ -55,6 +55,8 @@ pub struct GangRendezvous {
     /// Node 0's rendezvous store, kept for the agent's life.
     hosted: Option<(CancellationToken, JoinHandle<()>)>,
     running: Option<Running>,
+    /// The GPU pre-flight verdict to publish with the registration (opaque JSON).
+    gpu_verdict: serde_json::Value,
 }
 
 impl GangRendezvous {
@@ -104,7 +106,16 @@ impl GangRendezvous {
             advertised: None,
             hosted: None,
             running: None,
+            gpu_verdict: serde_json::Value::Null,
         })
+    }
+
+    /// Publishes this node's GPU pre-flight verdict in its registration (every later round).
+    pub fn set_gpu_verdict(&mut self, verdict: serde_json::Value) {
+        if let Some(r) = self.rdzv.as_mut() {
+            r.registration_mut().gpu = verdict.clone();
+        }
+        self.gpu_verdict = verdict;
     }
 
     /// Discovery, and on node 0 the rendezvous store. Returns the joined rendezvous.
@@ -114,11 +125,20 @@ impl GangRendezvous {
             discovery::advertised_addr(self.local_addr.as_deref(), self.allow_loopback)
                 .await
                 .map_err(|e| LaunchError::Config(e.to_string()))?;
-        let mine = discovery::interface_addrs();
-        let endpoint_ip = self.endpoint.host.parse::<IpAddr>().ok();
-        let is_host = match self.claimed_rank {
-            Some(rank) => rank == 0,
-            None => endpoint_ip.is_some_and(|ip| mine.contains(&ip) && !ip.is_loopback()),
+        // Resolved once and reused below; a node without a rank needs it to know if it hosts.
+        let mut endpoint_ips = None;
+        let is_host = if let Some(rank) = self.claimed_rank {
+            rank == 0
+        } else {
+            let ips = discovery::resolve(&self.endpoint.host, deadline)
+                .await
+                .map_err(|e| timeout_error(&e))?;
+            let mine = discovery::interface_addrs();
+            let hosts = ips
+                .iter()
+                .any(|ip| mine.contains(ip) && (!ip.is_loopback() || advertised.is_loopback()));
+            endpoint_ips = Some(ips);
+            hosts
         };
         info!(
             "node rank {} (from {}), advertising {advertised}; {} the rendezvous store at {}",
@@ -129,44 +149,30 @@ impl GangRendezvous {
             self.endpoint
         );
         let op_timeout = self.cfg.heartbeat_timeout;
-        let kv = if is_host {
-            let bind_ip = if advertised.is_loopback() {
-                advertised
-            } else if advertised.is_ipv6() {
-                IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
-            } else {
-                IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
-            };
-            let addr = SocketAddr::new(bind_ip, self.endpoint.port);
-            let server = Server::bind(addr, server::Config::default())
-                .await
-                .map_err(|e| {
-                    LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
-                })?;
-            let local = server.local_addr();
-            let stop = CancellationToken::new();
-            let token = stop.clone();
-            let task = tokio::spawn(async move {
-                if let Err(e) = server.run(token).await {
-                    warn!("rendezvous store stopped: {e}");
+        let hosted = if is_host {
+            match self.host_store(advertised, op_timeout).await {
+                Ok(kv) => Some(kv),
+                // Without a rank the host guess came from addresses; like torchrun, fall back
+                // to being a client when another agent already holds the port.
+                Err(e) if self.claimed_rank.is_none() => {
+                    info!("not hosting the rendezvous store ({e}); joining it instead");
+                    None
                 }
-            });
-            self.hosted = Some((stop, task));
-            let connect_to = SocketAddr::new(
-                if local.ip().is_unspecified() {
-                    advertised
-                } else {
-                    local.ip()
-                },
-                local.port(),
-            );
-            StoreKv::connect(connect_to, Duration::from_secs(5), op_timeout)
-                .await
-                .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))?
+                Err(e) => return Err(e),
+            }
         } else {
-            let ips = discovery::resolve(&self.endpoint.host, deadline)
-                .await
-                .map_err(|e| timeout_error(&e))?;
+            None
+        };
+        let is_host = hosted.is_some();
+        let kv = if let Some(kv) = hosted {
+            kv
+        } else {
+            let ips = match endpoint_ips {
+                Some(ips) => ips,
+                None => discovery::resolve(&self.endpoint.host, deadline)
+                    .await
+                    .map_err(|e| timeout_error(&e))?,
+            };
             discovery::connect(&self.endpoint, &ips, deadline, op_timeout)
                 .await
                 .map_err(|e| timeout_error(&e))?
@@ -183,7 +189,7 @@ impl GangRendezvous {
             host: hostname(),
             local_world_size: self.local_world_size,
             coordinator: is_host,
-            gpu: serde_json::Value::Null,
+            gpu: self.gpu_verdict.clone(),
         };
         self.advertised = Some(advertised);
         self.rdzv = Some(rdzv::Rendezvous::new(kv, self.cfg.clone(), reg));
@@ -337,6 +343,51 @@ impl GangRendezvous {
             }),
             Ok(Event::Stopped) | Err(_) => Ok(AfterGroup::Finish(outcome.exit_code())),
         }
+    }
+}
+
+impl GangRendezvous {
+    /// Binds the rendezvous store on the endpoint's port (all interfaces, or loopback in the
+    /// dry run) and connects to it.
+    async fn host_store(
+        &mut self,
+        advertised: IpAddr,
+        op_timeout: Duration,
+    ) -> Result<StoreKv, LaunchError> {
+        let bind_ip = if advertised.is_loopback() {
+            advertised
+        } else if advertised.is_ipv6() {
+            IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+        } else {
+            IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+        };
+        let addr = SocketAddr::new(bind_ip, self.endpoint.port);
+        let server = Server::bind(addr, server::Config::default())
+            .await
+            .map_err(|e| {
+                LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
+            })?;
+        let local = server.local_addr();
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = server.run(token).await {
+                warn!("rendezvous store stopped: {e}");
+            }
+        });
+        self.hosted = Some((stop, task));
+        let ip = if local.ip().is_unspecified() {
+            advertised
+        } else {
+            local.ip()
+        };
+        StoreKv::connect(
+            SocketAddr::new(ip, local.port()),
+            Duration::from_secs(5),
+            op_timeout,
+        )
+        .await
+        .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))
     }
 }
 

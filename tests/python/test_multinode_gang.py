@@ -247,3 +247,19 @@ def test_sigkill_of_a_non_host_agent_then_a_replacement_rejoins_and_the_gang_fin
     assert code == 0, text
     assert "silent for" in text, text
     assert out[2][0] == 0, out[2][1]
+
+
+def test_nodes_without_identity_get_ranks_by_arrival(agents_factory):
+    if not can_unshare_uts():
+        pytest.skip("needs unshare --uts (root) for a host name without an ordinal")
+    a = agents_factory("2")
+    anonymous = ["unshare", "--uts", "sh", "-c", 'hostname laptop && exec "$@"', "sh"]
+    a.start(prefix=anonymous)
+    time.sleep(0.5)
+    a.start(prefix=anonymous)
+    out = a.finish()
+    for code, text in out:
+        assert code == 0, text
+    groups = sorted(r["group"] for _, text in out for r in results(text))
+    assert groups == ["0", "0", "1", "1"], out
+    assert all("from arrival order" in text for _, text in out), out
