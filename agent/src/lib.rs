@@ -6,11 +6,17 @@
 //!   `dry-run`), and the one place where errors become exit codes.
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
+//! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
+//!   protocol over the store).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
+//! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
+//! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
+pub mod checkpoint;
 pub mod cli;
 pub mod commands;
 pub mod discovery;
