@@ -53,6 +53,8 @@ struct Worker {
     rank: u32,
     pid: Pid,
     status: Option<ExitStatus>,
+    /// When the agent reaped it.
+    seen: Option<SystemTime>,
     error_file: PathBuf,
 }
 
@@ -156,7 +158,7 @@ pub async fn run_group(
                 });
             }
         };
-        let pid = child.id();
+        let pid = child.pid;
         let streams: [(Streams, Option<OwnedFd>, &str); 2] = [
             (
                 Streams::STDOUT,
@@ -200,6 +202,7 @@ pub async fn run_group(
             rank,
             pid: Pid::from_raw(pid as i32),
             status: None,
+            seen: None,
             error_file,
         });
     }
@@ -217,20 +220,15 @@ pub async fn run_group(
             biased;
             report = exits.recv() => {
                 let Some((local_rank, status)) = report else { break };
-                if let Some(w) = record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher) {
-                    if !status.success() {
-                        failure = Some(Failure {
-                            host: spec.hostname.clone(),
-                            local_rank: w.local_rank,
-                            rank: w.rank,
-                            pid: w.pid.as_raw() as u32,
-                            status,
-                            at: SystemTime::now(),
-                            message: summary::error_file_message(&w.error_file),
-                            error_file: w.error_file.clone(),
-                        });
-                        break;
+                record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                if !status.success() {
+                    // Exits already reaped together with this one are candidates too: the root
+                    // cause is the earliest by the workers' own error-file timestamps.
+                    while let Ok((local_rank, status)) = exits.try_recv() {
+                        record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
                     }
+                    failure = root_cause(&workers, &spec.hostname);
+                    break;
                 }
             }
             () = stop.requested() => {
@@ -289,24 +287,62 @@ pub async fn run_group(
     Ok(outcome)
 }
 
-fn record_exit<'a>(
-    workers: &'a mut [Worker],
+fn record_exit(
+    workers: &mut [Worker],
     local_rank: usize,
     status: ExitStatus,
     restart_count: u32,
     publisher: &Publisher,
-) -> Option<&'a Worker> {
-    let w = workers
+) {
+    let Some(w) = workers
         .iter_mut()
-        .find(|w| w.local_rank as usize == local_rank)?;
+        .find(|w| w.local_rank as usize == local_rank)
+    else {
+        return;
+    };
     w.status = Some(status);
+    w.seen = w.seen.or_else(|| Some(SystemTime::now()));
     publisher.event(Event::WorkerExited {
         restart_count,
         local_rank: w.local_rank,
         rank: w.rank,
         status,
     });
-    Some(w)
+}
+
+/// The first failure among the workers that have failed so far: by the timestamp the worker
+/// wrote into its error file (torch's `@record`), else by when the agent saw the exit, as torchrun
+/// orders them.
+fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
+    let mut candidates: Vec<(u64, usize, Failure)> = workers
+        .iter()
+        .enumerate()
+        .filter_map(|(order, w)| {
+            let status = w.status.filter(|s| !s.success())?;
+            let at = w.seen.unwrap_or_else(SystemTime::now);
+            let file = summary::read_error_file(&w.error_file);
+            let seen_secs = at
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let key = file.as_ref().and_then(|f| f.timestamp).unwrap_or(seen_secs);
+            Some((
+                key,
+                order,
+                Failure {
+                    host: host.to_owned(),
+                    local_rank: w.local_rank,
+                    rank: w.rank,
+                    pid: w.pid.as_raw() as u32,
+                    status,
+                    at,
+                    error_file: w.error_file.clone(),
+                    message: file.map(|f| f.message),
+                },
+            ))
+        })
+        .collect();
+    candidates.sort_by_key(|(key, order, f)| (*key, f.at, *order));
+    candidates.into_iter().next().map(|(_, _, f)| f)
 }
 
 struct PendingExits<'a> {

@@ -537,3 +537,162 @@ pub fn short_hostname() -> String {
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
     Launch::new(config).run(shutdown).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(status: ExitStatus) -> Failure {
+        Failure {
+            host: "h".into(),
+            local_rank: 0,
+            rank: 0,
+            pid: 1,
+            status,
+            at: SystemTime::UNIX_EPOCH,
+            error_file: PathBuf::new(),
+            message: None,
+        }
+    }
+
+    #[test]
+    fn exit_codes_of_outcomes() {
+        assert_eq!(GroupOutcome::Succeeded.exit_code(), 0);
+        assert_eq!(
+            GroupOutcome::Failed(failure(ExitStatus::Exited(3))).exit_code(),
+            3
+        );
+        assert_eq!(
+            GroupOutcome::Failed(failure(ExitStatus::Signaled(Signal::SIGSEGV))).exit_code(),
+            139
+        );
+        let stopped = |signal, all_clean| GroupOutcome::Stopped { signal, all_clean };
+        assert_eq!(stopped(Some(Signal::SIGTERM), false).exit_code(), 143);
+        assert_eq!(stopped(Some(Signal::SIGINT), false).exit_code(), 130);
+        assert_eq!(stopped(None, false).exit_code(), 143);
+        assert_eq!(stopped(Some(Signal::SIGTERM), true).exit_code(), 0);
+    }
+
+    #[test]
+    fn launch_errors_map_to_reserved_codes() {
+        let nf = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let spawn = LaunchError::Spawn {
+            program: "x".into(),
+            source: nf,
+        };
+        assert_eq!(spawn.exit_code(), exit_code::CONFIG_ERROR);
+        assert_eq!(
+            LaunchError::Config("x".into()).exit_code(),
+            exit_code::CONFIG_ERROR
+        );
+        assert_eq!(
+            LaunchError::Coded {
+                code: exit_code::RENDEZVOUS_TIMEOUT,
+                message: "x".into()
+            }
+            .exit_code(),
+            exit_code::RENDEZVOUS_TIMEOUT
+        );
+    }
+
+    fn sh(script: &str, nproc: u32) -> Config {
+        let mut c = Config::for_program("/bin/sh", vec!["-c".into(), script.into()], nproc);
+        // Keep the test output clean: no worker reaches the console.
+        c.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
+        c.shutdown_timeout = std::time::Duration::from_secs(5);
+        c
+    }
+
+    #[tokio::test]
+    async fn a_failure_stops_the_group_and_restarts_it() {
+        let mut config = sh(r#"[ "$RANK" = 1 ] && exit 3; exec sleep 30"#, 3);
+        config.max_restarts = 1;
+        let launch = Launch::new(config);
+        let mut observer = launch.observer();
+        let started = tokio::time::Instant::now();
+        let outcome = launch.run(CancellationToken::new()).await.unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(outcome.exit_code, 3);
+        assert_eq!(outcome.attempts, 2);
+        let GroupOutcome::Failed(f) = &outcome.last else {
+            panic!("{outcome:?}")
+        };
+        assert_eq!((f.rank, f.status), (1, ExitStatus::Exited(3)));
+        assert_eq!(
+            *observer.phase.borrow_and_update(),
+            Phase::Finished { exit_code: 3 }
+        );
+        let mut events = Vec::new();
+        while let Ok(e) = observer.events.try_recv() {
+            events.push(e);
+        }
+        let started = |n| {
+            events
+                .iter()
+                .filter(|e| matches!(e, Event::WorkerStarted { restart_count, .. } if *restart_count == n))
+                .count()
+        };
+        assert_eq!((started(0), started(1)), (3, 3));
+        assert!(events.contains(&Event::Restarting { restart_count: 1 }));
+        // The two healthy ranks were stopped with SIGTERM.
+        let terminated = events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::WorkerExited {
+                        status: ExitStatus::Signaled(Signal::SIGTERM),
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(terminated, 4);
+    }
+
+    #[tokio::test]
+    async fn cancelling_the_token_stops_the_workers() {
+        let shutdown = CancellationToken::new();
+        let launch = Launch::new(sh("exec sleep 30", 2));
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(shutdown.clone()));
+        observer
+            .phase
+            .wait_for(|p| matches!(p, Phase::Running { .. }))
+            .await
+            .unwrap();
+        shutdown.cancel();
+        let outcome = run.await.unwrap().unwrap();
+        assert_eq!(
+            outcome.last,
+            GroupOutcome::Stopped {
+                signal: None,
+                all_clean: false
+            }
+        );
+        assert_eq!(outcome.exit_code, 143);
+    }
+
+    #[tokio::test]
+    async fn local_rendezvous_hosts_a_fresh_store_per_round() {
+        let config = Config::for_program("/bin/true", vec![], 3);
+        let stop = StopRequest::new(&CancellationToken::new());
+        let mut rdzv = LocalRendezvous;
+        let a = rdzv.next_round(&config, 0, &stop).await.unwrap();
+        let b = rdzv.next_round(&config, 1, &stop).await.unwrap();
+        assert_eq!(a.assignment.master_addr, "127.0.0.1");
+        assert_eq!(a.assignment.world_size, 3);
+        assert_eq!(b.assignment.restart_count, 1);
+        assert_ne!(a.assignment.master_port, b.assignment.master_port);
+        for round in [a, b] {
+            let store = round.store.unwrap();
+            let addr = store.addr();
+            let mut client =
+                rendezvous::store::client::Client::connect(addr, std::time::Duration::from_secs(5))
+                    .await
+                    .unwrap();
+            client.set(b"k", b"v").await.unwrap();
+            store.shutdown().await;
+        }
+    }
+}

@@ -1,16 +1,19 @@
 //! The one place where the agent waits for children.
 //!
-//! Every SIGCHLD wakes one task that calls `waitpid(-1, WNOHANG)` until nothing is left, maps
-//! each pid back to the worker it belongs to and reports the exit through a channel. Pids it does
-//! not know are orphans re-parented to the agent (it is a child subreaper, or PID 1) and are
-//! simply reaped, so no zombie survives. Worker exits are events, never polled.
+//! Every SIGCHLD wakes one task that waits (`WNOHANG`) for each registered worker and reports its
+//! exit through a channel, then reaps the orphans re-parented to the agent (it is a child
+//! subreaper, or PID 1), so no zombie survives. Worker exits are events, never polled.
 //!
-//! Because this reaps *every* child, nothing else in the agent process may wait for children of
-//! its own (`tokio::process`, `std::process::Child::wait`): spawn through [`Reaper::spawn`]
-//! instead and receive the exit status as an event.
+//! Orphans are found in `/proc/self/task/*/children` and recognised by their session: every
+//! worker is a session leader, so its descendants are outside the agent's session, while a child
+//! that other agent code started (`std::process`, `tokio::process`) is inside it and is left to
+//! its owner's `wait`. Without /proc the reaper falls back to `waitpid(-1)`, which would take
+//! such children's statuses too; spawn through [`Reaper::spawn`] to get exits as events anyway.
+//! The pid table is process-wide, so several launches in one process (tests, an in-process dry
+//! run) may each start a reaper: whichever reaps a pid reports it to the launch that spawned it.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
 
 use nix::sys::signal::{killpg, Signal};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -48,6 +51,15 @@ impl std::fmt::Display for ExitStatus {
     }
 }
 
+/// A process started by [`Reaper::spawn`]: its pid and the pipes asked for. There is no `wait`:
+/// the exit arrives as an [`ExitReport`].
+#[derive(Debug)]
+pub struct Spawned {
+    pub pid: u32,
+    pub stdout: Option<std::process::ChildStdout>,
+    pub stderr: Option<std::process::ChildStderr>,
+}
+
 /// An exit report: the caller's tag for the process, and how it ended.
 pub type ExitReport = (usize, ExitStatus);
 
@@ -56,10 +68,13 @@ struct Entry {
     tx: mpsc::UnboundedSender<ExitReport>,
 }
 
-/// Handle to the reaper task; cheap to clone.
+/// Every child spawned through a [`Reaper`] that has not been reaped yet.
+static CHILDREN: LazyLock<Mutex<HashMap<Pid, Entry>>> = LazyLock::new(Mutex::default);
+
+/// Handle to the reaper; cheap to clone.
 #[derive(Clone)]
 pub struct Reaper {
-    children: Arc<Mutex<HashMap<Pid, Entry>>>,
+    children: &'static Mutex<HashMap<Pid, Entry>>,
 }
 
 impl Reaper {
@@ -70,7 +85,7 @@ impl Reaper {
         let _ = nix::sys::prctl::set_child_subreaper(true);
         let mut sigchld = signal(SignalKind::child())?;
         let reaper = Reaper {
-            children: Arc::default(),
+            children: &CHILDREN,
         };
         let task = reaper.clone();
         tokio::spawn(async move {
@@ -84,7 +99,7 @@ impl Reaper {
         Ok(reaper)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Pid, Entry>> {
+    fn lock(&self) -> MutexGuard<'static, HashMap<Pid, Entry>> {
         self.children.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -92,21 +107,33 @@ impl Reaper {
         // Holding the lock while waiting means a child that exits before [`Reaper::spawn`] has
         // registered it stays a zombie until the next pass instead of being reaped unknown.
         let mut children = self.lock();
-        loop {
-            match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-                Ok(WaitStatus::Exited(pid, code)) => {
-                    Self::report(&mut children, pid, ExitStatus::Exited(code));
-                }
-                Ok(WaitStatus::Signaled(pid, sig, _)) => {
-                    Self::report(&mut children, pid, ExitStatus::Signaled(sig));
-                }
-                Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => break,
-                Err(nix::errno::Errno::EINTR) | Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!("waitpid failed: {e}");
-                    break;
+        let known: Vec<Pid> = children.keys().copied().collect();
+        for pid in known {
+            if let Some(status) = try_wait(pid) {
+                Self::report(&mut children, pid, status);
+            }
+        }
+        match orphans(&children) {
+            Some(orphans) => {
+                for pid in orphans {
+                    if let Some(status) = try_wait(pid) {
+                        tracing::debug!("reaped orphan {pid} ({status})");
+                    }
                 }
             }
+            // No /proc: fall back to reaping whatever is waitable.
+            None => loop {
+                match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::Exited(pid, code)) => {
+                        Self::report(&mut children, pid, ExitStatus::Exited(code));
+                    }
+                    Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                        Self::report(&mut children, pid, ExitStatus::Signaled(sig));
+                    }
+                    Err(nix::errno::Errno::EINTR) => {}
+                    _ => break,
+                }
+            },
         }
     }
 
@@ -124,12 +151,16 @@ impl Reaper {
         cmd: &mut std::process::Command,
         tag: usize,
         exits: mpsc::UnboundedSender<ExitReport>,
-    ) -> std::io::Result<std::process::Child> {
+    ) -> std::io::Result<Spawned> {
         let mut children = self.lock();
-        let child = cmd.spawn()?;
-        let pid = Pid::from_raw(child.id() as i32);
-        children.insert(pid, Entry { tag, tx: exits });
-        Ok(child)
+        let mut child = cmd.spawn()?;
+        let pid = child.id();
+        children.insert(Pid::from_raw(pid as i32), Entry { tag, tx: exits });
+        Ok(Spawned {
+            pid,
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+        })
     }
 
     /// Sends `sig` to the process group of every live child spawned here.
@@ -137,5 +168,74 @@ impl Reaper {
         for pid in self.lock().keys() {
             let _ = killpg(*pid, sig);
         }
+    }
+}
+
+/// `waitpid(pid, WNOHANG)`: the status if `pid` has ended (and is now reaped).
+fn try_wait(pid: Pid) -> Option<ExitStatus> {
+    loop {
+        return match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(_, code)) => Some(ExitStatus::Exited(code)),
+            Ok(WaitStatus::Signaled(_, sig, _)) => Some(ExitStatus::Signaled(sig)),
+            Err(nix::errno::Errno::EINTR) => continue,
+            _ => None,
+        };
+    }
+}
+
+/// Children of this process that are not registered and are not in the agent's own session:
+/// descendants of workers (each worker is a session leader) re-parented to the agent, or, as
+/// PID 1, any process of the namespace that was orphaned. A child in the agent's session was
+/// started by other code in the agent and is left to whoever waits for it. `None` when /proc
+/// cannot tell.
+fn orphans(known: &HashMap<Pid, Entry>) -> Option<Vec<Pid>> {
+    let own_session = nix::unistd::getsid(None).ok()?;
+    let mut found = Vec::new();
+    // Orphans are re-parented to some thread of the subreaper, so look at every thread.
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Ok(list) = std::fs::read_to_string(task.path().join("children")) else {
+            continue;
+        };
+        for pid in list
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            let pid = Pid::from_raw(pid);
+            if known.contains_key(&pid) {
+                continue;
+            }
+            if nix::unistd::getsid(Some(pid)).is_ok_and(|sid| sid != own_session) {
+                found.push(pid);
+            }
+        }
+    }
+    Some(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn other_code_keeps_its_own_children() {
+        let reaper = Reaper::start().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut ours = std::process::Command::new("/bin/sh");
+        ours.args(["-c", "exit 7"]);
+        crate::sys::isolate_worker(&mut ours, nix::unistd::getpid());
+        let worker = reaper.spawn(&mut ours, 5, tx).unwrap();
+        assert!(worker.pid > 0);
+        let mut foreign = std::process::Command::new("/bin/sh")
+            .args(["-c", "exit 4"])
+            .spawn()
+            .unwrap();
+        assert_eq!(
+            rx.recv().await,
+            Some((5, ExitStatus::Exited(7))),
+            "the worker's exit is an event"
+        );
+        // Let the reaper see the foreign child's SIGCHLD too; it must leave the status alone.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(foreign.wait().unwrap().code(), Some(4));
     }
 }

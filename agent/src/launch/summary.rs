@@ -5,18 +5,36 @@ use std::path::Path;
 
 use super::Failure;
 
-/// The message of a torch error file: `{"message": {"message": "...", "extraInfo": {...}}}`, or a
-/// plain `{"message": "..."}`.
-pub fn error_file_message(path: &Path) -> Option<String> {
+/// What a worker left in its `TORCHELASTIC_ERROR_FILE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorFile {
+    pub message: String,
+    /// Seconds since the epoch, when the worker recorded the error.
+    pub timestamp: Option<u64>,
+}
+
+/// Reads a torch error file: `{"message": {"message": "...", "extraInfo": {"timestamp": "..."}}}`
+/// (what `@record` writes), or a plain `{"message": "..."}`.
+pub fn read_error_file(path: &Path) -> Option<ErrorFile> {
     let text = std::fs::read_to_string(path).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     let m = v.get("message")?;
-    let msg = match m {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Object(o) => o.get("message")?.as_str()?.to_owned(),
+    let (message, timestamp) = match m {
+        serde_json::Value::String(s) => (s.clone(), None),
+        serde_json::Value::Object(o) => {
+            let ts = o.get("extraInfo").and_then(|e| e.get("timestamp"));
+            let ts = ts.and_then(|t| {
+                t.as_u64()
+                    .or_else(|| t.as_str().and_then(|s| s.trim().parse().ok()))
+            });
+            (o.get("message")?.as_str()?.to_owned(), ts)
+        }
         _ => return None,
     };
-    Some(msg.trim().to_owned())
+    Some(ErrorFile {
+        message: message.trim().to_owned(),
+        timestamp,
+    })
 }
 
 /// The summary lines printed at the end of a failed run.
@@ -70,12 +88,21 @@ mod tests {
             r#"{"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "...", "timestamp": "1"}}}"#,
         )
         .unwrap();
-        assert_eq!(error_file_message(&f).as_deref(), Some("ValueError: boom"));
+        assert_eq!(
+            read_error_file(&f),
+            Some(ErrorFile {
+                message: "ValueError: boom".into(),
+                timestamp: Some(1)
+            })
+        );
         std::fs::write(&f, r#"{"message": "plain"}"#).unwrap();
-        assert_eq!(error_file_message(&f).as_deref(), Some("plain"));
+        assert_eq!(
+            read_error_file(&f).map(|e| e.message).as_deref(),
+            Some("plain")
+        );
         std::fs::write(&f, "not json").unwrap();
-        assert_eq!(error_file_message(&f), None);
-        assert_eq!(error_file_message(&dir.join("missing")), None);
+        assert_eq!(read_error_file(&f), None);
+        assert_eq!(read_error_file(&dir.join("missing")), None);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
