@@ -30,6 +30,8 @@ if mode == "fail_once" and os.environ["RANK"] == "2" and os.environ["TORCHELASTI
     sys.exit(3)
 if mode == "sleep":
     time.sleep(120)
+if mode == "node0_slow" and os.environ["GROUP_RANK"] == "0":
+    time.sleep(4)
 if mode == "sleep_until_flag":
     while not os.path.exists(os.environ["FLAG"]):
         time.sleep(0.1)
@@ -263,3 +265,15 @@ def test_nodes_without_identity_get_ranks_by_arrival(agents_factory):
     groups = sorted(r["group"] for _, text in out for r in results(text))
     assert groups == ["0", "0", "1", "1"], out
     assert all("from arrival order" in text for _, text in out), out
+
+
+def test_an_early_finisher_waits_in_the_exit_barrier_and_is_not_taken_for_dead(agents_factory):
+    a = agents_factory("2")
+    env = {"MODE": "node0_slow"}
+    a.start(node_rank=0, env=env)
+    a.start(node_rank=1, env=env)
+    out = a.finish()
+    for code, text in out:
+        assert code == 0, text
+        assert "silent for" not in text and "re-forms" not in text, text
+    assert all(len(results(text)) == 2 for _, text in out)
