@@ -72,10 +72,17 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
 async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
     init_tracing(config.logs.format, writer.sink());
-    let result = Launch::new(config)
-        .with_log_sink(writer.sink())
-        .run(CancellationToken::new())
-        .await;
+    let mut launch = Launch::new(config).with_log_sink(writer.sink());
+    if crate::node::is_multi_node(launch.config()) {
+        match crate::node::GangRendezvous::new(launch.config(), false) {
+            Ok(r) => launch = launch.with_rendezvous(Box::new(r)),
+            Err(e) => {
+                writer.finish();
+                return Err(anyhow::Error::new(Exit::new(e.exit_code(), e.to_string())));
+            }
+        }
+    }
+    let result = launch.run(CancellationToken::new()).await;
     writer.finish();
     match result {
         Ok(outcome) => Ok(outcome.exit_code),
