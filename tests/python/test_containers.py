@@ -1,0 +1,354 @@
+"""muster where it lives: PID 1 of containers that find each other by headless-Service DNS names.
+
+Each test runs a job of containers on its own internal Docker network (see
+tests/containers/dockerjob.py), from an image built offline by docker/test-image/build.sh around
+the muster binary under test, with the PyTorch virtualenv mounted read-only.
+
+Scenarios that need muster features still being built are written in full and gated by a probe of
+the binary under test (its `--help` lists the flag, its subcommand answers `--help`), so each one
+switches on by itself when its feature lands, and the skip message names the missing capability.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import muster_bin, torch_python, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "containers"))
+import dockerjob  # noqa: E402
+from dockerjob import SCRIPTS_IN_CONTAINER as SCRIPTS  # noqa: E402
+
+pytestmark = pytest.mark.timeout(420)
+
+NNODES = 3
+NPROC = 2
+RDZV_PORT = 29500
+METRICS_PORT = 8000
+
+
+# --- capability probes of the binary under test ------------------------------------------------
+
+
+def _help(*args: str) -> tuple[int, str]:
+    try:
+        proc = subprocess.run([muster_bin(), *args, "--help"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return -1, str(exc)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+class Capabilities:
+    """What the muster binary under test can do, and for each missing thing, why we think so."""
+
+    def __init__(self) -> None:
+        self.missing: dict[str, str] = {}
+        rc, store_help = _help("store")
+        if rc != 0 or "--port" not in store_help:
+            self.missing["store"] = f"`muster store --help` exited {rc} without listing --port"
+        rc, main_help = _help()
+        launch_flags = ("--nproc-per-node", "--nnodes", "--rdzv-endpoint")
+        if rc != 0 or not all(f in main_help for f in launch_flags):
+            self.missing["launch"] = (
+                f"`muster --help` exited {rc} or lacks one of {', '.join(launch_flags)}"
+            )
+        rc, _ = _help("dry-run")
+        if rc != 0:
+            self.missing["multinode"] = f"`muster dry-run --help` exited {rc} (multi-node rendezvous not landed)"
+        if "--grace-period" not in main_help:
+            self.missing["preemption"] = "`muster --help` does not list --grace-period"
+        if "--metrics-addr" not in main_help:
+            self.missing["metrics"] = "`muster --help` does not list --metrics-addr"
+
+    def require(self, *names: str) -> None:
+        reasons = [f"{n}: {self.missing[n]}" for n in names if n in self.missing]
+        if reasons:
+            pytest.skip("muster under test lacks " + "; ".join(reasons))
+
+
+@pytest.fixture(scope="module")
+def caps() -> Capabilities:
+    return Capabilities()
+
+
+# --- docker fixtures ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    why = dockerjob.docker_available()
+    if why:
+        pytest.skip(why)
+    dockerjob.sweep_stale()
+    t0 = time.monotonic()
+    ref = dockerjob.build_image(muster_bin(), torch_python())
+    print(f"test image {ref} ready in {time.monotonic() - t0:.1f}s")
+    return ref
+
+
+@pytest.fixture
+def job(image, tmp_path):
+    j = dockerjob.Job(image=image, torch_python=torch_python(), shared=tmp_path / "shared")
+    try:
+        yield j
+    finally:
+        # Kept next to the test's tmp dir for a post-mortem; pytest prints the path on failure.
+        (tmp_path / "containers.log").write_text(j.dump_logs())
+        j.cleanup()
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def launch_args(job: dockerjob.Job, *script_args: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The container command of a pod: muster (the ENTRYPOINT) + torchrun's flags + the script."""
+    return [
+        "--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.fqdn(0)}:{RDZV_PORT}",
+        "--rdzv-id", job.name, *extra,
+        f"{SCRIPTS}/train.py", "--shared", dockerjob.SHARED_IN_CONTAINER, *script_args,
+    ]
+
+
+def pod_env(index: int) -> dict:
+    """Node identity as Kubernetes provides it: pods 0 and 1 get JOB_COMPLETION_INDEX (Indexed Job,
+    JobSet); pod 2 has only its hostname ordinal (`…-worker-2`, StatefulSet style)."""
+    return {"JOB_COMPLETION_INDEX": str(index)} if index < 2 else {}
+
+
+def start_gang(job, script_args, extra=(), order=(0, 1, 2), stop_timeout=10, env=None):
+    for i in order:
+        job.run(i, launch_args(job, *script_args, extra=extra),
+                env={**pod_env(i), **(env or {})}, stop_timeout=stop_timeout)
+
+
+def check_trained(shared: Path, attempt: int) -> list[dict]:
+    """All 6 ranks finished the attempt with one consistent model and a correct all-reduce."""
+    world = NNODES * NPROC
+    done = [read_json(shared / f"done-a{attempt}-r{r}.json") for r in range(world)]
+    assert {d["world"] for d in done} == {world}
+    assert {d["all_reduce"] for d in done} == {world * (world + 1) / 2}
+    checksums = {round(d["checksum"], 4) for d in done}
+    assert len(checksums) == 1, f"DDP replicas diverged: {checksums}"
+    starts = [read_json(shared / f"start-a{attempt}-r{r}.json") for r in range(world)]
+    for s in starts:
+        env = s["env"]
+        node = int(s["host"].rsplit("-", 1)[-1])
+        # Global ranks are contiguous by node rank, and node rank = the pod's index.
+        assert int(env["GROUP_RANK"]) == node, s
+        assert int(env["RANK"]) == node * NPROC + int(env["LOCAL_RANK"]), s
+        # MASTER_ADDR must be usable from every pod: node 0's address, not a name only it knows.
+        assert env["MASTER_ADDR"], s
+    return done
+
+
+# --- always: the image itself ------------------------------------------------------------------
+
+
+def test_muster_is_pid1_and_a_config_error_is_its_documented_code(job):
+    """The image's ENTRYPOINT is muster; a bad command line is one clear line and exit code 202,
+    seen by the container runtime (what a podFailurePolicy rule matches)."""
+    c = job.run(0, ["--no-such-flag-anywhere"])
+    code = c.wait(timeout=60)
+    logs = c.logs().strip().splitlines()
+    assert code == 202, f"exit {code}: {logs}"
+    errors = [line for line in logs if line.startswith("muster: error:")]
+    assert len(errors) == 1 and "Traceback" not in "\n".join(logs), logs
+    pid1 = c.inspect()["Config"]["Entrypoint"]
+    assert pid1 == ["/usr/local/bin/muster"], pid1
+
+
+# --- store: the harness's own proof, and muster store in containers ----------------------------
+
+
+@pytest.mark.parametrize("host", ["muster", "torch-reference"])
+def test_store_gang_over_headless_dns_host_started_last(job, caps, host):
+    """Peers start before the store host exists: they wait for its headless DNS name, then use it
+    as a TCPStore and as the init_process_group(env://) agent store, and all-reduce over gloo
+    between containers. `torch-reference` runs PyTorch's own TCPStore server in the same harness.
+    Then `docker stop` must stop the host as PID 1 cleanly (SIGTERM handled, no SIGKILL)."""
+    if host == "muster":
+        caps.require("store")
+    peers = [1, 2]
+    for r in peers:
+        job.run(r, [f"{SCRIPTS}/store_peer.py", "--host", job.fqdn(0), "--port", str(RDZV_PORT),
+                    "--rank", str(r - 1), "--world-size", str(len(peers)),
+                    "--out", f"{dockerjob.SHARED_IN_CONTAINER}/peer-{r}.json"],
+                entrypoint=job.python)
+    # The peers are really waiting on DNS (not yet failed, not yet connected).
+    wait_until(lambda: all("not resolvable yet" in job.containers[r].logs() for r in peers),
+               timeout=60, interval=0.5, what="peers waiting for the host's DNS name")
+    assert all(job.containers[r].running() for r in peers)
+
+    if host == "muster":
+        hoster = job.run(0, ["store", "--host", "0.0.0.0", "--port", str(RDZV_PORT)])
+    else:
+        hoster = job.run(0, [f"{SCRIPTS}/store_host_torch.py", "--port", str(RDZV_PORT)],
+                         entrypoint=job.python)
+    for r in peers:
+        code = job.containers[r].wait(timeout=180)
+        assert code == 0, f"peer {r} exited {code}:\n{job.dump_logs()}"
+    results = [read_json(job.shared / f"peer-{r}.json") for r in peers]
+    host_ip = hoster.ip()
+    for res in results:
+        assert res["resolved"] == host_ip
+        assert res["dns_attempts"] > 1, "peers should have found no DNS record at first"
+        assert res["all_reduce"] == 3.0
+        assert res["peers"] == [job.pod(1), job.pod(2)]
+    assert sorted(r["arrivals"] for r in results) == [1, 2]
+
+    assert hoster.running()
+    took = hoster.stop(grace=20)
+    code = hoster.exit_code()
+    assert code == 0, f"store host exited {code} on SIGTERM (137 = ignored as PID 1, then SIGKILL)"
+    assert took < 15, f"docker stop took {took:.1f}s"
+
+
+# --- PID 1 duties -------------------------------------------------------------------------------
+
+
+def test_pid1_reaps_orphaned_grandchildren_single_pod(job, caps):
+    """`muster --standalone` as PID 1; each worker leaves an orphan that PID 1 adopts. While the
+    workers still run, no zombie may remain in the container."""
+    caps.require("launch")
+    c = job.run(0, ["--standalone", "--nproc-per-node", str(NPROC), f"{SCRIPTS}/train.py",
+                    "--shared", dockerjob.SHARED_IN_CONTAINER, "--steps", "3", "--orphans",
+                    "--hold"])
+    wait_until(lambda: all((job.shared / f"orphaned-a0-r{r}").exists() for r in range(NPROC)),
+               timeout=120, what="orphans to be created")
+    assert_no_lasting_zombies([c])
+    (job.shared / "release").touch()
+    assert c.wait(timeout=120) == 0, job.dump_logs()
+
+
+def assert_no_lasting_zombies(containers) -> None:
+    """A zombie may exist for the instant between exit and reaping; one that is still there a
+    second later was not reaped."""
+    for c in containers:
+        first = {z["pid"] for z in c.zombies()}
+        if first:
+            time.sleep(1.0)
+            lasting = [z for z in c.zombies() if z["pid"] in first]
+            assert not lasting, f"zombies in {c.name}: {lasting}"
+
+
+# --- multi-node -----------------------------------------------------------------------------------
+
+
+def test_worker0_started_last_gang_trains(job, caps):
+    """Pods 1 and 2 start first and wait for worker-0's DNS record; worker-0 arrives; the gang of
+    3 × 2 ranks trains with real gloo DDP; no zombie in any pod; all exit 0."""
+    caps.require("launch", "multinode")
+    start_gang(job, ["--steps", "10", "--orphans", "--hold"], order=(1, 2))
+    time.sleep(5)
+    for i in (1, 2):
+        assert job.containers[i].running(), f"pod {i} gave up before worker-0 existed:\n{job.dump_logs()}"
+    assert not list(job.shared.glob("start-*")), "workers started before the gang was complete"
+    start_gang(job, ["--steps", "10", "--orphans", "--hold"], order=(0,))
+    world = NNODES * NPROC
+    wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world
+               and len(list(job.shared.glob("orphaned-a0-*"))) == world,
+               timeout=240, what="all 6 ranks to train")
+    check_trained(job.shared, attempt=0)
+    assert_no_lasting_zombies(job.containers.values())
+    (job.shared / "release").touch()
+    for i, c in job.containers.items():
+        assert c.wait(timeout=120) == 0, f"pod {i}:\n{job.dump_logs()}"
+
+
+def test_metrics_scraped_over_the_network_by_ip(job, caps):
+    """Each pod's /metrics answers on its IP from the start (a pod waiting for DNS is visible),
+    /healthz is OK, /readyz turns ready only after the rendezvous."""
+    caps.require("launch", "multinode", "metrics")
+    start_gang(job, ["--steps", "5", "--hold"], order=(1, 2))
+
+    def get(c, path):
+        try:
+            with urllib.request.urlopen(f"http://{c.ip()}:{METRICS_PORT}{path}", timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode()
+        except OSError:
+            return None, ""
+
+    waiting = [job.containers[i] for i in (1, 2)]
+    wait_until(lambda: all(get(c, "/metrics")[0] == 200 for c in waiting), timeout=60,
+               what="/metrics of the waiting pods")
+    for c in waiting:
+        assert get(c, "/healthz")[0] == 200
+        assert get(c, "/readyz")[0] != 200, "ready before the rendezvous"
+    start_gang(job, ["--steps", "5", "--hold"], order=(0,))
+    world = NNODES * NPROC
+    wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world, timeout=240,
+               what="training")
+    for c in job.containers.values():
+        wait_until(lambda c=c: get(c, "/readyz")[0] == 200, timeout=30, what=f"{c.name} ready")
+        status, text = get(c, "/metrics")
+        assert status == 200
+        sizes = re.findall(r"^muster_world_size(?:\{[^}]*\})? (\S+)$", text, re.M)
+        assert sizes and float(sizes[0]) == world, f"{c.name}: muster_world_size {sizes}"
+    (job.shared / "release").touch()
+    for c in job.containers.values():
+        assert c.wait(timeout=120) == 0, job.dump_logs()
+
+
+def test_docker_stop_one_pod_propagates_sigterm_to_every_rank(job, caps):
+    """`docker stop` (SIGTERM, SIGKILL after the grace period) of pod 1 only, mid-training, with an
+    unmodified script that traps SIGTERM: every rank on every pod receives it (the agents share the
+    trigger through the store), and every pod exits inside the grace period with the same
+    documented code — not 137 (killed at the end of the grace period)."""
+    caps.require("launch", "multinode", "preemption")
+    grace = 30
+    start_gang(job, ["--steps", "100000", "--step-seconds", "0.05", "--trap-term"],
+               extra=("--grace-period", str(grace)), stop_timeout=grace,
+               env={"MUSTER_GRACE_PERIOD": str(grace)})
+    wait_until(lambda: len(list(job.shared.glob("start-a0-*"))) == NNODES * NPROC, timeout=240,
+               what="training to start")
+    time.sleep(3)
+    t0 = time.monotonic()
+    took = job.containers[1].stop(grace=grace)
+    assert took < grace, f"pod 1 needed the SIGKILL ({took:.1f}s)"
+    codes = {i: c.wait(timeout=grace + 30) for i, c in job.containers.items()}
+    elapsed = time.monotonic() - t0
+    assert elapsed < grace + 5, f"the gang took {elapsed:.1f}s to stop"
+    got = sorted(int(p.stem.split("-r")[1]) for p in job.shared.glob("sigterm-r*.json"))
+    assert got == list(range(NNODES * NPROC)), f"SIGTERM reached ranks {got}:\n{job.dump_logs()}"
+    assert len(set(codes.values())) == 1, f"pods disagree on the outcome: {codes}"
+    # 0: preempted with every rank done (the default); 200 if configured; never 137.
+    assert set(codes.values()) <= {0, 200}, codes
+
+
+def test_docker_kill_of_a_non_host_pod_restarts_the_gang(job, caps):
+    """SIGKILL of pod 2 (no SIGTERM, as when a node dies): pods 0 and 1 notice within the heartbeat
+    timeout and stop their workers; a replacement pod with the same name (what Kubernetes does)
+    joins; the gang re-forms at full size and finishes."""
+    caps.require("launch", "multinode")
+    start_gang(job, ["--steps", "5", "--hold", "--hold-timeout", "300"],
+               extra=("--max-restarts", "3"))
+    world = NNODES * NPROC
+    wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world, timeout=240,
+               what="first attempt to train")
+    job.containers[2].kill("KILL")
+    assert job.containers[2].wait(timeout=30) == 137
+    # The survivors stop their workers (no new attempt can start without pod 2).
+    for i in (0, 1):
+        assert job.containers[i].running(), f"pod {i} exited instead of waiting for a replacement"
+    job.run(2, launch_args(job, "--steps", "5", "--hold", extra=("--max-restarts", "3")),
+            env=pod_env(2))
+    wait_until(lambda: len(list(job.shared.glob("done-a1-*"))) == world, timeout=300,
+               what="the gang to re-form and train again")
+    check_trained(job.shared, attempt=1)
+    (job.shared / "release").touch()
+    for i, c in job.containers.items():
+        assert c.wait(timeout=120) == 0, f"pod {i}:\n{job.dump_logs()}"
