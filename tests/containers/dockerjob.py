@@ -37,6 +37,8 @@ REPO = HERE.parents[1]
 SCRIPTS = HERE / "scripts"
 # Where the test scripts appear inside every container (read-only).
 SCRIPTS_IN_CONTAINER = "/muster-tests"
+# The repository's examples/ (the training scripts users start from), read-only.
+EXAMPLES_IN_CONTAINER = "/muster-examples"
 # A per-job host directory shared read-write by all containers of the job (results, markers).
 SHARED_IN_CONTAINER = "/shared"
 
@@ -222,6 +224,7 @@ class Job:
             "--label", f"io.muster.test.job={self.name}",
             "--stop-timeout", str(stop_timeout),
             "-v", f"{SCRIPTS}:{SCRIPTS_IN_CONTAINER}:ro",
+            "-v", f"{REPO / 'examples'}:{EXAMPLES_IN_CONTAINER}:ro",
             "-v", f"{self.shared}:{SHARED_IN_CONTAINER}",
         ]
         for d in self.python_dirs:
