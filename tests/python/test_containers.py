@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python, wait_until
+from conftest import free_port, muster_bin, torch_python, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "containers"))
 import dockerjob  # noqa: E402
@@ -34,6 +34,8 @@ NNODES = 3
 NPROC = 2
 RDZV_PORT = 29500
 METRICS_PORT = 8000
+# Bounded joins, and a dead node noticed in seconds rather than torchrun's 15 s default.
+RDZV_CONF = "join_timeout=180,keep_alive_interval=1,heartbeat_timeout=5"
 
 
 # --- capability probes of the binary under test ------------------------------------------------
@@ -49,7 +51,11 @@ def _help(*args: str) -> tuple[int, str]:
 
 
 class Capabilities:
-    """What the muster binary under test can do, and for each missing thing, why we think so."""
+    """What the muster binary under test can do, and for each missing thing, why we think so.
+
+    A flag in `--help` is not proof of a feature (the launch form accepts --grace-period and
+    --metrics-addr before they do anything), so metrics and preemption are probed by behaviour:
+    a cheap run of the binary on loopback that shows the feature working."""
 
     def __init__(self) -> None:
         self.missing: dict[str, str] = {}
@@ -65,15 +71,67 @@ class Capabilities:
         rc, _ = _help("dry-run")
         if rc != 0:
             self.missing["multinode"] = f"`muster dry-run --help` exited {rc} (multi-node rendezvous not landed)"
-        if "--grace-period" not in main_help:
-            self.missing["preemption"] = "`muster --help` does not list --grace-period"
-        if "--metrics-addr" not in main_help:
-            self.missing["metrics"] = "`muster --help` does not list --metrics-addr"
+        if "launch" in self.missing:
+            why = "no launch form"
+            self.missing.setdefault("preemption", why)
+            self.missing.setdefault("metrics", why)
+        else:
+            if (why := _probe_checkpoint_channel()) is not None:
+                self.missing["preemption"] = why
+            if (why := _probe_metrics()) is not None:
+                self.missing["metrics"] = why
 
     def require(self, *names: str) -> None:
         reasons = [f"{n}: {self.missing[n]}" for n in names if n in self.missing]
         if reasons:
             pytest.skip("muster under test lacks " + "; ".join(reasons))
+
+
+def _probe_checkpoint_channel() -> str | None:
+    """The checkpoint barrier is wired into the launch when workers get MUSTER_CHECKPOINT_SOCKET."""
+    try:
+        proc = subprocess.run(
+            [muster_bin(), "--standalone", "--nproc-per-node", "1", "--no-python", "/usr/bin/env"],
+            capture_output=True, text=True, timeout=60, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "`muster --standalone --no-python env` did not finish in 60 s"
+    if "MUSTER_CHECKPOINT_SOCKET=" not in proc.stdout + proc.stderr:
+        return f"workers get no MUSTER_CHECKPOINT_SOCKET (probe exited {proc.returncode})"
+    return None
+
+
+def _probe_metrics() -> str | None:
+    """The agent serves /healthz and /metrics on --metrics-addr while it waits for a rendezvous
+    that cannot happen (nothing listens on the endpoint; loopback only)."""
+    port, nobody = free_port(), free_port()
+    proc = subprocess.Popen(
+        [muster_bin(), "--metrics-addr", f"127.0.0.1:{port}", "--nnodes", "2",
+         "--nproc-per-node", "1", "--node-rank", "1", "--rdzv-backend", "c10d",
+         "--rdzv-endpoint", f"127.0.0.1:{nobody}", "--rdzv-conf", "join_timeout=30",
+         str(dockerjob.SCRIPTS / "train.py")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    if r.status == 200 and "muster_" in r.read().decode():
+                        return None
+            except OSError:
+                pass
+            time.sleep(0.3)
+        return (f"no /metrics on --metrics-addr within 15 s of start "
+                f"(agent {'exited ' + str(proc.returncode) if proc.poll() is not None else 'running'})")
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +174,7 @@ def launch_args(job: dockerjob.Job, *script_args: str, extra: tuple[str, ...] = 
     return [
         "--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.fqdn(0)}:{RDZV_PORT}",
-        "--rdzv-id", job.name, *extra,
+        "--rdzv-id", job.name, "--rdzv-conf", RDZV_CONF, *extra,
         f"{SCRIPTS}/train.py", "--shared", dockerjob.SHARED_IN_CONTAINER, *script_args,
     ]
 
@@ -342,7 +400,7 @@ def test_docker_stop_one_pod_checkpoints_every_rank_at_one_step(job, caps):
     def start(i, steps):
         job.run(i, ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
                     "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.fqdn(0)}:{RDZV_PORT}",
-                    "--rdzv-id", job.name, "--grace-period", str(grace),
+                    "--rdzv-id", job.name, "--rdzv-conf", RDZV_CONF, "--grace-period", str(grace),
                     script, "--steps", str(steps), "--ckpt-dir", ckpt, "--step-seconds", "0.05"],
                 env=pod_env(i), stop_timeout=grace)
 

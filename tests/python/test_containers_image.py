@@ -160,3 +160,27 @@ def test_offline_test_image_is_content_addressed(tmp_path):
         assert inside == changed.read_bytes()
     finally:
         dockerjob.docker("rmi", second, check=False)
+
+
+def test_sweep_removes_only_leftovers_of_dead_test_runs():
+    """A killed pytest leaves labelled objects behind; the next run removes those, and never the
+    objects of a run that is still alive (a concurrent suite on the same machine)."""
+    why = dockerjob.docker_available()
+    if why:
+        pytest.skip(why)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = dockerjob.OWNER.rpartition(":")[0]
+    names = {"dead": f"mt-sweep-dead-{dead.pid}", "alive": f"mt-sweep-alive-{dead.pid}"}
+    owners = {"dead": f"{host}:{dead.pid}", "alive": dockerjob.OWNER}
+    try:
+        for key, name in names.items():
+            dockerjob.docker("network", "create", "--internal", "--label", dockerjob.LABEL,
+                             "--label", f"{dockerjob.OWNER_LABEL}={owners[key]}", name)
+        removed = dockerjob.sweep_stale()
+        existing = dockerjob.docker("network", "ls", "--format", "{{.Name}}").stdout.split()
+        assert names["dead"] not in existing, removed
+        assert names["alive"] in existing
+    finally:
+        for name in names.values():
+            dockerjob.docker("network", "rm", name, check=False)
