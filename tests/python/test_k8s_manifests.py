@@ -14,12 +14,16 @@ import json
 import os
 import re
 import subprocess
+import sys
 import venv
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, muster_bin
+
+sys.path.insert(0, str(REPO / "tests" / "containers"))
+from probes import Capabilities  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -124,19 +128,31 @@ def test_checker_rejects_typos(k8s_python, tmp_path, name, old, new, expect):
     assert any(expect in e for e in errors), errors
 
 
-def test_flags_and_variables_exist_in_the_muster_under_test(results):
-    """Every flag and MUSTER_* variable the examples use is one `muster --help` documents (clap
-    prints `[env: NAME=]`). Switches on when the launch form lands."""
-    proc = subprocess.run([muster_bin(), "--help"], capture_output=True, text=True, timeout=30,
-                          check=False)
-    if proc.returncode != 0 or "--rdzv-endpoint" not in proc.stdout:
-        pytest.skip(f"muster under test has no launch form yet (`muster --help` exited {proc.returncode})")
-    missing = []
-    for manifest, r in results.items():
-        for flag in r["flags"]:
-            if not re.search(rf"{re.escape(flag)}\b", proc.stdout):
-                missing.append(f"{Path(manifest).name}: {flag}")
-        for var in r["env"]:
-            if var not in proc.stdout:
-                missing.append(f"{Path(manifest).name}: {var}")
+@pytest.fixture(scope="module")
+def caps() -> Capabilities:
+    return Capabilities(muster_bin())
+
+
+def muster_help() -> str:
+    return subprocess.run([muster_bin(), "--help"], capture_output=True, text=True, timeout=30,
+                          check=False).stdout
+
+
+def test_flags_exist_in_the_muster_under_test(results, caps):
+    """Every flag the examples pass is one `muster --help` documents."""
+    caps.require("launch")
+    text = muster_help()
+    missing = [f"{Path(m).name}: {flag}" for m, r in results.items() for flag in r["flags"]
+               if not re.search(rf"{re.escape(flag)}\b", text)]
     assert not missing, "used in examples but not in `muster --help`: " + ", ".join(missing)
+
+
+def test_variables_exist_in_the_muster_under_test(results, caps):
+    """Every MUSTER_* variable the examples set (the grace period, and the exit code of a preempted
+    pod, which a Job needs to be non-zero) is one `muster --help` documents. Both belong to the
+    preemption feature, so this switches on with it."""
+    caps.require("launch", "preemption")
+    text = muster_help()
+    missing = [f"{Path(m).name}: {var}" for m, r in results.items() for var in r["env"]
+               if not re.search(rf"\b{var}\b", text)]
+    assert not missing, "set in examples but not in `muster --help`: " + ", ".join(missing)
