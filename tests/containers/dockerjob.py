@@ -6,11 +6,12 @@ through Docker's embedded DNS, to `<job>-worker-<i>.<job>-headless` — the name
 `--rdzv-endpoint` uses in a JobSet or PyTorchJob. A container that does not exist yet has no DNS
 record, exactly like a pod Kubernetes has not published yet.
 
-Networks are created `--internal`: nothing a container sends can leave the machine (Docker's
-resolver cannot forward unknown names to the host's upstream servers), while the host still reaches
-every container by IP on the bridge (that is how `/metrics` is scraped). Without upstream servers a
-lookup of a missing name times out instead of failing with NXDOMAIN; `timeout:1 attempts:1` in the
-containers' resolv.conf keeps that at one second, close to what a pod sees.
+Networks are created `--internal`: nothing a container sends can leave the machine, while the
+host still reaches every container by IP on the bridge (that is how `/metrics` is scraped). The
+job's "cluster DNS" is a container of its own (`<job>-dns`, scripts/nxdomain_dns.py) that answers
+NXDOMAIN to everything: Docker's embedded resolver answers the pods' names and aliases and forwards
+the rest there (`--dns`), so a pod that does not exist yet is NXDOMAIN at once, as with CoreDNS,
+and no lookup is ever forwarded to the host's upstream servers.
 
 Everything created carries the label `io.muster.test` and an owner label `<host>:<pid>` of the
 pytest process. `cleanup()` removes a job's containers and network, and is called from finalizers
@@ -196,6 +197,25 @@ class Job:
         self.shared.mkdir(parents=True, exist_ok=True)
         docker("network", "create", "--internal", "--label", LABEL,
                "--label", f"{OWNER_LABEL}={OWNER}", self.network)
+        try:
+            dns = f"{self.name}-dns"
+            docker("run", "-d", "--name", dns, "--network", self.network, *self._labels(),
+                   *self._python_volumes(), "--entrypoint", self.python, self.image,
+                   f"{SCRIPTS_IN_CONTAINER}/nxdomain_dns.py")
+            self.dns_ip = Container(dns, self).ip()
+        except BaseException:
+            self.cleanup()  # the fixture never got the job, so it cannot clean up
+            raise
+
+    def _labels(self) -> list[str]:
+        return ["--label", LABEL, "--label", f"{OWNER_LABEL}={OWNER}",
+                "--label", f"io.muster.test.job={self.name}"]
+
+    def _python_volumes(self) -> list[str]:
+        vols = ["-v", f"{SCRIPTS}:{SCRIPTS_IN_CONTAINER}:ro"]
+        for d in self.python_dirs:
+            vols += ["-v", f"{d}:{d}:ro"]
+        return vols
 
     def pod(self, index: int) -> str:
         return f"{self.name}-worker-{index}"
@@ -219,16 +239,12 @@ class Job:
         cmd = [
             "run", "-d", "--name", name, "--hostname", name,
             "--network", self.network, "--network-alias", self.fqdn(index),
-            "--dns-opt", "timeout:1", "--dns-opt", "attempts:1",
-            "--label", LABEL, "--label", f"{OWNER_LABEL}={OWNER}",
-            "--label", f"io.muster.test.job={self.name}",
+            "--dns", self.dns_ip, *self._labels(),
             "--stop-timeout", str(stop_timeout),
-            "-v", f"{SCRIPTS}:{SCRIPTS_IN_CONTAINER}:ro",
+            *self._python_volumes(),
             "-v", f"{REPO / 'examples'}:{EXAMPLES_IN_CONTAINER}:ro",
             "-v", f"{self.shared}:{SHARED_IN_CONTAINER}",
         ]
-        for d in self.python_dirs:
-            cmd += ["-v", f"{d}:{d}:ro"]
         for key, value in full_env.items():
             cmd += ["-e", f"{key}={value}"]
         if entrypoint:

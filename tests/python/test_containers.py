@@ -232,7 +232,7 @@ def test_worker0_started_last_gang_trains(job, caps, launcher):
         muster_can = not (caps.why_missing("launch") or caps.why_missing("multinode"))
         if muster_can and not os.environ.get("MUSTER_TEST_REFERENCE"):
             pytest.skip("muster runs this scenario itself, which validates the harness; the torchrun "
-                        "reference (~100 s) runs only while it cannot, or with MUSTER_TEST_REFERENCE=1")
+                        "reference (about a minute) runs only while it cannot, or with MUSTER_TEST_REFERENCE=1")
 
         def start(i):
             job.run(i, ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
@@ -246,6 +246,9 @@ def test_worker0_started_last_gang_trains(job, caps, launcher):
     time.sleep(5)
     for i in (1, 2):
         assert job.containers[i].running(), f"pod {i} gave up before worker-0 existed:\n{job.dump_logs()}"
+        if launcher == "muster":
+            # The wait is visible in the pod log, naming the host it waits for.
+            assert job.fqdn(0) in job.containers[i].logs(), job.containers[i].logs()
     assert not list(job.shared.glob("start-*")), "workers started before the gang was complete"
     start(0)
     world = NNODES * NPROC
