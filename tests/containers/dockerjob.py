@@ -173,6 +173,28 @@ class Container:
     def remove(self) -> None:
         docker("rm", "-f", self.name, check=False)
 
+    def processes(self, needle: str) -> int:
+        """How many live (non-zombie) processes in the container have `needle` in their cmdline."""
+        code = (
+            "import os\n"
+            "n = 0\n"
+            "me = str(os.getpid())\n"  # this scan's own cmdline contains the needle
+            "for p in filter(str.isdigit, os.listdir('/proc')):\n"
+            "    if p == me:\n"
+            "        continue\n"
+            "    try:\n"
+            "        cmd = open(f'/proc/{p}/cmdline', 'rb').read()\n"
+            "        state = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0]\n"
+            "    except OSError:\n"
+            "        continue\n"
+            f"    n += state != 'Z' and {needle.encode()!r} in cmd\n"
+            "print(n)\n"
+        )
+        proc = self.exec(self.job.python, "-c", code, timeout=60)
+        if proc.returncode != 0:
+            raise AssertionError(f"process scan failed in {self.name}: {proc.stderr}")
+        return int(proc.stdout)
+
     def zombies(self) -> list[dict]:
         """Processes in state Z inside the container's PID namespace (read with the mounted python)."""
         proc = self.exec(self.job.python, f"{SCRIPTS_IN_CONTAINER}/zombies.py", timeout=60)

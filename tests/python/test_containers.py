@@ -5,8 +5,9 @@ tests/containers/dockerjob.py), from an image built offline by docker/test-image
 the muster binary under test, with the PyTorch virtualenv mounted read-only.
 
 Scenarios that need muster features still being built are written in full and gated by a probe of
-the binary under test (its `--help` lists the flag, its subcommand answers `--help`), so each one
-switches on by itself when its feature lands, and the skip message names the missing capability.
+the binary under test (tests/containers/probes.py: a subcommand answers `--help`, `--help` lists
+the launch flags, or a short loopback run shows the feature working), so each one switches on by
+itself when its feature lands, and the skip message names the missing capability.
 """
 
 from __future__ import annotations
@@ -100,8 +101,9 @@ def start_gang(job, script_args, extra=(), order=(0, 1, 2), stop_timeout=10, env
                 env={**pod_env(i), **(env or {})}, stop_timeout=stop_timeout)
 
 
-def check_trained(shared: Path, attempt: int) -> list[dict]:
-    """All 6 ranks finished the attempt with one consistent model and a correct all-reduce."""
+def check_trained(shared: Path, attempt: int, master_addr: str | None = None) -> list[dict]:
+    """All 6 ranks finished the attempt with one consistent model and a correct all-reduce;
+    `master_addr`, when given, is what every rank must have as MASTER_ADDR."""
     world = NNODES * NPROC
     done = [read_json(shared / f"done-a{attempt}-r{r}.json") for r in range(world)]
     assert {d["world"] for d in done} == {world}
@@ -115,8 +117,10 @@ def check_trained(shared: Path, attempt: int) -> list[dict]:
         # Global ranks are contiguous by node rank, and node rank = the pod's index.
         assert int(env["GROUP_RANK"]) == node, s
         assert int(env["RANK"]) == node * NPROC + int(env["LOCAL_RANK"]), s
-        # MASTER_ADDR must be usable from every pod: node 0's address, not a name only it knows.
-        assert env["MASTER_ADDR"], s
+    # One store for everyone: under muster node 0's advertised address (its pod IP), never a name
+    # only that pod can resolve.
+    addrs = {s["env"]["MASTER_ADDR"] for s in starts}
+    assert len(addrs) == 1 and (master_addr is None or addrs == {master_addr}), addrs
     return done
 
 
@@ -255,7 +259,8 @@ def test_worker0_started_last_gang_trains(job, caps, launcher):
     wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world
                and len(list(job.shared.glob("orphaned-a0-*"))) == world,
                timeout=240, interval=0.5, what="all 6 ranks to train")
-    check_trained(job.shared, attempt=0)
+    check_trained(job.shared, attempt=0,
+                  master_addr=job.containers[0].ip() if launcher == "muster" else job.fqdn(0))
     if launcher == "muster":
         assert_no_lasting_zombies(job.containers.values())
     else:
@@ -376,21 +381,23 @@ def test_docker_kill_of_a_non_host_pod_restarts_the_gang(job, caps):
     timeout and stop their workers; a replacement pod with the same name (what Kubernetes does)
     joins; the gang re-forms at full size and finishes."""
     caps.require("launch", "multinode")
-    start_gang(job, ["--steps", "5", "--hold", "--hold-timeout", "300"],
-               extra=("--max-restarts", "3"))
+    extra = ("--max-restarts", "3", "--shutdown-timeout", "10")
+    start_gang(job, ["--steps", "5", "--hold"], extra=extra)
     world = NNODES * NPROC
     wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world, timeout=240,
-               what="first attempt to train")
+               interval=0.5, what="first attempt to train")
     job.containers[2].kill("KILL")
     assert job.containers[2].wait(timeout=30) == 137
-    # The survivors stop their workers (no new attempt can start without pod 2).
+    # Heartbeat timeout (5 s) + the shutdown timeout (10 s) + slack for a loaded machine. Without
+    # this the held workers would linger until their own timeout, as torchrun's do.
+    wait_until(lambda: all(job.containers[i].processes("train.py") == 0 for i in (0, 1)),
+               timeout=45, interval=1.0, what="pods 0 and 1 to stop their workers after losing pod 2")
     for i in (0, 1):
         assert job.containers[i].running(), f"pod {i} exited instead of waiting for a replacement"
-    job.run(2, launch_args(job, "--steps", "5", "--hold", extra=("--max-restarts", "3")),
-            env=pod_env(2))
+    job.run(2, launch_args(job, "--steps", "5", "--hold", extra=extra), env=pod_env(2))
     wait_until(lambda: len(list(job.shared.glob("done-a1-*"))) == world, timeout=300,
-               what="the gang to re-form and train again")
-    check_trained(job.shared, attempt=1)
+               interval=0.5, what="the gang to re-form and train again")
+    check_trained(job.shared, attempt=1, master_addr=job.containers[0].ip())
     (job.shared / "release").touch()
     for i, c in job.containers.items():
         assert c.wait(timeout=120) == 0, f"pod {i}:\n{job.dump_logs()}"
