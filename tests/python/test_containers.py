@@ -5,7 +5,7 @@ tests/containers/dockerjob.py), from an image built offline by docker/test-image
 the muster binary under test, with the PyTorch virtualenv mounted read-only.
 
 Scenarios that need muster features still being built are written in full and gated by a probe of
-the binary under test (tests/containers/probes.py: a subcommand answers `--help`, `--help` lists
+the binary under test (tests/containers/muster_probes.py: a subcommand answers `--help`, `--help` lists
 the launch flags, or a short loopback run shows the feature working), so each one switches on by
 itself when its feature lands, and the skip message names the missing capability.
 """
@@ -28,7 +28,7 @@ from conftest import muster_bin, torch_python, wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "containers"))
 import dockerjob  # noqa: E402
-from probes import Capabilities  # noqa: E402
+from muster_probes import Capabilities  # noqa: E402
 from dockerjob import SCRIPTS_IN_CONTAINER as SCRIPTS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
@@ -41,7 +41,7 @@ METRICS_PORT = 8000
 RDZV_CONF = "join_timeout=180,keep_alive_interval=1,heartbeat_timeout=5"
 
 
-# --- capability probes of the binary under test (tests/containers/probes.py) -----------------
+# --- capability probes of the binary under test (tests/containers/muster_probes.py) -----------------
 
 
 @pytest.fixture(scope="module")

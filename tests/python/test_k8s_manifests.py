@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO, muster_bin
 
 sys.path.insert(0, str(REPO / "tests" / "containers"))
-from probes import Capabilities  # noqa: E402
+from muster_probes import Capabilities  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
