@@ -5,9 +5,9 @@ tests/containers/dockerjob.py), from an image built offline by docker/test-image
 the muster binary under test, with the PyTorch virtualenv mounted read-only.
 
 Scenarios that need muster features still being built are written in full and gated by a probe of
-the binary under test (tests/containers/muster_probes.py: a subcommand answers `--help`, `--help` lists
-the launch flags, or a short loopback run shows the feature working), so each one switches on by
-itself when its feature lands, and the skip message names the missing capability.
+the binary under test (tests/containers/muster_probes.py: a subcommand answers `--help`, `--help`
+lists the launch flags, or a short loopback run shows the feature working), so each one switches on
+by itself when its feature lands, and the skip message names the missing capability.
 """
 
 from __future__ import annotations
