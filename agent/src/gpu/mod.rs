@@ -1,0 +1,327 @@
+//! GPU pre-flight: checks every local GPU through NVML (and CUDA in a child process) before any
+//! rank starts, so a bad GPU costs seconds and names the node to cordon instead of an hour of
+//! the whole gang's time.
+//!
+//! # Layout
+//! - [`snapshot`]: plain structs of what NVML said, with "not supported" distinct from "lost".
+//! - [`nvml`]: the nvml-wrapper adapter that fills a snapshot (NVML absent = a "no driver"
+//!   outcome, never a crash); `fabric` holds its single raw NVML call.
+//! - [`checks`]: pure rules from a snapshot to pass/warn/fail/skip per check per GPU.
+//! - [`report`]: the verdict, the `topo -m` matrix, text and JSON output, and the compact
+//!   [`Summary`] a node publishes in its rendezvous registration.
+//! - [`cuda`]: the cudarc smoke test, run as `muster gpu-check --cuda-smoke-child`.
+//!
+//! # API for launch and metrics
+//! - [`preflight`]`(&PreflightOptions) -> Report` (blocking: it samples NVLink counters and may
+//!   wait for the fabric; call it from `spawn_blocking`), [`Report::verdict`],
+//!   [`Report::summary`] → [`Summary`] (serde) with [`Summary::message`] for the fail-fast error.
+//! - [`ordered_devices`]`() -> Result<Vec<GpuInfo>, GpuError>`: GPUs sorted by PCI bus id (the
+//!   order for `CUDA_VISIBLE_DEVICES`), each with UUID, NUMA node and NVML's CPU list;
+//!   [`binding_cpus`] intersects such a list with the CPUs this process may use.
+//! - `muster gpu-check` ([`run_cli`]): the report for people (`--json` for machines), exit 0 when
+//!   healthy, [`crate::exit_code::UNHEALTHY_GPU`] otherwise.
+
+pub mod checks;
+pub mod cuda;
+mod fabric;
+pub mod nvml;
+pub mod report;
+pub mod snapshot;
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::Parser;
+
+pub use checks::Policy;
+pub use report::{CheckResult, GpuInfo, GpuRef, Report, Status, Summary, Topology, Verdict};
+pub use snapshot::NodeSnapshot;
+
+use crate::exit_code::{self, Exit};
+
+/// Why GPU information could not be read at all.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("no NVIDIA driver: cannot open {library}: {detail}")]
+    NoDriver { library: String, detail: String },
+    #[error("NVML did not initialise ({library}): {detail}")]
+    Init { library: String, detail: String },
+}
+
+impl From<snapshot::DriverState> for GpuError {
+    fn from(state: snapshot::DriverState) -> Self {
+        match state {
+            snapshot::DriverState::Missing { library, detail } => {
+                Self::NoDriver { library, detail }
+            }
+            snapshot::DriverState::InitFailed { library, detail } => Self::Init { library, detail },
+            snapshot::DriverState::Loaded { library, .. } => Self::Init {
+                library,
+                detail: "unexpected state".into(),
+            },
+        }
+    }
+}
+
+/// What the pre-flight checks and how long it may take.
+#[derive(Debug, Clone)]
+pub struct PreflightOptions {
+    pub policy: Policy,
+    /// Time between the two NVLink error-counter samples.
+    pub sample_interval: Duration,
+    /// Longest wait for an NVSwitch fabric that is still initialising.
+    pub fabric_wait: Duration,
+    /// Poll period during that wait.
+    pub fabric_poll: Duration,
+    /// Run the CUDA smoke test (child process).
+    pub cuda: bool,
+    pub cuda_timeout: Duration,
+}
+
+impl Default for PreflightOptions {
+    fn default() -> Self {
+        Self {
+            policy: Policy::default(),
+            sample_interval: Duration::from_secs(1),
+            fabric_wait: Duration::from_secs(60),
+            fabric_poll: Duration::from_millis(500),
+            cuda: true,
+            cuda_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Runs every check on this node's GPUs. Never fails: a missing driver, a lost GPU or an
+/// unsupported query are all outcomes inside the report.
+pub fn preflight(opts: &PreflightOptions) -> Report {
+    let node = nvml::snapshot(&nvml::Options {
+        sample_interval: opts.sample_interval,
+        fabric_wait: opts.fabric_wait,
+        fabric_poll: opts.fabric_poll,
+    });
+    let results = checks::evaluate(&node, &opts.policy);
+    let mut report = Report::new(hostname(), opts.policy.expected_gpus, &node, results);
+    let driver_loaded = matches!(node.driver, snapshot::DriverState::Loaded { .. });
+    let expected = opts.policy.expected_gpus.is_some_and(|n| n > 0);
+    if opts.cuda && (driver_loaded || expected) {
+        let visible = node.gpus.len();
+        let peers: Vec<(usize, usize)> = node
+            .pairs
+            .iter()
+            .filter(|p| matches!(p.p2p_read, Ok(true)) || matches!(p.p2p_nvlink, Ok(true)))
+            .map(|p| (p.a as usize, p.b as usize))
+            .collect();
+        report.push(cuda::smoke(expected, visible, &peers, opts.cuda_timeout));
+    }
+    report
+}
+
+/// Local GPUs in PCI bus id order (the order `CUDA_DEVICE_ORDER=PCI_BUS_ID` gives, and the order
+/// for `CUDA_VISIBLE_DEVICES`), with NUMA placement for `--numa-binding`.
+pub fn ordered_devices() -> Result<Vec<GpuInfo>, GpuError> {
+    let mut gpus = nvml::devices()?;
+    gpus.sort_by_key(|g| bus_key(g.pci_bus_id.as_deref()));
+    Ok(gpus)
+}
+
+/// Sort key for a PCI bus id: (domain, bus, device, function) numerically; unknown ids last.
+fn bus_key(bus_id: Option<&str>) -> (u8, Vec<u64>) {
+    match bus_id {
+        None => (1, Vec::new()),
+        Some(id) => (
+            0,
+            id.split([':', '.'])
+                .map(|p| u64::from_str_radix(p, 16).unwrap_or(u64::MAX))
+                .collect(),
+        ),
+    }
+}
+
+/// The CPUs a rank bound to this GPU should run on: NVML's CPU list for the GPU intersected with
+/// the CPUs this process may use (a pod's cpuset). Empty when they do not overlap or the GPU's
+/// list is unknown, in which case no binding should be applied.
+pub fn binding_cpus(gpu: &GpuInfo) -> Vec<u32> {
+    let Ok(allowed) = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return Vec::new();
+    };
+    gpu.cpu_affinity
+        .iter()
+        .copied()
+        .filter(|cpu| allowed.is_set(*cpu as usize).unwrap_or(false))
+        .collect()
+}
+
+/// Formats CPU numbers as a Linux cpulist ("0-51,104-155").
+pub fn cpulist(cpus: &[u32]) -> String {
+    let mut sorted = cpus.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let start = sorted[i];
+        let mut end = start;
+        while i + 1 < sorted.len() && sorted[i + 1] == end + 1 {
+            i += 1;
+            end = sorted[i];
+        }
+        parts.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    parts.join(",")
+}
+
+fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
+/// `muster gpu-check`: check this node's GPUs and print the report.
+#[derive(Debug, Parser)]
+#[command(
+    name = "muster gpu-check",
+    about = "Check this node's GPUs (NVML health, NVLink topology, CUDA smoke test)",
+    after_help = "Exit status: 0 healthy (warnings allowed), 204 unhealthy GPU, 202 bad usage.\n\
+                  MUSTER_NVML_LIBRARY=<path> loads another libnvidia-ml.so (e.g. the test fake)."
+)]
+struct Args {
+    /// GPUs this node must have; without it any count passes and a missing driver is fine.
+    #[arg(long, value_name = "N")]
+    expect_gpus: Option<u32>,
+    /// Active NVLinks every GPU must have (default: as many as the best local GPU has).
+    #[arg(long, value_name = "N")]
+    expect_nvlinks: Option<u32>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Longest wait for an NVSwitch fabric that is still initialising, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
+    fabric_wait: f64,
+    /// Time between the two NVLink error-counter samples, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    sample_interval_ms: u64,
+    /// Do not run the CUDA smoke test.
+    #[arg(long)]
+    skip_cuda: bool,
+    /// Time limit for the CUDA smoke test, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = 60)]
+    cuda_timeout: u64,
+    /// Fail (instead of warn) when other compute processes already use a GPU.
+    #[arg(long)]
+    fail_on_processes: bool,
+    /// Internal: run the CUDA smoke test in this process and print its JSON result.
+    #[arg(long = "cuda-smoke-child", hide = true)]
+    cuda_smoke_child: bool,
+    /// Internal: GPU pairs for the child's peer copies ("0-1,2-3").
+    #[arg(long, hide = true, value_name = "PAIRS")]
+    peers: Option<String>,
+}
+
+/// Entry point of `muster gpu-check` (`args[0]` is the binary, `args[1]` is `gpu-check`).
+pub fn run_cli(args: &[OsString]) -> anyhow::Result<u8> {
+    let args = match Args::try_parse_from(args.iter().skip(1)) {
+        Ok(a) => a,
+        Err(e) if !e.use_stderr() => {
+            // --help / --version.
+            print!("{e}");
+            return Ok(exit_code::SUCCESS);
+        }
+        Err(e) => return Err(Exit::config(e.to_string().trim_end().to_string()).into()),
+    };
+    if args.cuda_smoke_child {
+        let peers =
+            cuda::parse_peers(args.peers.as_deref().unwrap_or_default()).map_err(Exit::config)?;
+        return Ok(cuda::child_main(&peers));
+    }
+    if !(args.fabric_wait.is_finite() && args.fabric_wait >= 0.0) {
+        return Err(Exit::config("--fabric-wait must be a number of seconds >= 0").into());
+    }
+    let opts = PreflightOptions {
+        policy: Policy {
+            expected_gpus: args.expect_gpus,
+            expected_nvlinks: args.expect_nvlinks,
+            foreign_processes_fail: args.fail_on_processes,
+            ..Policy::default()
+        },
+        sample_interval: Duration::from_millis(args.sample_interval_ms),
+        fabric_wait: Duration::from_secs_f64(args.fabric_wait),
+        fabric_poll: Duration::from_millis(200).min(Duration::from_secs_f64(args.fabric_wait)),
+        cuda: !args.skip_cuda,
+        cuda_timeout: Duration::from_secs(args.cuda_timeout),
+    };
+    let report = preflight(&opts);
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.render_text());
+    }
+    Ok(if report.verdict().is_unhealthy() {
+        exit_code::UNHEALTHY_GPU
+    } else {
+        exit_code::SUCCESS
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpulist_compresses_ranges() {
+        assert_eq!(cpulist(&[3, 0, 1, 2, 8, 10, 11]), "0-3,8,10-11");
+        assert_eq!(cpulist(&[]), "");
+    }
+
+    #[test]
+    fn bus_ids_sort_numerically() {
+        let mut ids = vec![
+            Some("00000000:DB:00.0"),
+            None,
+            Some("00000000:18:00.0"),
+            Some("00000001:05:00.0"),
+        ];
+        ids.sort_by_key(|id| bus_key(*id));
+        assert_eq!(
+            ids,
+            vec![
+                Some("00000000:18:00.0"),
+                Some("00000000:DB:00.0"),
+                Some("00000001:05:00.0"),
+                None
+            ]
+        );
+    }
+
+    #[test]
+    fn binding_cpus_stay_inside_the_allowed_set() {
+        let allowed = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)).unwrap();
+        let first = (0..1024)
+            .find(|c| allowed.is_set(*c).unwrap_or(false))
+            .unwrap() as u32;
+        let gpu = GpuInfo {
+            index: 0,
+            uuid: None,
+            pci_bus_id: None,
+            name: None,
+            numa_node: Some(0),
+            cpu_affinity: vec![first, 100_000],
+        };
+        assert_eq!(binding_cpus(&gpu), vec![first]);
+    }
+
+    #[test]
+    fn cli_rejects_bad_flags_with_a_config_error() {
+        let args: Vec<OsString> = ["muster", "gpu-check", "--expect-gpus", "eight"]
+            .iter()
+            .map(OsString::from)
+            .collect();
+        let err = run_cli(&args).unwrap_err();
+        assert_eq!(exit_code::for_error(&err), exit_code::CONFIG_ERROR);
+    }
+}
