@@ -68,7 +68,12 @@ pub fn child_main(peers: &[(usize, usize)]) -> u8 {
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
             if msg.contains("dynamically load") || msg.contains("libcuda") {
-                ChildReport::NoDriver { detail: msg }
+                // cudarc's message goes on to list ~30 candidate file names; the first clause
+                // says what happened.
+                let short = msg.split(" - searched").next().unwrap_or(&msg);
+                ChildReport::NoDriver {
+                    detail: format!("{short} (libcuda.so / libcuda.so.1 not on the library path)"),
+                }
             } else {
                 ChildReport::InitFailed {
                     detail: format!("cudarc panicked: {msg}"),

@@ -1,0 +1,208 @@
+"""`muster gpu-check` against the fake NVML: every fixture in tests/fixtures/nvml, text and JSON.
+
+The fake (`libfake_nvml.so`, crate tests/fake-nvml) is loaded by muster through nvml-wrapper's
+real dlopen path (`MUSTER_NVML_LIBRARY`) and answers from the fixture named by
+`MUSTER_FAKE_NVML_FIXTURE`. Each case states the exit code and exactly which checks fail on which
+GPU, and the failing GPUs are identified by the UUID and PCI bus id the fixture gave them.
+
+Environment: MUSTER_BIN (conftest), MUSTER_FAKE_NVML (default target/release/libfake_nvml.so).
+"""
+
+import ctypes.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, muster_bin
+
+FIXTURES = REPO / "tests" / "fixtures" / "nvml"
+HEALTHY = json.loads((FIXTURES / "healthy-hgx-h100-8gpu.json").read_text())
+UNHEALTHY_GPU = 204
+# Short enough that the whole suite takes seconds; the fake's counters grow per read, not per
+# second, so the interval does not change what the checks see.
+FAST = ["--sample-interval-ms", "50", "--skip-cuda"]
+
+
+def fake_nvml() -> str:
+    path = os.environ.get("MUSTER_FAKE_NVML") or str(
+        REPO / "target" / "release" / "libfake_nvml.so"
+    )
+    if not Path(path).exists():
+        pytest.fail(f"fake NVML not found at {path}; build it or set MUSTER_FAKE_NVML", pytrace=False)
+    return path
+
+
+def run_check(fixture, *args, library=None, timeout=60):
+    env = dict(os.environ)
+    env["MUSTER_NVML_LIBRARY"] = library if library is not None else fake_nvml()
+    if fixture is not None:
+        env["MUSTER_FAKE_NVML_FIXTURE"] = str(FIXTURES / fixture)
+    return subprocess.run(
+        [muster_bin(), "gpu-check", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def identity(index):
+    dev = HEALTHY["devices"][index]
+    return dev["uuid"], dev["pci_bus_id"]
+
+
+# fixture, extra args, exit code, {(check, gpu index or None)} that must fail — and nothing else.
+CASES = [
+    ("healthy-hgx-h100-8gpu.json", [], 0, set()),
+    ("nvlink-gpu3-two-links-down.json", [], UNHEALTHY_GPU, {("nvlink_links", 3)}),
+    ("nvlink-gpu5-replay-errors-growing.json", [], UNHEALTHY_GPU, {("nvlink_errors", 5)}),
+    ("ecc-gpu2-volatile-uncorrectable.json", [], UNHEALTHY_GPU, {("ecc_errors", 2)}),
+    ("row-remap-gpu6-pending.json", [], UNHEALTHY_GPU, {("row_remap", 6)}),
+    ("recovery-action-gpu1-reset.json", [], UNHEALTHY_GPU, {("recovery_action", 1)}),
+    ("fabric-initialising-then-complete.json", ["--fabric-wait", "10"], 0, set()),
+    ("fabric-failed.json", [], UNHEALTHY_GPU, {("fabric", 4)}),
+    ("gpu-lost-gpu7.json", [], UNHEALTHY_GPU, {("gpu_lost", 7)}),
+    ("only-7-of-8-gpus.json", [], UNHEALTHY_GPU, {("device_count", None)}),
+    ("mig-enabled-gpu0.json", [], UNHEALTHY_GPU, {("mig", 0)}),
+    ("throttle-gpu4-hw-slowdown.json", [], UNHEALTHY_GPU, {("throttle", 4)}),
+    ("not-supported-queries.json", [], 0, set()),
+]
+
+
+def test_every_fixture_has_a_case():
+    on_disk = {p.name for p in FIXTURES.glob("*.json")}
+    assert on_disk == {c[0] for c in CASES}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixture,args,code,failing", CASES, ids=[c[0] for c in CASES])
+def test_fixture_json(fixture, args, code, failing):
+    proc = run_check(fixture, "--expect-gpus", "8", "--json", *FAST, *args)
+    assert proc.returncode == code, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["verdict"] == ("unhealthy" if code else "healthy"), report["verdict"]
+    fails = [c for c in report["checks"] if c["status"] == "fail"]
+    got = {(c["check"], c["gpu"]["index"] if "gpu" in c else None) for c in fails}
+    assert got == failing
+    for c in fails:
+        if "gpu" in c:
+            uuid, bus = identity(c["gpu"]["index"])
+            assert (c["gpu"]["uuid"], c["gpu"]["pci_bus_id"]) == (uuid, bus)
+            assert c["reason"], c
+    if fixture != "only-7-of-8-gpus.json":
+        assert len(report["gpus"]) == 8
+        assert [g["pci_bus_id"] for g in report["gpus"]] == [d["pci_bus_id"] for d in HEALTHY["devices"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixture,args,code,failing", CASES, ids=[c[0] for c in CASES])
+def test_fixture_text(fixture, args, code, failing):
+    proc = run_check(fixture, "--expect-gpus", "8", *FAST, *args)
+    assert proc.returncode == code, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("muster gpu-check on ")
+    assert ("UNHEALTHY" in lines[0]) == bool(code)
+    fail_lines = [l for l in lines if l.startswith("FAIL  ")]
+    assert len(fail_lines) == len(failing), fail_lines
+    for check, gpu in failing:
+        who = f"GPU{gpu}" if gpu is not None else "node"
+        assert any(l.split()[1:3] == [who, check] for l in fail_lines), (check, gpu, fail_lines)
+        if gpu is not None:
+            uuid, bus = identity(gpu)
+            # The closing "Failing checks" section names the GPU by index, UUID and bus id.
+            assert f"GPU {gpu} ({uuid}, {bus}) {check}:" in proc.stdout
+    # One line per check per GPU for every reachable GPU, then the topology matrix.
+    assert "Topology:" in proc.stdout
+    if not failing:
+        assert "GPU0    X     NV18" in proc.stdout
+
+
+def test_link_down_shows_in_the_matrix():
+    proc = run_check("nvlink-gpu3-two-links-down.json", "--expect-gpus", "8", *FAST)
+    matrix = proc.stdout.split("Topology:\n", 1)[1].splitlines()
+    rows = {l.split()[0]: l.split()[1:] for l in matrix[1:9]}
+    assert rows["GPU3"][:8] == ["NV16"] * 3 + ["X"] + ["NV16"] * 4
+    assert rows["GPU0"][:8] == ["X", "NV18", "NV18", "NV16", "NV18", "NV18", "NV18", "NV18"]
+    # CPU affinity and NUMA node columns.
+    assert rows["GPU3"][8:] == ["0-51,104-155", "0"]
+    assert rows["GPU4"][8:] == ["52-103,156-207", "1"]
+    assert "16 of 18 NVLinks active (inactive: 5, 11)" in proc.stdout
+
+
+def test_fabric_wait_is_bounded():
+    # The fabric completes on the 3rd/4th read; a 0.2 s wait allows one poll, so every GPU is
+    # still initialising when the wait ends.
+    proc = run_check(
+        "fabric-initialising-then-complete.json", "--expect-gpus", "8", "--json", "--fabric-wait", "0.2", *FAST
+    )
+    assert proc.returncode == UNHEALTHY_GPU, proc.stderr
+    report = json.loads(proc.stdout)
+    fabric = [c for c in report["checks"] if c["check"] == "fabric"]
+    assert [c["status"] for c in fabric] == ["fail"] * 8
+    assert "not started" in fabric[6]["reason"] and "initialising" in fabric[0]["reason"]
+
+
+def test_fabric_wait_reports_how_long_it_waited():
+    proc = run_check("fabric-initialising-then-complete.json", "--json", "--fabric-wait", "10", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    fabric = [c for c in json.loads(proc.stdout)["checks"] if c["check"] == "fabric"]
+    assert all(c["status"] == "pass" and "after waiting" in c["reason"] for c in fabric)
+
+
+def test_unsupported_queries_are_skipped_not_failed():
+    proc = run_check("not-supported-queries.json", "--expect-gpus", "8", "--json", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    by = {(c["check"], c.get("gpu", {}).get("index")): c["status"] for c in json.loads(proc.stdout)["checks"]}
+    for check in ["recovery_action", "fabric", "mig", "power_limit"]:
+        assert by[(check, 0)] == "skip", check
+
+
+def test_count_check_needs_an_expectation():
+    proc = run_check("only-7-of-8-gpus.json", "--json", *FAST)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["verdict"] == "healthy"
+
+
+@pytest.mark.parametrize("library", ["/nonexistent/libnvidia-ml.so.1", ""])
+def test_no_nvml_library_is_a_clear_outcome(library):
+    # "" = no override: the driver's own libnvidia-ml.so.1, absent on CI machines.
+    if library == "" and ctypes.util.find_library("nvidia-ml"):
+        pytest.skip("this machine has an NVIDIA driver")
+    proc = run_check(None, "--json", "--skip-cuda", library=library)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["verdict"] == "healthy" and report["gpus"] == []
+    assert report["checks"][0]["check"] == "driver"
+    assert report["checks"][0]["status"] == "skip"
+    assert "no NVIDIA driver" in report["checks"][0]["reason"]
+
+    proc = run_check(None, "--expect-gpus", "8", "--skip-cuda", library=library)
+    assert proc.returncode == UNHEALTHY_GPU
+    assert "FAIL  node   driver           8 GPU(s) expected but no NVIDIA driver" in proc.stdout
+    assert "panicked" not in proc.stderr
+
+
+def test_missing_cuda_driver_fails_only_when_gpus_are_expected():
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("this machine has libcuda")
+    # The CUDA smoke test runs in a child process; cudarc panics there without libcuda and the
+    # parent reports it as one clear line.
+    proc = run_check("healthy-hgx-h100-8gpu.json", "--expect-gpus", "8", "--json", "--sample-interval-ms", "50")
+    assert proc.returncode == UNHEALTHY_GPU, proc.stderr
+    cuda = [c for c in json.loads(proc.stdout)["checks"] if c["check"] == "cuda"]
+    assert len(cuda) == 1 and cuda[0]["status"] == "fail"
+    assert cuda[0]["reason"].startswith("CUDA driver not found")
+    assert len(cuda[0]["reason"]) < 400
+
+    proc = run_check(None, "--json", library="/nonexistent/libnvidia-ml.so.1")
+    assert proc.returncode == 0
+    assert [c["check"] for c in json.loads(proc.stdout)["checks"]] == ["driver"]
+
+
+def test_bad_flag_is_a_config_error():
+    proc = run_check(None, "--expect-gpus", "eight", library="/nonexistent")
+    assert proc.returncode == 202
+    assert proc.stderr.startswith("muster: error:")
