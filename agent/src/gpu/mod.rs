@@ -215,6 +215,10 @@ struct Args {
     /// Fail (instead of warn) when other compute processes already use a GPU.
     #[arg(long)]
     fail_on_processes: bool,
+    /// Print the raw NVML snapshot (what every check looked at) as JSON instead of the report;
+    /// used to record fixtures on real hardware.
+    #[arg(long)]
+    dump_snapshot: bool,
     /// Internal: run the CUDA smoke test in this process and print its JSON result.
     #[arg(long = "cuda-smoke-child", hide = true)]
     cuda_smoke_child: bool,
@@ -255,6 +259,15 @@ pub fn run_cli(args: &[OsString]) -> anyhow::Result<u8> {
         cuda: !args.skip_cuda,
         cuda_timeout: Duration::from_secs(args.cuda_timeout),
     };
+    if args.dump_snapshot {
+        let node = nvml::snapshot(&nvml::Options {
+            sample_interval: opts.sample_interval,
+            fabric_wait: opts.fabric_wait,
+            fabric_poll: opts.fabric_poll,
+        });
+        println!("{}", serde_json::to_string_pretty(&node)?);
+        return Ok(exit_code::SUCCESS);
+    }
     let report = preflight(&opts);
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);

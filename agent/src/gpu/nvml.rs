@@ -255,10 +255,16 @@ fn normalise_bus_id(bus_id: &str) -> String {
     }
 }
 
+/// One field value as a number. A driver that predates a field ID answers that field with
+/// INVALID_ARGUMENT, which means "not supported here", not a faulty GPU.
 fn field_u64(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Reading<u64> {
+    let field_error = |e: &NvmlError| match e {
+        NvmlError::InvalidArg => ReadError::NotSupported,
+        other => classify(other),
+    };
     let sample = match sample {
         Some(Ok(s)) => s,
-        Some(Err(e)) => return Err(classify(e)),
+        Some(Err(e)) => return Err(field_error(e)),
         None => return Err(ReadError::NotSupported),
     };
     match &sample.value {
@@ -266,7 +272,7 @@ fn field_u64(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Reading<u6
         Ok(SampleValue::U64(v)) => Ok(*v),
         Ok(SampleValue::I64(v)) => Ok((*v).max(0) as u64),
         Ok(SampleValue::F64(v)) => Ok(v.max(0.0) as u64),
-        Err(e) => Err(classify(e)),
+        Err(e) => Err(field_error(e)),
     }
 }
 
