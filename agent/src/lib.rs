@@ -8,11 +8,15 @@
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
 //! - [`gpu`]: GPU pre-flight (NVML health, NVLink topology, CUDA smoke test), `muster gpu-check`.
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
+//! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
 pub mod commands;
 pub mod exit_code;
 pub mod gpu;
+pub mod logging;
+pub mod signals;
 pub mod store_cmd;
 
 pub use commands::main;
