@@ -67,6 +67,8 @@ impl From<snapshot::DriverState> for GpuError {
 #[derive(Debug, Clone)]
 pub struct PreflightOptions {
     pub policy: Policy,
+    /// NVML library to load instead of the driver's; the default takes `MUSTER_NVML_LIBRARY`.
+    pub nvml_library: Option<String>,
     /// Time between the two NVLink error-counter samples.
     pub sample_interval: Duration,
     /// Longest wait for an NVSwitch fabric that is still initialising.
@@ -82,6 +84,7 @@ impl Default for PreflightOptions {
     fn default() -> Self {
         Self {
             policy: Policy::default(),
+            nvml_library: nvml::library_override(),
             sample_interval: Duration::from_secs(1),
             fabric_wait: Duration::from_secs(60),
             fabric_poll: Duration::from_millis(500),
@@ -91,14 +94,21 @@ impl Default for PreflightOptions {
     }
 }
 
+impl PreflightOptions {
+    fn nvml_options(&self) -> nvml::Options {
+        nvml::Options {
+            library: self.nvml_library.clone(),
+            sample_interval: self.sample_interval,
+            fabric_wait: self.fabric_wait,
+            fabric_poll: self.fabric_poll,
+        }
+    }
+}
+
 /// Runs every check on this node's GPUs. Never fails: a missing driver, a lost GPU or an
 /// unsupported query are all outcomes inside the report.
 pub fn preflight(opts: &PreflightOptions) -> Report {
-    let node = nvml::snapshot(&nvml::Options {
-        sample_interval: opts.sample_interval,
-        fabric_wait: opts.fabric_wait,
-        fabric_poll: opts.fabric_poll,
-    });
+    let node = nvml::snapshot(&opts.nvml_options());
     let results = checks::evaluate(&node, &opts.policy);
     let mut report = Report::new(hostname(), opts.policy.expected_gpus, &node, results);
     let driver_loaded = matches!(node.driver, snapshot::DriverState::Loaded { .. });
@@ -118,8 +128,9 @@ pub fn preflight(opts: &PreflightOptions) -> Report {
 
 /// Local GPUs in PCI bus id order (the order `CUDA_DEVICE_ORDER=PCI_BUS_ID` gives, and the order
 /// for `CUDA_VISIBLE_DEVICES`), with NUMA placement for `--numa-binding`.
+/// Honours `MUSTER_NVML_LIBRARY` like [`preflight`].
 pub fn ordered_devices() -> Result<Vec<GpuInfo>, GpuError> {
-    let mut gpus = nvml::devices()?;
+    let mut gpus = nvml::devices(nvml::library_override().as_deref())?;
     gpus.sort_by_key(|g| bus_key(g.pci_bus_id.as_deref()));
     Ok(gpus)
 }
@@ -247,6 +258,7 @@ pub fn run_cli(args: &[OsString]) -> anyhow::Result<u8> {
         return Err(Exit::config("--fabric-wait must be a number of seconds >= 0").into());
     }
     let opts = PreflightOptions {
+        nvml_library: nvml::library_override(),
         policy: Policy {
             expected_gpus: args.expect_gpus,
             expected_nvlinks: args.expect_nvlinks,
@@ -260,11 +272,7 @@ pub fn run_cli(args: &[OsString]) -> anyhow::Result<u8> {
         cuda_timeout: Duration::from_secs(args.cuda_timeout),
     };
     if args.dump_snapshot {
-        let node = nvml::snapshot(&nvml::Options {
-            sample_interval: opts.sample_interval,
-            fabric_wait: opts.fabric_wait,
-            fabric_poll: opts.fabric_poll,
-        });
+        let node = nvml::snapshot(&opts.nvml_options());
         println!("{}", serde_json::to_string_pretty(&node)?);
         return Ok(exit_code::SUCCESS);
     }

@@ -57,33 +57,32 @@ const FI_GET_GPU_RECOVERY_ACTION: u32 = 230;
 /// How the snapshot is taken.
 #[derive(Debug, Clone)]
 pub struct Options {
+    /// Library to `dlopen` instead of the driver's (see [`library_override`]).
+    pub library: Option<String>,
     pub sample_interval: Duration,
     pub fabric_wait: Duration,
     pub fabric_poll: Duration,
 }
 
-/// The library path to load: `MUSTER_NVML_LIBRARY`, or the driver's default.
-pub fn library() -> String {
-    std::env::var(LIBRARY_ENV)
-        .ok()
-        .filter(|p| !p.is_empty())
-        .unwrap_or_else(|| DEFAULT_LIBRARY.to_string())
+/// `MUSTER_NVML_LIBRARY`, when set and not empty.
+pub fn library_override() -> Option<String> {
+    std::env::var(LIBRARY_ENV).ok().filter(|p| !p.is_empty())
 }
 
-/// Initialises NVML from [`library`].
-fn open(library: &str) -> Result<Nvml, DriverState> {
-    let result = if std::env::var_os(LIBRARY_ENV).is_some_and(|p| !p.is_empty()) {
-        Nvml::builder().lib_path(OsStr::new(library)).init()
-    } else {
-        Nvml::init()
+/// Initialises NVML from `library`, or from the driver's default library.
+fn open(library: Option<&str>) -> Result<Nvml, DriverState> {
+    let name = library.unwrap_or(DEFAULT_LIBRARY).to_string();
+    let result = match library {
+        Some(path) => Nvml::builder().lib_path(OsStr::new(path)).init(),
+        None => Nvml::init(),
     };
     result.map_err(|e| match e {
         NvmlError::LibloadingError(err) => DriverState::Missing {
-            library: library.to_string(),
+            library: name,
             detail: err.to_string(),
         },
         other => DriverState::InitFailed {
-            library: library.to_string(),
+            library: name,
             detail: other.to_string(),
         },
     })
@@ -105,11 +104,13 @@ fn classify(e: &NvmlError) -> ReadError {
 
 /// Runs `f` with an initialised NVML, catching panics from nvml-wrapper (its `Drop` `expect`s
 /// `nvmlShutdown`). `Err` carries the driver state when NVML is unusable.
-pub fn with_nvml<T>(f: impl FnOnce(&Nvml, &str) -> T) -> Result<T, DriverState> {
-    let library = library();
+pub fn with_nvml<T>(
+    library: Option<&str>,
+    f: impl FnOnce(&Nvml, &str) -> T,
+) -> Result<T, DriverState> {
     let outcome = catch_unwind(AssertUnwindSafe(|| {
-        let nvml = open(&library)?;
-        Ok(f(&nvml, &library))
+        let nvml = open(library)?;
+        Ok(f(&nvml, library.unwrap_or(DEFAULT_LIBRARY)))
     }));
     match outcome {
         Ok(result) => result,
@@ -120,7 +121,7 @@ pub fn with_nvml<T>(f: impl FnOnce(&Nvml, &str) -> T) -> Result<T, DriverState> 
                 .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
                 .unwrap_or_else(|| "unknown panic".into());
             Err(DriverState::InitFailed {
-                library,
+                library: library.unwrap_or(DEFAULT_LIBRARY).to_string(),
                 detail: format!("nvml-wrapper panicked: {msg}"),
             })
         }
@@ -138,7 +139,9 @@ pub fn snapshot(opts: &Options) -> NodeSnapshot {
         fabric_waited_ms: 0,
         fabric_wait_limit_ms: opts.fabric_wait.as_millis() as u64,
     };
-    match with_nvml(|nvml, library| collect(nvml, library, opts)) {
+    match with_nvml(opts.library.as_deref(), |nvml, library| {
+        collect(nvml, library, opts)
+    }) {
         Ok(node) => node,
         Err(driver) => empty(driver),
     }
@@ -477,8 +480,8 @@ fn pair(nvml: &Nvml, a: &Device<'_>, b: &Device<'_>, ia: u32, ib: u32) -> PairSn
 }
 
 /// Identity and placement of every GPU, without the health checks (fast: no sampling, no wait).
-pub fn devices() -> Result<Vec<super::GpuInfo>, DriverState> {
-    with_nvml(|nvml, _| {
+pub fn devices(library: Option<&str>) -> Result<Vec<super::GpuInfo>, DriverState> {
+    with_nvml(library, |nvml, _| {
         let count = nvml.device_count().unwrap_or(0);
         (0..count)
             .filter_map(|i| {
@@ -503,6 +506,47 @@ pub fn devices() -> Result<Vec<super::GpuInfo>, DriverState> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_library_is_a_no_driver_outcome() {
+        let node = snapshot(&Options {
+            library: Some("/nonexistent/libnvidia-ml.so.1".into()),
+            sample_interval: Duration::ZERO,
+            fabric_wait: Duration::ZERO,
+            fabric_poll: Duration::ZERO,
+        });
+        match &node.driver {
+            DriverState::Missing { library, detail } => {
+                assert_eq!(library, "/nonexistent/libnvidia-ml.so.1");
+                assert!(
+                    detail.contains("cannot open shared object file"),
+                    "{detail}"
+                );
+            }
+            other => panic!("expected Missing, got {other:?}"),
+        }
+        assert_eq!((node.device_count, node.gpus.len()), (Ok(0), 0));
+        assert!(matches!(
+            devices(Some("/nonexistent/x.so")),
+            Err(DriverState::Missing { .. })
+        ));
+    }
+
+    #[test]
+    fn a_library_that_is_not_nvml_does_not_crash() {
+        // libc has none of NVML's symbols: nvml-wrapper loads it, then finds no nvmlInit_v2.
+        let node = snapshot(&Options {
+            library: Some("libc.so.6".into()),
+            sample_interval: Duration::ZERO,
+            fabric_wait: Duration::ZERO,
+            fabric_poll: Duration::ZERO,
+        });
+        assert!(
+            matches!(node.driver, DriverState::InitFailed { .. }),
+            "{:?}",
+            node.driver
+        );
+    }
 
     #[test]
     fn bus_ids_compare_in_one_form() {
