@@ -398,7 +398,6 @@ fn counters(d: &Device<'_>, link: u32) -> LinkCounters {
 
 fn links(d: &Device<'_>, bus_ids: &HashMap<String, u32>) -> Reading<Vec<LinkSnapshot>> {
     let mut out = Vec::new();
-    let mut first_error = None;
     for link in 0..MAX_NVLINKS {
         let wrapper = d.link_wrapper_for(link);
         match read(wrapper.is_active()) {
@@ -423,10 +422,9 @@ fn links(d: &Device<'_>, bus_ids: &HashMap<String, u32>) -> Reading<Vec<LinkSnap
             }
             // A lost GPU is reported as such, not as "no NVLink".
             Err(e @ (ReadError::GpuLost | ReadError::ResetRequired)) => return Err(e),
-            // Links past the GPU's count answer INVALID_ARGUMENT or NOT_SUPPORTED.
-            Err(e) => {
-                first_error.get_or_insert(e);
-            }
+            // Links past the GPU's count answer INVALID_ARGUMENT, links a SKU lacks answer
+            // NOT_SUPPORTED; either way the link does not exist for the checks.
+            Err(_) => {}
         }
     }
     if out.is_empty() {
