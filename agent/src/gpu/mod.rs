@@ -10,6 +10,8 @@
 //! - [`report`]: the verdict, the `topo -m` matrix, text and JSON output, and the compact
 //!   [`Summary`] a node publishes in its rendezvous registration.
 //! - [`cuda`]: the cudarc smoke test, run as `muster gpu-check --cuda-smoke-child`.
+//! - [`gate`]: what the launch does with it: `--gpu-check off|warn|require`, and the gang-wide
+//!   fail-fast decision over every node's published [`Summary`].
 //!
 //! # API for launch and metrics
 //! - [`preflight`]`(&PreflightOptions) -> Report` (blocking: it samples NVLink counters and may
@@ -24,6 +26,7 @@
 pub mod checks;
 pub mod cuda;
 mod fabric;
+pub mod gate;
 pub mod nvml;
 pub mod report;
 pub mod snapshot;
