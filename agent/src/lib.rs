@@ -7,11 +7,14 @@
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
 //! - [`gpu`]: GPU pre-flight (NVML health, NVLink topology, CUDA smoke test), `muster gpu-check`.
+//! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
+//!   protocol over the store).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
+pub mod checkpoint;
 pub mod commands;
 pub mod exit_code;
 pub mod gpu;

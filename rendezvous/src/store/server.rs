@@ -35,8 +35,12 @@ use super::state::{ClientId, State, StateError};
 /// worker count per store; the cap exists so a runaway client cannot exhaust file descriptors.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
 
-/// Receive buffer reserved per read; libuv reads in 4 KiB chunks, we take a little more so a
-/// batch of pipelined requests is usually one read.
+/// Receive buffer of an idle connection. Small, because a job's store holds one connection per
+/// agent and per worker, mostly idle: 16k connections × 1 KiB is 16 MiB.
+const IDLE_BUFFER: usize = 1024;
+
+/// Receive buffer grown to while requests stream in; libuv reads in 4 KiB chunks, we take a
+/// little more so a batch of pipelined requests is usually one read.
 const READ_CHUNK: usize = 16 * 1024;
 
 /// Backlog when `/proc/sys/net/core/somaxconn` cannot be read.
@@ -307,7 +311,7 @@ async fn connection_loop(
     shutdown: &CancellationToken,
 ) -> Close {
     let stats = &shared.stats;
-    let mut inbuf = BytesMut::with_capacity(READ_CHUNK);
+    let mut inbuf = BytesMut::with_capacity(IDLE_BUFFER);
     let mut validated = false;
     loop {
         let pending = tokio::select! {
@@ -324,8 +328,13 @@ async fn connection_loop(
                         let _ = write(stream, &pending, shared, shutdown).await;
                         return Close::Protocol(reason);
                     }
-                    if inbuf.capacity() - inbuf.len() < READ_CHUNK / 4 {
-                        inbuf.reserve(READ_CHUNK);
+                    if inbuf.is_empty() && inbuf.capacity() > READ_CHUNK {
+                        // Give back what a large value needed once.
+                        inbuf = BytesMut::with_capacity(IDLE_BUFFER);
+                    } else if inbuf.capacity() - inbuf.len() < IDLE_BUFFER {
+                        // read_buf needs spare capacity (with none it would read 0 bytes, which
+                        // looks like end of stream); grow in chunks while data streams in.
+                        inbuf.reserve(if n >= IDLE_BUFFER { READ_CHUNK } else { IDLE_BUFFER });
                     }
                     pending
                 }
