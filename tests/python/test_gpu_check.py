@@ -12,6 +12,7 @@ import ctypes.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,32 @@ def test_bad_flag_is_a_config_error():
     proc = run_check(None, "--expect-gpus", "eight", library="/nonexistent")
     assert proc.returncode == 202
     assert proc.stderr.startswith("muster: error:")
+
+
+def dump_snapshot(fixture_path):
+    env = dict(os.environ, MUSTER_NVML_LIBRARY=fake_nvml(), MUSTER_FAKE_NVML_FIXTURE=str(fixture_path))
+    proc = subprocess.run(
+        [muster_bin(), "gpu-check", "--dump-snapshot", "--sample-interval-ms", "10", "--fabric-wait", "10"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    snap = json.loads(proc.stdout)
+    for timing in ("sample_interval_ms", "fabric_waited_ms", "fabric_wait_limit_ms"):
+        snap.pop(timing)
+    return snap
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fixture", [c[0] for c in CASES])
+def test_snapshot_replays_as_a_fixture(fixture, tmp_path):
+    """A snapshot recorded on hardware (scripts/gpu-device-check.sh) converts into a fixture the
+    fake replays with the same answers; here the "hardware" is the fake itself."""
+    first = dump_snapshot(FIXTURES / fixture)
+    (tmp_path / "snap.json").write_text(json.dumps(first))
+    conv = subprocess.run(
+        [sys.executable, str(FIXTURES / "snapshot_to_fixture.py"), str(tmp_path / "snap.json"), "replayed"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert conv.returncode == 0, conv.stderr
+    (tmp_path / "replayed.json").write_text(conv.stdout)
+    assert dump_snapshot(tmp_path / "replayed.json") == first
