@@ -243,14 +243,22 @@ struct Args {
 
 /// Entry point of `muster gpu-check` (`args[0]` is the binary, `args[1]` is `gpu-check`).
 pub fn run_cli(args: &[OsString]) -> anyhow::Result<u8> {
-    let args = match Args::try_parse_from(args.iter().skip(1)) {
+    let argv =
+        std::iter::once(OsString::from("muster gpu-check")).chain(args.iter().skip(2).cloned());
+    let args = match Args::try_parse_from(argv) {
         Ok(a) => a,
         Err(e) if !e.use_stderr() => {
             // --help / --version.
             print!("{e}");
             return Ok(exit_code::SUCCESS);
         }
-        Err(e) => return Err(Exit::config(e.to_string().trim_end().to_string()).into()),
+        Err(e) => {
+            // One line, without clap's own "error: " prefix (main adds "muster: error:").
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            let line = first.strip_prefix("error: ").unwrap_or(first);
+            return Err(Exit::config(format!("gpu-check: {line} (see --help)")).into());
+        }
     };
     if args.cuda_smoke_child {
         let peers =
