@@ -87,6 +87,26 @@ pub fn gang_verdict(nodes: &[(u32, Option<Summary>)]) -> Option<Exit> {
     }
 }
 
+/// The value for the registration's `gpu` field: the compact [`Summary`] as JSON
+/// (`{"host", "verdict": "healthy"|"warnings"|"unhealthy", "failures": [{check, gpu: {index,
+/// uuid, pci_bus_id}, status, reason}]}`), or `null` when the pre-flight did not run. The
+/// rendezvous coordinator only needs `verdict == "unhealthy"` to keep a node out of a round.
+pub fn registration_value(report: Option<&Report>) -> serde_json::Value {
+    report
+        .and_then(|r| serde_json::to_value(r.summary()).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// [`gang_verdict`] over the raw `gpu` values read back from every registration. `null` or a
+/// value that is not a summary (another muster version) counts as "no verdict".
+pub fn gang_verdict_from_values(nodes: &[(u32, &serde_json::Value)]) -> Option<Exit> {
+    let parsed: Vec<(u32, Option<Summary>)> = nodes
+        .iter()
+        .map(|(rank, value)| (*rank, serde_json::from_value((*value).clone()).ok()))
+        .collect();
+    gang_verdict(&parsed)
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -163,6 +183,26 @@ mod tests {
             err.message,
             "GPU pre-flight failed: node rank 1, node worker-1: GPU 3 (GPU-abc, \
              00000000:5D:00.0) nvlink_links: 16 of 18 NVLinks active"
+        );
+    }
+
+    #[test]
+    fn registration_values_carry_the_verdict() {
+        assert_eq!(registration_value(None), serde_json::Value::Null);
+        let report = run(Mode::Warn, &no_driver(Some(8))).unwrap().unwrap();
+        let value = registration_value(Some(&report));
+        assert_eq!(value["verdict"], "unhealthy");
+        assert_eq!(value["failures"][0]["check"], "driver");
+        let healthy = registration_value(run(Mode::Warn, &no_driver(None)).unwrap().as_ref());
+        let garbage = serde_json::json!({"something": "else"});
+        let null = serde_json::Value::Null;
+        assert!(gang_verdict_from_values(&[(0, &healthy), (1, &null), (2, &garbage)]).is_none());
+        let err = gang_verdict_from_values(&[(0, &healthy), (3, &value)]).unwrap();
+        assert!(
+            err.message
+                .starts_with("GPU pre-flight failed: node rank 3, node "),
+            "{}",
+            err.message
         );
     }
 
