@@ -41,6 +41,8 @@ pub mod name {
     pub const P2P: &str = "p2p";
     pub const NUMA: &str = "numa";
     pub const CUDA: &str = "cuda";
+    /// The isolated pre-flight itself did not finish (see `gpu::preflight_isolated`).
+    pub const PREFLIGHT: &str = "preflight";
 }
 
 /// Thresholds and expectations; the defaults follow gpu-health.md §6.

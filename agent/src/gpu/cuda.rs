@@ -7,9 +7,8 @@
 //! exit; and CUDA is not fork-safe while the agent later forks the ranks. The child prints one
 //! JSON line; the parent turns it into a `cuda` check result.
 
-use std::io::Read as _;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaContext;
@@ -249,7 +248,7 @@ fn judge(devices: &[DeviceResult], peers: &[PeerResult], visible_gpus: usize) ->
     }
 }
 
-/// Starts `current_exe gpu-check --cuda-smoke-child`, waits at most `timeout`, kills it after.
+/// Starts `current_exe gpu-check --cuda-smoke-child` with a hard time limit.
 fn spawn(peers: &[(usize, usize)], timeout: Duration) -> Result<ChildReport, String> {
     let exe = std::env::current_exe().map_err(|e| format!("cannot find own binary: {e}"))?;
     let peer_arg: Vec<String> = peers.iter().map(|(a, b)| format!("{a}-{b}")).collect();
@@ -259,46 +258,8 @@ fn spawn(peers: &[(usize, usize)], timeout: Duration) -> Result<ChildReport, Str
         cmd.arg("--peers").arg(peer_arg.join(","));
     }
     // CUDA's default order is "fastest first"; PCI order makes ordinal i the NVML index i.
-    cmd.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "timed out after {} s (a GPU hung in cuInit or a copy)",
-                    timeout.as_secs()
-                ));
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => return Err(format!("wait: {e}")),
-        }
-    };
-    let mut stdout = String::new();
-    if let Some(mut out) = child.stdout.take() {
-        let _ = out.read_to_string(&mut stdout);
-    }
-    let mut stderr = String::new();
-    if let Some(mut err) = child.stderr.take() {
-        let _ = err.read_to_string(&mut stderr);
-    }
-    let line = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(line).map_err(|_| {
-        format!(
-            "child exited with {status} without a report{}",
-            stderr
-                .lines()
-                .last()
-                .map(|l| format!(": {l}"))
-                .unwrap_or_default()
-        )
-    })
+    cmd.env("CUDA_DEVICE_ORDER", "PCI_BUS_ID");
+    super::child::run_json(cmd, timeout, "a GPU hung in cuInit or a copy")
 }
 
 /// Parses `--peers 0-1,2-3`.

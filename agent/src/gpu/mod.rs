@@ -15,7 +15,9 @@
 //!
 //! # API for launch and metrics
 //! - [`preflight`]`(&PreflightOptions) -> Report` (blocking: it samples NVLink counters and may
-//!   wait for the fabric; call it from `spawn_blocking`), [`Report::verdict`],
+//!   wait for the fabric; call it from `spawn_blocking`), or [`preflight_isolated`] which runs
+//!   the same as `muster gpu-check --json` in a child killed after a timeout (a GPU in a bad
+//!   state can hang an NVML call; the launch should prefer this), [`Report::verdict`],
 //!   [`Report::summary`] → [`Summary`] (serde) with [`Summary::message`] for the fail-fast error.
 //! - [`ordered_devices`]`() -> Result<Vec<GpuInfo>, GpuError>`: GPUs sorted by PCI bus id (the
 //!   order for `CUDA_VISIBLE_DEVICES`), each with UUID, NUMA node and NVML's CPU list;
@@ -24,6 +26,7 @@
 //!   healthy, [`crate::exit_code::UNHEALTHY_GPU`] otherwise.
 
 pub mod checks;
+mod child;
 pub mod cuda;
 mod fabric;
 pub mod gate;
@@ -127,6 +130,66 @@ pub fn preflight(opts: &PreflightOptions) -> Report {
         report.push(cuda::smoke(expected, visible, &peers, opts.cuda_timeout));
     }
     report
+}
+
+/// [`preflight`] in a child process (`<this binary> gpu-check --json ...`) that is killed after
+/// `timeout`, so a driver call that never returns cannot hang the agent. The child applies the
+/// default thresholds of [`Policy`] (only the expectations and `foreign_processes_fail` are
+/// passed on). A child that does not report in time fails the node with check `preflight`.
+pub fn preflight_isolated(opts: &PreflightOptions, timeout: Duration) -> Report {
+    let failed = |reason: String| {
+        let check = CheckResult::node(checks::name::PREFLIGHT, Status::Fail, reason);
+        Report {
+            host: hostname(),
+            verdict: Verdict::Unhealthy,
+            expected_gpus: opts.policy.expected_gpus,
+            driver_version: None,
+            gpus: Vec::new(),
+            checks: vec![check],
+            topology: Topology::of(&NodeSnapshot {
+                driver: snapshot::DriverState::InitFailed {
+                    library: String::new(),
+                    detail: String::new(),
+                },
+                device_count: Ok(0),
+                gpus: Vec::new(),
+                pairs: Vec::new(),
+                sample_interval_ms: 0,
+                fabric_waited_ms: 0,
+                fabric_wait_limit_ms: 0,
+            }),
+        }
+    };
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(e) => return failed(format!("cannot find the muster binary: {e}")),
+    };
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("gpu-check").arg("--json");
+    if let Some(n) = opts.policy.expected_gpus {
+        cmd.arg("--expect-gpus").arg(n.to_string());
+    }
+    if let Some(n) = opts.policy.expected_nvlinks {
+        cmd.arg("--expect-nvlinks").arg(n.to_string());
+    }
+    if opts.policy.foreign_processes_fail {
+        cmd.arg("--fail-on-processes");
+    }
+    if !opts.cuda {
+        cmd.arg("--skip-cuda");
+    }
+    cmd.arg("--sample-interval-ms")
+        .arg(opts.sample_interval.as_millis().to_string())
+        .arg("--fabric-wait")
+        .arg(opts.fabric_wait.as_secs_f64().to_string())
+        .arg("--cuda-timeout")
+        .arg(opts.cuda_timeout.as_secs().max(1).to_string());
+    match &opts.nvml_library {
+        Some(lib) => cmd.env(nvml::LIBRARY_ENV, lib),
+        None => cmd.env_remove(nvml::LIBRARY_ENV),
+    };
+    child::run_json(cmd, timeout, "an NVML or CUDA call did not return")
+        .unwrap_or_else(|e| failed(format!("GPU pre-flight did not complete: {e}")))
 }
 
 /// Local GPUs in PCI bus id order (the order `CUDA_DEVICE_ORDER=PCI_BUS_ID` gives, and the order
@@ -345,6 +408,28 @@ mod tests {
             cpu_affinity: vec![first, 100_000],
         };
         assert_eq!(binding_cpus(&gpu), vec![first]);
+    }
+
+    #[test]
+    fn isolated_preflight_without_a_report_fails_the_node() {
+        // Under `cargo test` the current executable is the test harness, which prints no report:
+        // the same outcome as a muster child that crashed.
+        let opts = PreflightOptions {
+            cuda: false,
+            sample_interval: Duration::ZERO,
+            ..PreflightOptions::default()
+        };
+        let report = preflight_isolated(&opts, Duration::from_secs(30));
+        assert_eq!(report.verdict(), Verdict::Unhealthy);
+        assert_eq!(report.checks.len(), 1);
+        assert_eq!(report.checks[0].check, "preflight");
+        assert!(
+            report.checks[0]
+                .reason
+                .starts_with("GPU pre-flight did not complete: child exited"),
+            "{}",
+            report.checks[0].reason
+        );
     }
 
     #[test]
