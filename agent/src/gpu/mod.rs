@@ -146,18 +146,7 @@ pub fn preflight_isolated(opts: &PreflightOptions, timeout: Duration) -> Report 
             driver_version: None,
             gpus: Vec::new(),
             checks: vec![check],
-            topology: Topology::of(&NodeSnapshot {
-                driver: snapshot::DriverState::InitFailed {
-                    library: String::new(),
-                    detail: String::new(),
-                },
-                device_count: Ok(0),
-                gpus: Vec::new(),
-                pairs: Vec::new(),
-                sample_interval_ms: 0,
-                fabric_waited_ms: 0,
-                fabric_wait_limit_ms: 0,
-            }),
+            topology: Topology::default(),
         }
     };
     let exe = match std::env::current_exe() {

@@ -145,7 +145,7 @@ impl GpuInfo {
 }
 
 /// The GPU-to-GPU matrix `nvidia-smi topo -m` prints.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Topology {
     /// Row/column GPU indices.
     pub gpus: Vec<u32>,
