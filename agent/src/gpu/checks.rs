@@ -1161,6 +1161,23 @@ mod tests {
     }
 
     #[test]
+    fn reports_round_trip_through_json() {
+        // `preflight_isolated` reads the child's `gpu-check --json` back into a Report.
+        let mut gpus = eight();
+        gpus[3].mig = Ok(MigMode {
+            current: true,
+            pending: false,
+        });
+        let n = node(gpus);
+        let report = Report::new("h".into(), Some(8), &n, evaluate(&n, &policy(8)));
+        let text = serde_json::to_string_pretty(&report).unwrap();
+        let back: Report = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, report);
+        assert_eq!(back.verdict(), Verdict::Unhealthy);
+        assert_eq!(back.topology.cells[0][1], "NV18");
+    }
+
+    #[test]
     fn missing_driver_fails_only_when_gpus_are_expected() {
         let mut n = node(vec![]);
         n.driver = DriverState::Missing {
