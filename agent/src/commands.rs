@@ -30,9 +30,6 @@ fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
     match subcommand {
         "store" => crate::store_cmd::run(args),
         "gpu-check" => crate::gpu::run_cli(&args),
-        _ => Err(exit_code::Exit::config(
-            "the launch form is not available yet; try `muster store --help`",
-        )
-        .into()),
+        _ => crate::cli::run(&args),
     }
 }

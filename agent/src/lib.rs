@@ -6,20 +6,29 @@
 //!   `dry-run`), and the one place where errors become exit codes.
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
-//! - [`gpu`]: GPU pre-flight (NVML health, NVLink topology, CUDA smoke test), `muster gpu-check`.
+//! - [`gpu`]: GPU pre-flight (NVML health, NVLink topology, CUDA smoke test), `muster gpu-check`;
+//!   its private `fabric` module holds one raw NVML call (`unsafe`, allowed on that module alone).
 //! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
 //!   protocol over the store).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
+//! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
+//! - [`logs`]: worker output: prefixed or JSON lines, per-rank files, one console writer.
+//! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
+pub mod cli;
 pub mod commands;
 pub mod exit_code;
 pub mod gpu;
+pub mod launch;
 pub mod logging;
+pub mod logs;
 pub mod signals;
 pub mod store_cmd;
+pub mod sys;
 
 pub use commands::main;
