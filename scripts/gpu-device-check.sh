@@ -152,7 +152,7 @@ if [[ -z $PY ]]; then
 else
     # The launch form first: muster hosts the store and starts one rank per GPU.
     run_step nccl-allreduce-muster 90 nccl-allreduce.txt \
-        env MUSTER_TORCH_PYTHON="$PY" "$MUSTER" --nproc-per-node gpu "$OUT/allreduce.py"
+        env PYTHON_EXEC="$(command -v "$PY" || echo "$PY")" "$MUSTER" --nproc-per-node gpu "$OUT/allreduce.py"
     if ! grep -q '"correct": true' "$OUT/nccl-allreduce.txt" 2>/dev/null; then
         # Launch form unavailable or failed: torchrun starts the ranks, which rendezvous for NCCL
         # through a standalone `muster store`.
