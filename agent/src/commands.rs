@@ -30,6 +30,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
     match subcommand {
         "store" => crate::store_cmd::run(args),
         "gpu-check" => crate::gpu::run_cli(&args),
+        "dry-run" => crate::dry_run::run(&args),
         _ => crate::cli::run(&args),
     }
 }

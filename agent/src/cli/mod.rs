@@ -14,6 +14,7 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
+use crate::checkpoint::{self, controller::Preemption};
 use crate::exit_code::Exit;
 use crate::launch::config::{Config, LogFormat};
 use crate::launch::Launch;
@@ -72,13 +73,30 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
 async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
     init_tracing(config.logs.format, writer.sink());
-    let result = Launch::new(config)
-        .with_log_sink(writer.sink())
-        .run(CancellationToken::new())
-        .await;
+    let mut launch = Launch::new(config).with_log_sink(writer.sink());
+    if crate::node::is_multi_node(launch.config()) {
+        match crate::node::GangRendezvous::new(launch.config(), false) {
+            Ok(r) => launch = launch.with_rendezvous(Box::new(r)),
+            Err(e) => {
+                writer.finish();
+                return Err(anyhow::Error::new(Exit::new(e.exit_code(), e.to_string())));
+            }
+        }
+    }
+    let shutdown = CancellationToken::new();
+    let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
+        .context("cannot set up the checkpoint barrier")?;
+    launch = launch
+        .with_worker_env(
+            checkpoint::local::SOCKET_ENV,
+            preemption.socket().as_os_str(),
+        )
+        .with_worker_env("PYTHONPATH", preemption.python_path())
+        .on_terminate(preemption.terminate_hook());
+    let result = launch.run(shutdown).await;
     writer.finish();
     match result {
-        Ok(outcome) => Ok(outcome.exit_code),
+        Ok(outcome) => Ok(preemption.exit_code(outcome.exit_code)),
         Err(e) => {
             let code = e.exit_code();
             Err(anyhow::Error::new(Exit::new(code, e.to_string())))

@@ -113,6 +113,20 @@ pub enum SignalAction {
     Forward,
     /// Log it and carry on.
     Ignore,
+    /// Ask the whole gang for a checkpoint barrier, then stop (the default for SIGTERM: it is
+    /// what Kubernetes sends on preemption and eviction). Without a barrier, as `Terminate`.
+    Checkpoint,
+}
+
+impl SignalAction {
+    /// The action of a handled signal listed without one.
+    pub fn default_for(signal: Signal) -> SignalAction {
+        if signal == Signal::SIGTERM {
+            SignalAction::Checkpoint
+        } else {
+            SignalAction::Terminate
+        }
+    }
 }
 
 /// `--signals-to-handle`, parsed.
@@ -134,7 +148,7 @@ impl Default for SignalPolicy {
                 Signal::SIGQUIT,
             ]
             .into_iter()
-            .map(|s| (s, SignalAction::Terminate))
+            .map(|s| (s, SignalAction::default_for(s)))
             .collect(),
         }
     }
@@ -155,6 +169,9 @@ pub struct Config {
     pub nnodes: NodeRange,
     pub nproc_per_node: u32,
     pub node_rank: u32,
+    /// Whether `--node-rank`/`PET_NODE_RANK` was given (else the multi-node rendezvous looks for
+    /// the Job index or the host name's ordinal).
+    pub node_rank_given: bool,
     pub rdzv_backend: String,
     pub rdzv_endpoint: String,
     /// `--rdzv-id`; a random UUID in standalone mode (torchrun's behaviour).
@@ -176,6 +193,8 @@ pub struct Config {
     pub metrics_addr: Option<SocketAddr>,
     pub gpu_check: GpuCheck,
     pub grace_period: Option<Duration>,
+    /// Exit code after a committed preemption checkpoint.
+    pub preempted_exit_code: u8,
 }
 
 impl Config {
@@ -187,6 +206,7 @@ impl Config {
             nnodes: NodeRange { min: 1, max: 1 },
             nproc_per_node: nproc,
             node_rank: 0,
+            node_rank_given: false,
             rdzv_backend: "c10d".to_owned(),
             rdzv_endpoint: String::new(),
             run_id: "none".to_owned(),
@@ -209,6 +229,7 @@ impl Config {
             metrics_addr: None,
             gpu_check: GpuCheck::default(),
             grace_period: None,
+            preempted_exit_code: 0,
         }
     }
 }

@@ -1,9 +1,10 @@
 //! Signals sent to the agent: each handled signal gets the action `--signals-to-handle` gave it.
 //!
-//! - `terminate` (default; torchrun's only behaviour): stop the group with that signal, SIGKILL
-//!   after `--shutdown-timeout`. A second terminate signal while stopping sends SIGKILL at once
-//!   (the impatient Ctrl-C). A [`TerminateHook`] (the preemption work's checkpoint barrier) can
-//!   take over the first one: it then decides when to call [`StopRequest::request`].
+//! - `terminate` (torchrun's only behaviour; the default except for SIGTERM): stop the group with
+//!   that signal, SIGKILL after `--shutdown-timeout`. A second stop signal while stopping sends
+//!   SIGKILL at once (the impatient Ctrl-C).
+//! - `checkpoint` (SIGTERM's default): a [`TerminateHook`] (the preemption checkpoint barrier)
+//!   takes over; it decides when to call [`StopRequest::request`]. Without a hook, as `terminate`.
 //! - `forward`: pass it to every worker's process group and keep running.
 //! - `ignore`: log it.
 //!
@@ -29,6 +30,8 @@ pub struct StopRequest {
     token: CancellationToken,
     kill_now: CancellationToken,
     signal: Arc<Mutex<Option<Signal>>>,
+    /// For a [`StopRequest::child`]: the parent's signal, which wins over the child's own.
+    parent_signal: Option<Arc<Mutex<Option<Signal>>>>,
 }
 
 impl StopRequest {
@@ -38,6 +41,19 @@ impl StopRequest {
             token: parent.child_token(),
             kill_now: CancellationToken::new(),
             signal: Arc::default(),
+            parent_signal: None,
+        }
+    }
+
+    /// A request for one attempt: requested with this one, or on its own (the multi-node
+    /// rendezvous stops the group when the gang must re-form) without touching this one.
+    #[must_use]
+    pub fn child(&self) -> Self {
+        Self {
+            token: self.token.child_token(),
+            kill_now: self.kill_now.clone(),
+            signal: Arc::default(),
+            parent_signal: Some(Arc::clone(&self.signal)),
         }
     }
 
@@ -63,7 +79,11 @@ impl StopRequest {
 
     /// The signal that asked for the stop, if a signal did.
     pub fn received_signal(&self) -> Option<Signal> {
-        *self.signal.lock().unwrap_or_else(PoisonError::into_inner)
+        let parent = self
+            .parent_signal
+            .as_ref()
+            .and_then(|p| *p.lock().unwrap_or_else(PoisonError::into_inner));
+        parent.or(*self.signal.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The signal to stop workers with: the one received, else SIGTERM.
@@ -125,18 +145,18 @@ pub fn install(
                     action,
                 });
                 match action {
-                    SignalAction::Terminate if stop.is_requested() => {
+                    SignalAction::Terminate | SignalAction::Checkpoint if stop.is_requested() => {
                         tracing::warn!("{sig} again while stopping: killing the workers now");
                         stop.kill_now();
                     }
-                    SignalAction::Terminate => {
-                        tracing::info!("{sig} received: stopping the workers");
-                        match &hook {
-                            Some(hook) => {
-                                tokio::spawn(hook(sig, stop.clone()));
-                            }
-                            None => stop.request(sig),
+                    SignalAction::Checkpoint if hook.is_some() => {
+                        if let Some(hook) = &hook {
+                            tokio::spawn(hook(sig, stop.clone()));
                         }
+                    }
+                    SignalAction::Terminate | SignalAction::Checkpoint => {
+                        tracing::info!("{sig} received: stopping the workers");
+                        stop.request(sig);
                     }
                     SignalAction::Forward => {
                         tracing::info!("{sig} received: forwarding it to the workers");
