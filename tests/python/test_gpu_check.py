@@ -236,3 +236,53 @@ def test_snapshot_replays_as_a_fixture(fixture, tmp_path):
     assert conv.returncode == 0, conv.stderr
     (tmp_path / "replayed.json").write_text(conv.stdout)
     assert dump_snapshot(tmp_path / "replayed.json") == first
+
+
+# --- the pre-flight inside a launch (`muster [--gpu-check MODE] script.py`) ---------------------
+
+
+def launch(tmp_path, fixture, *flags, timeout=120):
+    script = tmp_path / "train.py"
+    marker = tmp_path / "ran"
+    script.write_text(f"open({str(marker)!r}, 'w').write('yes')\n")
+    env = dict(os.environ, MUSTER_NVML_LIBRARY=fake_nvml(), MUSTER_FAKE_NVML_FIXTURE=str(FIXTURES / fixture))
+    env["PYTHON_EXEC"] = sys.executable
+    proc = subprocess.run(
+        [muster_bin(), *flags, "--nproc-per-node", "1", str(script)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )
+    return proc, marker.exists()
+
+
+@pytest.mark.timeout(120)
+def test_launch_require_refuses_a_bad_node_before_any_rank_starts(tmp_path):
+    proc, ran = launch(tmp_path, "nvlink-gpu3-two-links-down.json", "--gpu-check", "require")
+    assert proc.returncode == UNHEALTHY_GPU, proc.stderr
+    assert not ran, "a rank started on an unhealthy node"
+    uuid, bus = identity(3)
+    assert f"GPU pre-flight failed on node " in proc.stderr
+    assert f"GPU 3 ({uuid}, {bus}) nvlink_links: 16 of 18 NVLinks active" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_launch_warn_reports_and_still_runs(tmp_path):
+    proc, ran = launch(tmp_path, "ecc-gpu2-volatile-uncorrectable.json", "--gpu-check", "warn")
+    assert proc.returncode == 0, proc.stderr
+    assert ran
+    uuid, _ = identity(2)
+    assert f"gpu pre-flight: GPU 2 ({uuid}" in proc.stderr and "ecc_errors" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_launch_require_lets_a_healthy_node_run(tmp_path):
+    proc, ran = launch(tmp_path, "healthy-hgx-h100-8gpu.json", "--gpu-check", "require")
+    assert proc.returncode == 0, proc.stderr
+    assert ran
+
+
+@pytest.mark.timeout(120)
+def test_launch_off_does_not_look(tmp_path):
+    # `lost` makes every health query fail; with the check off nobody asks.
+    proc, ran = launch(tmp_path, "gpu-lost-gpu7.json", "--gpu-check", "off")
+    assert proc.returncode == 0, proc.stderr
+    assert ran and "gpu pre-flight" not in proc.stderr

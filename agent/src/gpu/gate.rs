@@ -7,9 +7,11 @@
 //! calls [`run`] before registering, publishes [`Summary`] in its registration, and calls
 //! [`gang_verdict`] on the registrations it read back.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 
-use super::{preflight, PreflightOptions, Report, Summary, Verdict};
+use super::{preflight, preflight_isolated, PreflightOptions, Report, Summary, Verdict};
 use crate::exit_code::{self, Exit};
 
 /// `--gpu-check`.
@@ -40,14 +42,43 @@ impl Mode {
     }
 }
 
-/// Runs the pre-flight as `mode` says. `Ok(None)` when off; `Ok(Some(report))` when it ran and
-/// the node may proceed (the report says whether it warned or, under `warn`, failed);
-/// `Err` with the "unhealthy GPU" exit code when `require` found a failing check.
-pub fn run(mode: Mode, opts: &PreflightOptions) -> Result<Option<Report>, Exit> {
+/// Longest the launch waits for the isolated pre-flight: NVLink sampling, the fabric wait, the
+/// CUDA smoke test, and a margin for NVML itself.
+const LAUNCH_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The launch's pre-flight, before the first round: `--gpu-check` from the configuration, the
+/// GPUs the container runtime exposed (`/dev/nvidiaN`) as the expected count, run in a child
+/// that is killed after [`LAUNCH_TIMEOUT`]. `Err` (exit 204) only under `require`.
+pub async fn for_launch(config: &crate::launch::Config) -> Result<Option<Report>, Exit> {
+    let mode = match config.gpu_check {
+        crate::launch::config::GpuCheck::Off => Mode::Off,
+        crate::launch::config::GpuCheck::Warn => Mode::Warn,
+        crate::launch::config::GpuCheck::Require => Mode::Require,
+    };
     if mode == Mode::Off {
         return Ok(None);
     }
-    let report = preflight(opts);
+    let exposed = crate::cli::hiargs::gpu_count();
+    let opts = PreflightOptions {
+        policy: super::Policy {
+            expected_gpus: (exposed > 0).then_some(exposed),
+            ..super::Policy::default()
+        },
+        ..PreflightOptions::default()
+    };
+    let report = tokio::task::spawn_blocking(move || preflight_isolated(&opts, LAUNCH_TIMEOUT))
+        .await
+        .map_err(|e| {
+            Exit::new(
+                exit_code::INTERNAL_ERROR,
+                format!("GPU pre-flight task failed: {e}"),
+            )
+        })?;
+    decide(mode, report).map(Some)
+}
+
+/// Logs what failed or warned and applies `mode` to the verdict.
+fn decide(mode: Mode, report: Report) -> Result<Report, Exit> {
     for check in report
         .checks
         .iter()
@@ -61,7 +92,17 @@ pub fn run(mode: Mode, opts: &PreflightOptions) -> Result<Option<Report>, Exit> 
             format!("GPU pre-flight failed on {}", report.summary().message()),
         ));
     }
-    Ok(Some(report))
+    Ok(report)
+}
+
+/// Runs the pre-flight as `mode` says. `Ok(None)` when off; `Ok(Some(report))` when it ran and
+/// the node may proceed (the report says whether it warned or, under `warn`, failed);
+/// `Err` with the "unhealthy GPU" exit code when `require` found a failing check.
+pub fn run(mode: Mode, opts: &PreflightOptions) -> Result<Option<Report>, Exit> {
+    if mode == Mode::Off {
+        return Ok(None);
+    }
+    decide(mode, preflight(opts)).map(Some)
 }
 
 /// Every node's published summary (keyed by node rank) → the error that stops the gang, naming
@@ -109,8 +150,6 @@ pub fn gang_verdict_from_values(nodes: &[(u32, &serde_json::Value)]) -> Option<E
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use crate::gpu::{CheckResult, GpuRef, Policy, Status};
 
