@@ -286,3 +286,52 @@ def test_launch_off_does_not_look(tmp_path):
     proc, ran = launch(tmp_path, "gpu-lost-gpu7.json", "--gpu-check", "off")
     assert proc.returncode == 0, proc.stderr
     assert ran and "gpu pre-flight" not in proc.stderr
+
+
+GANG_WORKER = r'''
+import os
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+print(f"RESULT world={dist.get_world_size()} sum={t.item():.0f}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.timeout(150)
+def test_with_spare_capacity_the_bad_node_leaves_and_the_healthy_one_proceeds(tmp_path):
+    """--nnodes 1:2: the node with a bad GPU stops itself (204, naming the GPU) before joining,
+    and the healthy node starts the job alone after the last call."""
+    from conftest import free_port, torch_python
+
+    script = tmp_path / "worker.py"
+    script.write_text(GANG_WORKER)
+    port = free_port()
+    procs = []
+    for rank, fixture in [(0, "healthy-hgx-h100-8gpu.json"), (1, "gpu-lost-gpu7.json")]:
+        env = dict(os.environ, MUSTER_NVML_LIBRARY=fake_nvml(),
+                   MUSTER_FAKE_NVML_FIXTURE=str(FIXTURES / fixture), PYTHON_EXEC=torch_python())
+        env.pop("JOB_COMPLETION_INDEX", None)
+        env.pop("PET_NODE_RANK", None)
+        procs.append(subprocess.Popen(
+            [muster_bin(), "--gpu-check", "require", "--nnodes", "1:2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpu",
+             "--local-addr", "127.0.0.1", "--node-rank", str(rank),
+             "--rdzv-conf", "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=1.5",
+             str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    try:
+        bad_out, _ = procs[1].communicate(timeout=60)
+        good_out, _ = procs[0].communicate(timeout=90)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    uuid, bus = identity(7)
+    assert procs[1].returncode == UNHEALTHY_GPU, bad_out
+    assert f"GPU 7 ({uuid}, {bus}) gpu_lost" in bad_out
+    assert procs[0].returncode == 0, good_out
+    assert "RESULT world=1 sum=1" in good_out
