@@ -10,8 +10,10 @@
 //! - [`report`]: the verdict, the `topo -m` matrix, text and JSON output, and the compact
 //!   [`Summary`] a node publishes in its rendezvous registration.
 //! - [`cuda`]: the cudarc smoke test, run as `muster gpu-check --cuda-smoke-child`.
-//! - [`gate`]: what the launch does with it: `--gpu-check off|warn|require`, and the gang-wide
-//!   fail-fast decision over every node's published [`Summary`].
+//! - [`gate`]: what the launch does with it: `--gpu-check off|warn|require`
+//!   ([`gate::for_launch`], called by `cli::launch` before the first round; its verdict goes into
+//!   the gang registration through `GangRendezvous::set_gpu_verdict`), and the gang-wide
+//!   fail-fast decision over every node's published [`Summary`] ([`gate::gang_verdict`]).
 //!
 //! # API for launch and metrics
 //! - [`preflight`]`(&PreflightOptions) -> Report` (blocking: it samples NVLink counters and may
