@@ -48,7 +48,7 @@ const LAUNCH_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// The launch's pre-flight, before the first round: `--gpu-check` from the configuration, the
 /// GPUs the container runtime exposed (`/dev/nvidiaN`) as the expected count, run in a child
-/// that is killed after [`LAUNCH_TIMEOUT`]. `Err` (exit 204) only under `require`.
+/// that is killed after 180 s. `Err` (exit 204) only under `require`.
 pub async fn for_launch(config: &crate::launch::Config) -> Result<Option<Report>, Exit> {
     let mode = match config.gpu_check {
         crate::launch::config::GpuCheck::Off => Mode::Off,
