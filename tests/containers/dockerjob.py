@@ -174,7 +174,8 @@ class Container:
         docker("rm", "-f", self.name, check=False)
 
     def processes(self, needle: str) -> int:
-        """How many live (non-zombie) processes in the container have `needle` in their cmdline."""
+        """How many live (non-zombie) worker processes in the container have `needle` in their
+        cmdline. The agent itself is not counted: its own command line names the script too."""
         code = (
             "import os\n"
             "n = 0\n"
@@ -186,6 +187,8 @@ class Container:
             "        cmd = open(f'/proc/{p}/cmdline', 'rb').read()\n"
             "        state = open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0]\n"
             "    except OSError:\n"
+            "        continue\n"
+            "    if cmd.split(b'\\0')[0].endswith(b'muster'):\n"
             "        continue\n"
             f"    n += state != 'Z' and {needle.encode()!r} in cmd\n"
             "print(n)\n"

@@ -390,8 +390,12 @@ def test_docker_kill_of_a_non_host_pod_restarts_the_gang(job, caps):
     assert job.containers[2].wait(timeout=30) == 137
     # Heartbeat timeout (5 s) + the shutdown timeout (10 s) + slack for a loaded machine. Without
     # this the held workers would linger until their own timeout, as torchrun's do.
-    wait_until(lambda: all(job.containers[i].processes("train.py") == 0 for i in (0, 1)),
-               timeout=45, interval=1.0, what="pods 0 and 1 to stop their workers after losing pod 2")
+    try:
+        wait_until(lambda: all(job.containers[i].processes("train.py") == 0 for i in (0, 1)),
+                   timeout=45, interval=1.0,
+                   what="pods 0 and 1 to stop their workers after losing pod 2")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{job.dump_logs()}") from None
     for i in (0, 1):
         assert job.containers[i].running(), f"pod {i} exited instead of waiting for a replacement"
     job.run(2, launch_args(job, "--steps", "5", "--hold", extra=extra), env=pod_env(2))
