@@ -9,6 +9,10 @@
 //! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
 //!   protocol over the store).
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
+//! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
+//! - [`logs`]: worker output: prefixed or JSON lines, per-rank files, one console writer.
+//! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
 //! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
 //! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
 //! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.

@@ -84,3 +84,15 @@ def test_log_dir_redirects_tee_and_filter(tmp_path):
     assert "tail-1" in out  # teed
     assert "r2-" not in out and "stderr of 2" not in err  # filtered
     assert "stderr of 0" in err and "stderr of 1" in err
+
+
+def test_json_root_cause_summary():
+    env = dict(os.environ)
+    p = subprocess.run([muster_bin(), "--nproc-per-node", "2", "--log-format", "json",
+                        "--no-python", "/bin/sh", "-c", '[ "$RANK" = 1 ] && exit 3; exec sleep 30'],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3, p.stderr
+    events = [json.loads(l) for l in p.stderr.splitlines() if l.startswith("{")]
+    (cause,) = [e for e in events if e.get("event") == "root_cause"]
+    assert (cause["rank"], cause["local_rank"], cause["exit_code"], cause["signal"]) == (1, 1, 3, None)
+    assert cause["agent_exit_code"] == 3 and cause["attempts"] == 1

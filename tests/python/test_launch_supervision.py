@@ -16,7 +16,9 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def start(args, out, mode="plain", nproc=2):
-    env = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR=str(out), MODE=mode)
+    # TMPDIR: a SIGKILLed agent cannot remove its private run directory; keep it in the test's.
+    env = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR=str(out), MODE=mode,
+               TMPDIR=str(out))
     for k in list(env):
         if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
             del env[k]

@@ -14,6 +14,7 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
+use crate::checkpoint::{self, controller::Preemption};
 use crate::exit_code::Exit;
 use crate::launch::config::{Config, LogFormat};
 use crate::launch::Launch;
@@ -82,10 +83,20 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
-    let result = launch.run(CancellationToken::new()).await;
+    let shutdown = CancellationToken::new();
+    let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
+        .context("cannot set up the checkpoint barrier")?;
+    launch = launch
+        .with_worker_env(
+            checkpoint::local::SOCKET_ENV,
+            preemption.socket().as_os_str(),
+        )
+        .with_worker_env("PYTHONPATH", preemption.python_path())
+        .on_terminate(preemption.terminate_hook());
+    let result = launch.run(shutdown).await;
     writer.finish();
     match result {
-        Ok(outcome) => Ok(outcome.exit_code),
+        Ok(outcome) => Ok(preemption.exit_code(outcome.exit_code)),
         Err(e) => {
             let code = e.exit_code();
             Err(anyhow::Error::new(Exit::new(code, e.to_string())))

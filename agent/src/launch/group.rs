@@ -6,6 +6,7 @@
 //! restart. Whatever the outcome, every worker's process group is swept at the end so a worker's
 //! own children do not outlive the attempt.
 
+use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -46,6 +47,25 @@ pub struct WorkerGroupSpec {
     pub reaper: Reaper,
     pub logs: LogSink,
     pub publisher: Publisher,
+    /// Extra variables for every worker, set after torchrun's (e.g. the checkpoint socket).
+    pub extra_env: Vec<(String, OsString)>,
+}
+
+/// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
+/// by an embedding caller): without it they would run on until the agent's thread exits.
+struct KillOnDrop {
+    pgids: Vec<Pid>,
+    armed: bool,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            for pgid in &self.pgids {
+                let _ = killpg(*pgid, Signal::SIGKILL);
+            }
+        }
+    }
 }
 
 struct Worker {
@@ -112,6 +132,10 @@ pub async fn run_group(
     let mut workers: Vec<Worker> = Vec::new();
     let mut pumps = JoinSet::new();
     let agent = nix::unistd::getpid();
+    let mut guard = KillOnDrop {
+        pgids: Vec::new(),
+        armed: true,
+    };
 
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
@@ -134,6 +158,7 @@ pub async fn run_group(
         let mut cmd = Command::new(&config.entrypoint.program);
         cmd.args(&config.entrypoint.args)
             .envs(worker_env)
+            .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::inherit())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -159,7 +184,16 @@ pub async fn run_group(
             }
         };
         let pid = child.pid;
-        let streams: [(Streams, Option<OwnedFd>, &str); 2] = [
+        guard.pgids.push(Pid::from_raw(pid as i32));
+        workers.push(Worker {
+            local_rank,
+            rank,
+            pid: Pid::from_raw(pid as i32),
+            status: None,
+            seen: None,
+            error_file,
+        });
+        let streams = [
             (
                 Streams::STDOUT,
                 child.stdout.take().map(OwnedFd::from),
@@ -173,37 +207,28 @@ pub async fn run_group(
         ];
         for (stream, fd, file_name) in streams {
             let Some(fd) = fd else { continue };
-            let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
-                what: "cannot watch a worker's output pipe",
-                source,
-            })?;
-            let file = if spec.wants_file(local_rank, stream) {
-                let path = dir.join(file_name);
-                let f = std::fs::File::create(&path)
-                    .map_err(|source| LaunchError::LogDir { path, source })?;
-                Some(Arc::new(f))
-            } else {
-                None
-            };
-            let pump_config = PumpConfig {
-                console: spec.console_target(local_rank, rank, stream),
-                file,
-            };
-            pumps.spawn(logs::pump(receiver, pump_config, spec.logs.clone()));
+            match start_pump(spec, local_rank, rank, stream, fd, &dir.join(file_name)) {
+                Ok(pump) => {
+                    pumps.spawn(pump);
+                }
+                Err(e) => {
+                    stop_workers(
+                        &mut workers,
+                        &mut exits,
+                        Signal::SIGKILL,
+                        Duration::ZERO,
+                        stop,
+                    )
+                    .await;
+                    return Err(e);
+                }
+            }
         }
         spec.publisher.event(Event::WorkerStarted {
             restart_count,
             local_rank,
             rank,
             pid,
-        });
-        workers.push(Worker {
-            local_rank,
-            rank,
-            pid: Pid::from_raw(pid as i32),
-            status: None,
-            seen: None,
-            error_file,
         });
     }
     drop(exits_tx);
@@ -262,6 +287,7 @@ pub async fn run_group(
             .await;
     }
     sweep_groups(&workers, config.shutdown_timeout, stop).await;
+    guard.armed = false;
     drain(&mut pumps).await;
 
     let outcome = if let Some(f) = failure {
@@ -285,6 +311,35 @@ pub async fn run_group(
         },
     });
     Ok(outcome)
+}
+
+/// Watches one of a worker's pipes: the console target and, when asked for, the log file.
+fn start_pump(
+    spec: &WorkerGroupSpec,
+    local_rank: u32,
+    rank: u32,
+    stream: Streams,
+    fd: OwnedFd,
+    file_path: &std::path::Path,
+) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
+    let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
+        what: "cannot watch a worker's output pipe",
+        source,
+    })?;
+    let file = if spec.wants_file(local_rank, stream) {
+        let f = std::fs::File::create(file_path).map_err(|source| LaunchError::LogDir {
+            path: file_path.to_owned(),
+            source,
+        })?;
+        Some(Arc::new(f))
+    } else {
+        None
+    };
+    let config = PumpConfig {
+        console: spec.console_target(local_rank, rank, stream),
+        file,
+    };
+    Ok(logs::pump(receiver, config, spec.logs.clone()))
 }
 
 fn record_exit(

@@ -34,6 +34,7 @@ pub mod signals;
 mod store_host;
 pub mod summary;
 
+use std::ffi::OsString;
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
@@ -292,6 +293,7 @@ pub struct Launch {
     terminate_hook: Option<TerminateHook>,
     publisher: Publisher,
     logs: Option<LogSink>,
+    extra_env: Vec<(String, OsString)>,
 }
 
 impl Launch {
@@ -302,7 +304,16 @@ impl Launch {
             terminate_hook: None,
             publisher: Publisher::new(),
             logs: None,
+            extra_env: Vec::new(),
         }
+    }
+
+    /// Sets `key=value` in every worker's environment (after torchrun's variables), e.g.
+    /// `MUSTER_CHECKPOINT_SOCKET`.
+    #[must_use]
+    pub fn with_worker_env(mut self, key: impl Into<String>, value: impl Into<OsString>) -> Self {
+        self.extra_env.push((key.into(), value.into()));
+        self
     }
 
     /// Replaces the single-node [`LocalRendezvous`].
@@ -343,13 +354,18 @@ impl Launch {
             terminate_hook,
             publisher,
             logs,
+            extra_env,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
             None if config.nnodes.max > 1 => {
                 return Err(LaunchError::Config(format!(
-                    "--nnodes {}:{} needs the multi-node rendezvous, which this build lacks",
-                    config.nnodes.min, config.nnodes.max
+                    "--nnodes {} needs the multi-node rendezvous, which this build lacks",
+                    if config.nnodes.min == config.nnodes.max {
+                        config.nnodes.max.to_string()
+                    } else {
+                        format!("{}:{}", config.nnodes.min, config.nnodes.max)
+                    }
                 )))
             }
             None => Box::new(LocalRendezvous),
@@ -382,6 +398,9 @@ impl Launch {
             (writer.sink(), Some(writer))
         };
         let run_dir = RunDir::create(&config)?;
+        if !(config.logs.redirects.is_empty() && config.logs.tee.is_empty()) {
+            tracing::info!("worker log files under {}", run_dir.path.display());
+        }
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
@@ -390,14 +409,16 @@ impl Launch {
             reaper,
             logs: sink.clone(),
             publisher: publisher.clone(),
+            extra_env,
         };
         let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
         if let Ok(outcome) = &result {
             if let GroupOutcome::Failed(f) = &outcome.last {
-                sink.agent_line(
-                    Console::Stderr,
-                    summary::render(f, outcome.attempts).into_bytes(),
-                );
+                let text = match config.logs.format {
+                    config::LogFormat::Text => summary::render(f, outcome.attempts),
+                    config::LogFormat::Json => summary::render_json(f, outcome.attempts),
+                };
+                sink.agent_line(Console::Stderr, text.into_bytes());
             }
             publisher.phase(Phase::Finished {
                 exit_code: outcome.exit_code,
@@ -406,7 +427,7 @@ impl Launch {
         if let Some(writer) = writer {
             writer.finish();
         }
-        run_dir.finish();
+        drop(run_dir);
         result
     }
 }
@@ -435,6 +456,9 @@ async fn attempts(
             round = rendezvous.next_round(config, restart_count, stop) => round?,
             () = stop.requested() => continue,
         };
+        spec.publisher.event(Event::AttemptStarted {
+            assignment: round.assignment.clone(),
+        });
         let attempt_stop = stop.child();
         let outcome = {
             let group = run_group(spec, &round.assignment, &attempt_stop);
@@ -491,7 +515,7 @@ async fn attempts(
 }
 
 /// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory. Without `--log-dir` it lives in a
-/// private temporary directory that is removed at the end unless files were asked for.
+/// private temporary directory that is removed when this is dropped, unless files were asked for.
 struct RunDir {
     path: PathBuf,
     remove: Option<PathBuf>,
@@ -516,9 +540,12 @@ impl RunDir {
         })?;
         Ok(RunDir { path, remove })
     }
+}
 
-    fn finish(self) {
-        if let Some(dir) = self.remove {
+impl Drop for RunDir {
+    // Also when the launch future is dropped half-way (an embedding caller gave up on it).
+    fn drop(&mut self) {
+        if let Some(dir) = self.remove.take() {
             let _ = std::fs::remove_dir_all(dir);
         }
     }
@@ -653,7 +680,8 @@ mod tests {
     #[tokio::test]
     async fn cancelling_the_token_stops_the_workers() {
         let shutdown = CancellationToken::new();
-        let launch = Launch::new(sh("exec sleep 30", 2));
+        let launch = Launch::new(sh(r#"[ "$EXTRA" = yes ] && exec sleep 30"#, 2))
+            .with_worker_env("EXTRA", "yes");
         let mut observer = launch.observer();
         let run = tokio::spawn(launch.run(shutdown.clone()));
         observer
@@ -671,6 +699,38 @@ mod tests {
             }
         );
         assert_eq!(outcome.exit_code, 143);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_launch_kills_its_workers() {
+        let launch = Launch::new(sh("exec sleep 30", 2));
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(CancellationToken::new()));
+        let mut pids = Vec::new();
+        while pids.len() < 2 {
+            if let Ok(Event::WorkerStarted { pid, .. }) = observer.events.recv().await {
+                pids.push(pid);
+            }
+        }
+        run.abort();
+        let _ = run.await;
+        let alive = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .map(|r| !r.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(false)
+        };
+        for _ in 0..100 {
+            if !pids.iter().any(|p| alive(*p)) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("workers {pids:?} outlived the abandoned launch");
     }
 
     #[tokio::test]

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use super::reaper::ExitStatus;
 use super::Failure;
 
 /// What a worker left in its `TORCHELASTIC_ERROR_FILE`.
@@ -72,10 +73,34 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
     out
 }
 
+/// The same report as one JSON object on one line (`--log-format json`).
+pub fn render_json(failure: &Failure, attempts: u32) -> String {
+    let (exit_code, signal) = match failure.status {
+        ExitStatus::Exited(c) => (Some(c), None),
+        ExitStatus::Signaled(s) => (None, Some(s.as_str())),
+    };
+    let obj = serde_json::json!({
+        "ts": crate::logs::utc_timestamp(std::time::SystemTime::now()),
+        "level": "ERROR",
+        "event": "root_cause",
+        "attempts": attempts,
+        "time": crate::logs::utc_timestamp(failure.at),
+        "host": failure.host,
+        "rank": failure.rank,
+        "local_rank": failure.local_rank,
+        "pid": failure.pid,
+        "exit_code": exit_code,
+        "signal": signal,
+        "agent_exit_code": failure.status.exit_code(),
+        "message": failure.message,
+        "error_file": failure.error_file.to_string_lossy(),
+    });
+    format!("{obj}\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::launch::reaper::ExitStatus;
     use std::time::UNIX_EPOCH;
 
     #[test]

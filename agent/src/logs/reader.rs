@@ -58,29 +58,35 @@ impl LineTarget {
 
 /// Splits complete lines off the front of `pending` into `out` (encoded), keeping any partial
 /// line; with `eof`, the partial line is emitted too. Pure, so it is unit-tested directly.
+///
+/// A line ends at `\n`, `\r\n`, or a lone `\r`: progress bars (tqdm) redraw with `\r` and
+/// would otherwise show nothing until they finish; in a pod log each redraw becomes a line.
+/// Empty segments between carriage returns are dropped.
 pub fn take_lines(pending: &mut Vec<u8>, target: &LineTarget, eof: bool, out: &mut Vec<u8>) {
     let mut start = 0;
     loop {
         let rest = &pending[start..];
-        if let Some(nl) = rest.iter().position(|&b| b == b'\n') {
-            let end = nl.min(MAX_LINE_BYTES);
-            let mut line = &rest[..end];
-            if line.last() == Some(&b'\r') {
-                line = &line[..line.len() - 1];
+        let window = &rest[..rest.len().min(MAX_LINE_BYTES)];
+        let Some(at) = window.iter().position(|&b| b == b'\n' || b == b'\r') else {
+            if rest.len() >= MAX_LINE_BYTES || (eof && !rest.is_empty()) {
+                target.encode(window, out);
+                start += window.len();
+                continue;
             }
-            target.encode(line, out);
-            start += if nl <= MAX_LINE_BYTES {
-                nl + 1
-            } else {
-                MAX_LINE_BYTES
-            };
-        } else if rest.len() >= MAX_LINE_BYTES || (eof && !rest.is_empty()) {
-            let end = rest.len().min(MAX_LINE_BYTES);
-            target.encode(&rest[..end], out);
-            start += end;
-        } else {
             break;
+        };
+        let consumed = match (rest[at], rest.get(at + 1)) {
+            (b'\n', _) => at + 1,
+            (_, Some(b'\n')) => at + 2,
+            // A `\r` at the very end: a `\n` may follow in the next read.
+            (_, None) if !eof => break,
+            _ => at + 1,
+        };
+        let lone_cr = rest[at] == b'\r' && rest.get(at + 1) != Some(&b'\n');
+        if !(lone_cr && at == 0) {
+            target.encode(&rest[..at], out);
         }
+        start += consumed;
     }
     pending.drain(..start);
 }
@@ -141,6 +147,21 @@ mod tests {
         out.clear();
         take_lines(&mut pending, &t, true, &mut out);
         assert_eq!(out, b"[h:1] de\n");
+        assert!(pending.is_empty());
+    }
+
+    #[test]
+    fn carriage_returns_end_lines() {
+        let t = target(LogFormat::Text);
+        let mut pending = b"\r 10%\r 20%\r".to_vec();
+        let mut out = Vec::new();
+        take_lines(&mut pending, &t, false, &mut out);
+        assert_eq!(out, b"[h:1]  10%\n");
+        assert_eq!(pending, b" 20%\r", "a trailing CR waits for a possible LF");
+        pending.extend_from_slice(b"\n100%\r\ndone\n\n");
+        out.clear();
+        take_lines(&mut pending, &t, false, &mut out);
+        assert_eq!(out, b"[h:1]  20%\n[h:1] 100%\n[h:1] done\n[h:1] \n");
         assert!(pending.is_empty());
     }
 
