@@ -74,9 +74,19 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
     init_tracing(config.logs.format, writer.sink());
     let mut launch = Launch::new(config).with_log_sink(writer.sink());
+    let gpu = match crate::gpu::gate::for_launch(launch.config()).await {
+        Ok(report) => report,
+        Err(exit) => {
+            writer.finish();
+            return Err(anyhow::Error::new(exit));
+        }
+    };
     if crate::node::is_multi_node(launch.config()) {
         match crate::node::GangRendezvous::new(launch.config(), false) {
-            Ok(r) => launch = launch.with_rendezvous(Box::new(r)),
+            Ok(mut r) => {
+                r.set_gpu_verdict(crate::gpu::gate::registration_value(gpu.as_ref()));
+                launch = launch.with_rendezvous(Box::new(r));
+            }
             Err(e) => {
                 writer.finish();
                 return Err(anyhow::Error::new(Exit::new(e.exit_code(), e.to_string())));
