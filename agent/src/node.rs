@@ -72,7 +72,20 @@ impl GangRendezvous {
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(",");
-        cfg.apply_conf(&conf).map_err(|e| cfg_err(&e))?;
+        for (key, _) in cfg.apply_conf(&conf).map_err(|e| cfg_err(&e))? {
+            // torchrun's c10d keys that have no meaning here are accepted quietly.
+            if !matches!(
+                key.as_str(),
+                "is_host"
+                    | "read_timeout"
+                    | "store_type"
+                    | "keep_alive_max_attempt"
+                    | "cas_backoff_max_seconds"
+                    | "use_libuv"
+            ) {
+                warn!("--rdzv-conf {key}: unknown key, ignored");
+            }
+        }
         let endpoint_text = if config.rdzv_endpoint.trim().is_empty() {
             format!(
                 "{}:{}",

@@ -211,11 +211,6 @@ pub fn assign(
         .iter()
         .map(|&(_, i)| state.arrivals[i].reg.local_world_size)
         .sum();
-    let members: Vec<(u32, String)> = membership
-        .members
-        .iter()
-        .map(|&(r, i)| (r, state.arrivals[i].reg.agent_id.clone()))
-        .collect();
     let mut base = 0;
     membership
         .members
@@ -234,11 +229,22 @@ pub fn assign(
                 master_addr: master.0.to_owned(),
                 master_port: master.1,
                 restart_count: restarts,
-                members: members.clone(),
+                // Only node 0 watches the members; it fills this for itself. Sending the list
+                // to everyone would make a round O(n²) in bytes.
+                members: Vec::new(),
             };
             base += a.reg.local_world_size;
             (a.slot, out)
         })
+        .collect()
+}
+
+/// Every member's (node rank, agent id), by group rank: what node 0's watcher follows.
+pub fn members(state: &RoundState, membership: &Membership) -> Vec<(u32, String)> {
+    membership
+        .members
+        .iter()
+        .map(|&(r, i)| (r, state.arrivals[i].reg.agent_id.clone()))
         .collect()
 }
 

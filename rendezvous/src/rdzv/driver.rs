@@ -347,7 +347,7 @@ impl<K: Kv> Rendezvous<K> {
                         self.known_hosts
                             .insert(rank, format!("{}, {}", r.host, r.addr));
                     }
-                    let Some(assignment) = mine else {
+                    let Some(mut assignment) = mine else {
                         let why = m
                             .rejected
                             .iter()
@@ -358,6 +358,7 @@ impl<K: Kv> Rendezvous<K> {
                             );
                         return Err(RdzvError::Rejected(why));
                     };
+                    assignment.members = decide::members(&state, &m);
                     self.remember_round(gen, seen, raw, rec.clone(), &assignment);
                     return Ok(Joined {
                         assignment,
@@ -798,6 +799,8 @@ mod tests {
         assert_eq!((a.node_rank, a.base_global_rank, a.world_size), (2, 3, 7));
         assert_eq!((a.master_addr.as_str(), a.master_port), ("10.0.0.0", 4242));
         assert_eq!(a.group_world_size, 3);
+        assert!(a.members.is_empty(), "only node 0 gets the member list");
+        assert_eq!(j0.assignment.members.len(), 3);
     }
 
     #[tokio::test(start_paused = true)]

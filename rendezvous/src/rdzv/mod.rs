@@ -208,7 +208,9 @@ pub struct Assignment {
     pub master_port: u16,
     /// Failure restarts consumed so far (TORCHELASTIC_RESTART_COUNT).
     pub restart_count: u32,
-    /// Every member's (node rank, agent id), by group rank: the coordinator watches these.
+    /// Every member's (node rank, agent id), by group rank: filled on node 0 only (its watcher
+    /// follows their heartbeats); empty, and not sent, for the others.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub members: Vec<(u32, String)>,
 }
 
