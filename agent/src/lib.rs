@@ -6,11 +6,13 @@
 //!   `dry-run`), and the one place where errors become exit codes.
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
+//! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
 #![deny(unsafe_code)]
 
 pub mod commands;
 pub mod exit_code;
+pub mod metrics;
 pub mod store_cmd;
 
 pub use commands::main;
