@@ -8,11 +8,15 @@
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
 //! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
+//! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
 pub mod commands;
 pub mod exit_code;
+pub mod logging;
 pub mod metrics;
+pub mod signals;
 pub mod store_cmd;
 
 pub use commands::main;

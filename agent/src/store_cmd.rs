@@ -1,7 +1,72 @@
-//! `muster store`: a standalone TCPStore server. (in progress)
+//! `muster store`: a standalone TCPStore server — the rendezvous endpoint a team would otherwise
+//! run etcd for, and the server real `torch.distributed` clients are tested against.
 
 use std::ffi::OsString;
+use std::io::Write as _;
+use std::net::{IpAddr, SocketAddr};
 
-pub fn run(_args: Vec<OsString>) -> anyhow::Result<u8> {
-    anyhow::bail!("not yet")
+use anyhow::Context;
+use clap::Parser;
+use rendezvous::store::server::{Config, Server, DEFAULT_MAX_CONNECTIONS};
+use tokio_util::sync::CancellationToken;
+
+use crate::exit_code::{self, Exit};
+use crate::logging;
+
+/// Run a standalone store speaking PyTorch's c10d TCPStore protocol (torch 2.15).
+#[derive(Debug, Parser)]
+#[command(name = "muster store")]
+struct StoreArgs {
+    /// Address to listen on. `0.0.0.0` and `::` listen dual-stack where the host has IPv6.
+    #[arg(long, default_value = "0.0.0.0", env = "MUSTER_STORE_HOST")]
+    host: IpAddr,
+    /// Port to listen on; 0 picks a free one. The chosen address is printed on the first line
+    /// of stdout.
+    #[arg(long, default_value_t = 29400, env = "MUSTER_STORE_PORT")]
+    port: u16,
+    /// Connections beyond this many are closed at once.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, env = "MUSTER_STORE_MAX_CONNECTIONS")]
+    max_connections: usize,
+}
+
+pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
+    // argv[0] is "muster", argv[1] "store": clap sees "muster store" as the program name.
+    let args = match StoreArgs::try_parse_from(args.into_iter().skip(1)) {
+        Ok(args) => args,
+        Err(err) if !err.use_stderr() => {
+            // --help / --version
+            print!("{err}");
+            return Ok(exit_code::SUCCESS);
+        }
+        Err(err) => return Err(Exit::config(err.to_string().trim_end().to_owned()).into()),
+    };
+    logging::init(logging::LogFormat::Text);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
+}
+
+async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
+    let addr = SocketAddr::new(args.host, args.port);
+    let server = Server::bind(
+        addr,
+        Config {
+            max_connections: args.max_connections,
+        },
+    )
+    .await
+    .map_err(|err| Exit::config(err.to_string()))?;
+    let shutdown = CancellationToken::new();
+    let signals = crate::signals::cancel_on_termination(shutdown.clone())
+        .context("cannot install signal handlers")?;
+    // One line, flushed at once: scripts and tests read the chosen port from it.
+    println!("muster store listening on {}", server.local_addr());
+    std::io::stdout()
+        .flush()
+        .context("cannot write to stdout")?;
+    server.run(shutdown).await?;
+    signals.abort();
+    Ok(exit_code::SUCCESS)
 }

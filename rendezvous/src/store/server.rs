@@ -1,1 +1,444 @@
-//! (in progress)
+//! The TCPStore server: accept loop, admission limit, per-connection tasks and shutdown.
+//!
+//! One [`State`] sits behind one mutex, the way libuv's single event-loop thread owns its map: a
+//! connection task decodes every complete request in its receive buffer and applies them in one
+//! short critical section (no `.await` happens while the lock is held, so `std::sync::Mutex` is
+//! the right tool). Every byte owed to a client — its own replies and the STOP_WAITING bytes that
+//! other clients' writes release — is appended to that client's outbox *under the same lock*,
+//! which totally orders them; the client's task then writes the outbox out. That ordering is what
+//! keeps WAIT/CANCEL_WAIT race-free.
+//!
+//! Listening follows libuv (`UvTcpServer::makeWithPort`): dual-stack `[::]` where possible,
+//! backlog = `somaxconn`, TCP_NODELAY on every accepted socket. Peers are only ever formatted
+//! numerically: no name lookup happens on the accept or request path (reverse DNS there stalls
+//! for seconds in pods; see shared/reference/performance.md §2.1).
+
+use std::collections::HashMap;
+use std::net::{Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::{BufMut, BytesMut};
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use super::protocol::{reply, Command, DecodeError, Request, VALIDATION_MAGIC};
+use super::state::{ClientId, State, StateError};
+
+/// Connections accepted at once unless configured otherwise. Far above any real job's agent and
+/// worker count per store; the cap exists so a runaway client cannot exhaust file descriptors.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+
+/// Receive buffer reserved per read; libuv reads in 4 KiB chunks, we take a little more so a
+/// batch of pipelined requests is usually one read.
+const READ_CHUNK: usize = 16 * 1024;
+
+/// Backlog when `/proc/sys/net/core/somaxconn` cannot be read.
+const FALLBACK_BACKLOG: i32 = 4096;
+
+/// How long the accept loop pauses after an accept error (EMFILE, ENFILE, ...) before trying
+/// again, so a descriptor shortage does not become a busy loop.
+const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
+
+/// Server settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Connections beyond this are accepted and closed at once, with a log line.
+    pub max_connections: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+        }
+    }
+}
+
+/// Why the server could not start or keep running.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Counters for observability, updated with relaxed atomics (never a lock on the request path).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub connections_open: AtomicUsize,
+    pub connections_accepted: AtomicU64,
+    /// Connections closed at once because `max_connections` were open.
+    pub connections_refused: AtomicU64,
+    /// Connections closed for a protocol violation (bad handshake, oversized length, ...).
+    pub protocol_errors: AtomicU64,
+    pub bytes_received: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    /// Clients blocked in WAIT or BARRIER.
+    pub blocked_clients: AtomicUsize,
+    /// Regular keys in the store.
+    pub keys: AtomicUsize,
+    requests: [AtomicU64; Command::ALL.len()],
+}
+
+impl Stats {
+    /// Requests served for `command` since start.
+    pub fn requests(&self, command: Command) -> u64 {
+        self.requests[usize::from(command.code())].load(Ordering::Relaxed)
+    }
+}
+
+/// What every connection task shares.
+struct Shared {
+    inner: Mutex<Inner>,
+    stats: Arc<Stats>,
+}
+
+struct Inner {
+    state: State,
+    outboxes: HashMap<ClientId, Outbox>,
+    next_client: ClientId,
+}
+
+/// Bytes owed to one client, and the signal that wakes its task to send them.
+struct Outbox {
+    pending: BytesMut,
+    notify: Arc<Notify>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock would be a bug in `State`; the data is still coherent
+        // enough to keep serving other clients, so poisoning is not propagated.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A bound, not yet running, store server.
+pub struct Server {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    config: Config,
+    shared: Arc<Shared>,
+}
+
+impl Server {
+    /// Binds `addr`. An unspecified address (`0.0.0.0` or `[::]`) listens dual-stack on `[::]`
+    /// where the host has IPv6, else on `0.0.0.0`. Port 0 picks a free port.
+    // async although nothing is awaited: registering the socket with tokio needs a runtime, and
+    // an async signature makes "called outside a runtime" a compile error instead of a panic.
+    #[allow(clippy::unused_async)]
+    pub async fn bind(addr: SocketAddr, config: Config) -> Result<Server, ServerError> {
+        let listener = bind_listener(addr).map_err(|source| ServerError::Bind { addr, source })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|source| ServerError::Bind { addr, source })?;
+        Ok(Server {
+            listener,
+            local_addr,
+            config,
+            shared: Arc::new(Shared {
+                inner: Mutex::new(Inner {
+                    state: State::new(),
+                    outboxes: HashMap::new(),
+                    next_client: 1,
+                }),
+                stats: Arc::new(Stats::default()),
+            }),
+        })
+    }
+
+    /// The address actually bound (with the chosen port when 0 was asked for).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Live counters of this server.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.shared.stats)
+    }
+
+    /// Serves until `shutdown` is cancelled, then closes every connection.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServerError> {
+        let tasks = TaskTracker::new();
+        let stats = Arc::clone(&self.shared.stats);
+        info!(addr = %self.local_addr, "store listening");
+        loop {
+            let accepted = tokio::select! {
+                () = shutdown.cancelled() => break,
+                accepted = self.listener.accept() => accepted,
+            };
+            let (stream, peer) = match accepted {
+                Ok(pair) => pair,
+                Err(err) => {
+                    warn!(error = %err, "accept failed; pausing before the next accept");
+                    tokio::select! {
+                        () = shutdown.cancelled() => break,
+                        () = tokio::time::sleep(ACCEPT_ERROR_BACKOFF) => continue,
+                    }
+                }
+            };
+            if stats.connections_open.load(Ordering::Relaxed) >= self.config.max_connections {
+                stats.connections_refused.fetch_add(1, Ordering::Relaxed);
+                warn!(%peer, limit = self.config.max_connections, "connection limit reached; closing new connection");
+                drop(stream);
+                continue;
+            }
+            stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
+            stats.connections_open.fetch_add(1, Ordering::Relaxed);
+            let shared = Arc::clone(&self.shared);
+            let shutdown = shutdown.clone();
+            tasks.spawn(async move {
+                serve_connection(stream, peer, &shared, shutdown).await;
+                shared
+                    .stats
+                    .connections_open
+                    .fetch_sub(1, Ordering::Relaxed);
+            });
+        }
+        tasks.close();
+        tasks.wait().await;
+        info!(addr = %self.local_addr, "store stopped");
+        Ok(())
+    }
+}
+
+fn somaxconn() -> i32 {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(FALLBACK_BACKLOG)
+}
+
+fn bind_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.ip().is_unspecified() {
+        // Dual stack, as libuv: IPv4 peers then appear as ::ffff:a.b.c.d.
+        let v6 = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), addr.port());
+        match new_socket(v6, true) {
+            Ok(socket) => socket,
+            Err(err) if addr.is_ipv6() => return Err(err),
+            Err(_) => new_socket(addr, false)?,
+        }
+    } else {
+        new_socket(addr, false)?
+    };
+    TcpListener::from_std(socket.into())
+}
+
+fn new_socket(addr: SocketAddr, dual_stack: bool) -> std::io::Result<Socket> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    if dual_stack {
+        socket.set_only_v6(false)?;
+    }
+    // A restarted store must be able to take its port back while old connections sit in
+    // TIME_WAIT.
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(somaxconn())?;
+    Ok(socket)
+}
+
+/// Why a connection ended, for the log.
+enum Close {
+    PeerClosed,
+    Shutdown,
+    Io(std::io::Error),
+    Protocol(String),
+}
+
+async fn serve_connection(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    shared: &Shared,
+    shutdown: CancellationToken,
+) {
+    if let Err(err) = stream.set_nodelay(true) {
+        debug!(%peer, error = %err, "cannot set TCP_NODELAY");
+    }
+    let notify = Arc::new(Notify::new());
+    let id = {
+        let mut inner = shared.lock();
+        let id = inner.next_client;
+        inner.next_client += 1;
+        inner.outboxes.insert(
+            id,
+            Outbox {
+                pending: BytesMut::new(),
+                notify: Arc::clone(&notify),
+            },
+        );
+        id
+    };
+    let close = connection_loop(&mut stream, id, &notify, shared, &shutdown).await;
+    {
+        let mut inner = shared.lock();
+        inner.state.cancel_wait(id);
+        inner.outboxes.remove(&id);
+        shared
+            .stats
+            .blocked_clients
+            .store(inner.state.blocked_clients(), Ordering::Relaxed);
+    }
+    match close {
+        Close::PeerClosed | Close::Shutdown => debug!(%peer, "connection closed"),
+        Close::Io(err) => debug!(%peer, error = %err, "connection failed"),
+        Close::Protocol(reason) => {
+            shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
+            warn!(%peer, "closing connection: {reason}");
+        }
+    }
+}
+
+async fn connection_loop(
+    stream: &mut TcpStream,
+    id: ClientId,
+    notify: &Notify,
+    shared: &Shared,
+    shutdown: &CancellationToken,
+) -> Close {
+    let stats = &shared.stats;
+    let mut inbuf = BytesMut::with_capacity(READ_CHUNK);
+    let mut validated = false;
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return Close::Shutdown,
+            // Another client's write released us: send the STOP_WAITING byte(s) queued for us.
+            () = notify.notified() => {}
+            read = stream.read_buf(&mut inbuf) => match read {
+                Ok(0) => return Close::PeerClosed,
+                Ok(n) => {
+                    stats.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
+                    if let Err(reason) = process(&mut inbuf, id, &mut validated, shared) {
+                        // Replies to the requests before the bad one are still owed.
+                        let _ = flush(stream, id, shared, shutdown).await;
+                        return Close::Protocol(reason);
+                    }
+                    if inbuf.capacity() - inbuf.len() < READ_CHUNK / 4 {
+                        inbuf.reserve(READ_CHUNK);
+                    }
+                }
+                Err(err) => return Close::Io(err),
+            },
+        }
+        if let Err(close) = flush(stream, id, shared, shutdown).await {
+            return close;
+        }
+    }
+}
+
+/// Decodes and applies every complete request in `inbuf`, under one lock.
+fn process(
+    inbuf: &mut BytesMut,
+    id: ClientId,
+    validated: &mut bool,
+    shared: &Shared,
+) -> Result<(), String> {
+    let stats = &shared.stats;
+    let mut guard = shared.lock();
+    let inner = &mut *guard;
+    let mut reply = inner
+        .outboxes
+        .get_mut(&id)
+        .map(|o| std::mem::take(&mut o.pending))
+        .unwrap_or_default();
+    let mut woken = Vec::new();
+    let mut result = Ok(());
+    loop {
+        let request = match Request::decode(inbuf) {
+            Ok(Some(request)) => request,
+            Ok(None) => break,
+            Err(err) => {
+                result = Err(decode_reason(&err));
+                break;
+            }
+        };
+        let command = request.command();
+        stats.requests[usize::from(command.code())].fetch_add(1, Ordering::Relaxed);
+        if !*validated {
+            // Classic closes a connection whose first message is not a valid VALIDATE; libuv
+            // half-accepts some such streams (see tcpstore-protocol.md §1.2). Closing is the
+            // clear behaviour, and no real client is affected.
+            match request {
+                Request::Validate { magic } if magic == VALIDATION_MAGIC => {
+                    *validated = true;
+                    continue;
+                }
+                Request::Validate { magic } => {
+                    result = Err(format!(
+                        "bad VALIDATE magic {magic:#010x} (expected {VALIDATION_MAGIC:#010x}); \
+                         is the client a pre-2.1 PyTorch?"
+                    ));
+                }
+                _ => {
+                    result = Err(format!(
+                        "first message was {} instead of VALIDATE",
+                        command.name()
+                    ));
+                }
+            }
+            break;
+        }
+        if let Err(err) = inner.state.apply(id, request, &mut reply, &mut woken) {
+            result = Err(match err {
+                StateError::UnexpectedValidate => "VALIDATE sent twice".to_owned(),
+                other @ StateError::NotANumber { .. } => other.to_string(),
+            });
+            break;
+        }
+    }
+    if let Some(outbox) = inner.outboxes.get_mut(&id) {
+        outbox.pending = reply;
+    }
+    for other in woken {
+        if let Some(outbox) = inner.outboxes.get_mut(&other) {
+            outbox.pending.put_u8(reply::STOP_WAITING);
+            outbox.notify.notify_one();
+        }
+    }
+    stats
+        .blocked_clients
+        .store(inner.state.blocked_clients(), Ordering::Relaxed);
+    stats.keys.store(inner.state.num_keys(), Ordering::Relaxed);
+    result
+}
+
+fn decode_reason(err: &DecodeError) -> String {
+    format!("malformed request: {err}")
+}
+
+/// Writes out whatever is queued for this client.
+async fn flush(
+    stream: &mut TcpStream,
+    id: ClientId,
+    shared: &Shared,
+    shutdown: &CancellationToken,
+) -> Result<(), Close> {
+    let pending = {
+        let mut inner = shared.lock();
+        match inner.outboxes.get_mut(&id) {
+            Some(outbox) if !outbox.pending.is_empty() => outbox.pending.split(),
+            _ => return Ok(()),
+        }
+    };
+    // A client that stops reading must not hold the task past shutdown.
+    tokio::select! {
+        () = shutdown.cancelled() => Err(Close::Shutdown),
+        written = stream.write_all(&pending) => match written {
+            Ok(()) => {
+                shared.stats.bytes_sent.fetch_add(pending.len() as u64, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(err) => Err(Close::Io(err)),
+        },
+    }
+}

@@ -1,1 +1,707 @@
-//! (in progress)
+//! The store's state — keys, counters, queues and waiters — with no I/O and no async.
+//!
+//! [`State::apply`] carries out one request for one client: it appends that client's reply bytes
+//! to a buffer and reports which *other* clients a write released (each of them is owed one
+//! STOP_WAITING byte). The server serialises all calls under one lock, so replies and wake-ups of
+//! a client are totally ordered; that is what makes CANCEL_WAIT atomic: a wake-up either happened
+//! before the cancel (and its `00` precedes the cancel's `01` on the wire) or never happens.
+//!
+//! Semantics follow torch's libuv backend (TCPStoreLibUvBackend.cpp, torch 2.15). Where the
+//! classic backend differs, the choice is marked "libuv:".
+
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{BufMut, Bytes, BytesMut};
+
+use super::protocol::{put_bytes, reply, Request};
+
+/// Identifies a connection for the lifetime of the server.
+pub type ClientId = u64;
+
+/// A request the state refuses; the server closes that client's connection.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// ADD or BARRIER on a value `std::stoll` cannot parse. Both torch backends close the
+    /// connection here (the exception escapes the handler); so do we.
+    #[error("ADD on key {key:?} whose value {value:?} is not a decimal integer")]
+    NotANumber { key: String, value: String },
+    /// VALIDATE is only valid as the first message; the server handles that one.
+    #[error("VALIDATE after the handshake")]
+    UnexpectedValidate,
+}
+
+/// What a client is blocked on.
+#[derive(Debug, Default)]
+struct WaitState {
+    /// Registrations not yet released; the client is woken when this reaches zero.
+    remaining: usize,
+    /// Every key the client is registered on (in `waiting` or `barriers`), for clean-up.
+    keys: Vec<Bytes>,
+}
+
+/// The store's contents and waiters.
+#[derive(Debug, Default)]
+pub struct State {
+    values: HashMap<Bytes, Bytes>,
+    /// libuv only: queues live in their own map, invisible to GETNUMKEYS and LIST_KEYS.
+    queues: HashMap<Bytes, VecDeque<Bytes>>,
+    /// Key → clients waiting for it, one entry per registration (a key listed twice in one WAIT
+    /// is registered twice, and one write releases both).
+    waiting: HashMap<Bytes, Vec<ClientId>>,
+    /// Key → clients blocked in BARRIER on it. Kept apart from `waiting` because a barrier is
+    /// released by its count reaching the world size, not by the key being written.
+    barriers: HashMap<Bytes, Vec<ClientId>>,
+    waits: HashMap<ClientId, WaitState>,
+}
+
+impl State {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Number of clients currently blocked in WAIT or BARRIER.
+    pub fn blocked_clients(&self) -> usize {
+        self.waits.len()
+    }
+
+    /// Number of regular keys (what GETNUMKEYS answers).
+    pub fn num_keys(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Carries out `request` for `client`, appending its reply (if the command has one) to
+    /// `reply` and the ids of other clients it released to `woken`.
+    pub fn apply(
+        &mut self,
+        client: ClientId,
+        request: Request,
+        reply: &mut BytesMut,
+        woken: &mut Vec<ClientId>,
+    ) -> Result<(), StateError> {
+        match request {
+            Request::Validate { .. } => return Err(StateError::UnexpectedValidate),
+            Request::Set { key, value } => self.set(&key, &value, woken),
+            Request::CompareSet {
+                key,
+                expected,
+                desired,
+            } => {
+                let current = match self.values.get(&key) {
+                    // The "lie": nothing to compare with, so the expected value is returned and
+                    // nothing is created.
+                    None if !expected.is_empty() => expected,
+                    None => {
+                        self.values.insert(key.clone(), desired.clone());
+                        desired
+                    }
+                    Some(current) if *current == expected => {
+                        self.values.insert(key.clone(), desired.clone());
+                        desired
+                    }
+                    Some(current) => current.clone(),
+                };
+                put_bytes(reply, &current);
+                // libuv: every COMPARE_SET wakes the key's waiters, even a failed one (classic
+                // wakes none, not even when it creates the key, which strands waiters).
+                self.wake(&key, woken);
+            }
+            Request::Get { key } => {
+                // libuv: a missing key reads as empty (classic closes the connection).
+                let value = self.values.get(&key).map_or(&[][..], |v| &v[..]);
+                put_bytes(reply, value);
+            }
+            Request::Add { key, delta } => {
+                let value = self.add(&key, delta, woken)?;
+                reply.put_i64_le(value);
+            }
+            Request::Check { keys } => {
+                let ready = keys.iter().all(|k| self.exists(k));
+                reply.put_u8(if ready {
+                    reply::READY
+                } else {
+                    reply::NOT_READY
+                });
+            }
+            Request::Wait { keys } => self.wait(client, keys, reply),
+            Request::GetNumKeys => reply.put_i64_le(self.values.len() as i64),
+            Request::DeleteKey { key } => {
+                // Deleting wakes nobody (both backends).
+                let deleted = self.values.remove(&key).is_some();
+                reply.put_i64_le(i64::from(deleted));
+            }
+            Request::Append { key, value } => {
+                match self.values.entry(key.clone()) {
+                    Entry::Occupied(mut e) => {
+                        let mut joined = BytesMut::with_capacity(e.get().len() + value.len());
+                        joined.put_slice(e.get());
+                        joined.put_slice(&value);
+                        e.insert(joined.freeze());
+                    }
+                    Entry::Vacant(e) => {
+                        e.insert(own(&value));
+                    }
+                }
+                self.wake(&key, woken);
+            }
+            Request::MultiGet { keys } => {
+                for key in &keys {
+                    let value = self.values.get(key).map_or(&[][..], |v| &v[..]);
+                    put_bytes(reply, value);
+                }
+            }
+            Request::MultiSet { pairs } => {
+                for (key, value) in &pairs {
+                    self.set(key, value, woken);
+                }
+            }
+            Request::CancelWait => {
+                self.cancel_wait(client);
+                reply.put_u8(reply::WAIT_CANCELED);
+            }
+            Request::Ping { nonce } => reply.put_u32_le(nonce),
+            Request::QueuePush { key, value } => {
+                self.queues
+                    .entry(own(&key))
+                    .or_default()
+                    .push_back(own(&value));
+                // libuv: a push releases one waiter, since one element serves one popper.
+                self.wake_one(&key, woken);
+            }
+            Request::QueuePop { key } => {
+                let queue = self.queues.get_mut(&key);
+                let len = queue.as_ref().map_or(0, |q| q.len());
+                reply.put_i64_le(len as i64);
+                if let Some(value) = queue.and_then(VecDeque::pop_front) {
+                    put_bytes(reply, &value);
+                }
+            }
+            Request::QueueLen { key } => {
+                let len = self.queues.get(&key).map_or(0, VecDeque::len);
+                reply.put_i64_le(len as i64);
+            }
+            Request::ListKeys => {
+                reply.put_i64_le(self.values.len() as i64);
+                for key in self.values.keys() {
+                    put_bytes(reply, key);
+                }
+            }
+            Request::Barrier { key, world_size } => {
+                let count = self.add(&key, 1, woken)?;
+                if count >= world_size {
+                    reply.put_u8(reply::STOP_WAITING);
+                    if let Some(blocked) = self.barriers.remove(&key) {
+                        for id in blocked {
+                            self.release(id, woken);
+                        }
+                    }
+                } else {
+                    self.barriers.entry(key.clone()).or_default().push(client);
+                    let wait = self.waits.entry(client).or_default();
+                    wait.remaining += 1;
+                    wait.keys.push(key);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets everything `client` was waiting for: on CANCEL_WAIT and on disconnect.
+    pub fn cancel_wait(&mut self, client: ClientId) {
+        let Some(wait) = self.waits.remove(&client) else {
+            return;
+        };
+        for key in wait.keys {
+            for map in [&mut self.waiting, &mut self.barriers] {
+                if let Some(list) = map.get_mut(&key) {
+                    list.retain(|&id| id != client);
+                    if list.is_empty() {
+                        map.remove(&key);
+                    }
+                }
+            }
+        }
+    }
+
+    fn set(&mut self, key: &Bytes, value: &Bytes, woken: &mut Vec<ClientId>) {
+        let value = own(value);
+        // Overwriting an existing key keeps its allocation for the key (the common case in
+        // pipelined SET loops and counters).
+        if let Some(slot) = self.values.get_mut(key) {
+            *slot = value;
+        } else {
+            self.values.insert(own(key), value);
+        }
+        self.wake(key, woken);
+    }
+
+    fn add(
+        &mut self,
+        key: &Bytes,
+        delta: i64,
+        woken: &mut Vec<ClientId>,
+    ) -> Result<i64, StateError> {
+        let current = match self.values.get(key) {
+            None => 0,
+            Some(value) => parse_stoll(value).ok_or_else(|| StateError::NotANumber {
+                key: String::from_utf8_lossy(key).into_owned(),
+                value: String::from_utf8_lossy(value).into_owned(),
+            })?,
+        };
+        // i64 overflow wraps, as the C++ signed addition does in practice.
+        let updated = current.wrapping_add(delta);
+        self.set(key, &Bytes::from(updated.to_string()), woken);
+        Ok(updated)
+    }
+
+    /// libuv: a key exists if it holds a value or names a non-empty queue.
+    fn exists(&self, key: &Bytes) -> bool {
+        self.values.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    fn wait(&mut self, client: ClientId, keys: Vec<Bytes>, reply: &mut BytesMut) {
+        let missing: Vec<Bytes> = keys.into_iter().filter(|k| !self.exists(k)).collect();
+        if missing.is_empty() {
+            reply.put_u8(reply::STOP_WAITING);
+            return;
+        }
+        let wait = self.waits.entry(client).or_default();
+        wait.remaining += missing.len();
+        for key in missing {
+            let key = own(&key);
+            self.waiting.entry(key.clone()).or_default().push(client);
+            wait.keys.push(key);
+        }
+    }
+
+    /// A write to `key`: every registration on it is released.
+    fn wake(&mut self, key: &Bytes, woken: &mut Vec<ClientId>) {
+        if self.waiting.is_empty() {
+            return;
+        }
+        if let Some(list) = self.waiting.remove(key) {
+            for id in list {
+                self.release(id, woken);
+            }
+        }
+    }
+
+    fn wake_one(&mut self, key: &Bytes, woken: &mut Vec<ClientId>) {
+        let Some(list) = self.waiting.get_mut(key) else {
+            return;
+        };
+        let id = list.remove(0);
+        if list.is_empty() {
+            self.waiting.remove(key);
+        }
+        self.release(id, woken);
+    }
+
+    /// One registration of `id` is satisfied; the last one releases the client.
+    fn release(&mut self, id: ClientId, woken: &mut Vec<ClientId>) {
+        if let Some(wait) = self.waits.get_mut(&id) {
+            wait.remaining = wait.remaining.saturating_sub(1);
+            if wait.remaining == 0 {
+                self.waits.remove(&id);
+                woken.push(id);
+            }
+        }
+    }
+}
+
+/// Keys and values arrive as slices of a whole receive buffer; storing such a slice would keep
+/// the entire buffer alive for as long as the key exists, so stored bytes get their own
+/// allocation.
+fn own(bytes: &Bytes) -> Bytes {
+    Bytes::copy_from_slice(bytes)
+}
+
+/// `std::stoll` as torch applies it to stored counters: leading C whitespace, an optional sign,
+/// at least one digit, trailing junk ignored; `None` where stoll throws (no digits, out of range).
+pub fn parse_stoll(bytes: &[u8]) -> Option<i64> {
+    let mut rest = bytes;
+    while let [first, tail @ ..] = rest {
+        if matches!(first, b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r') {
+            rest = tail;
+        } else {
+            break;
+        }
+    }
+    let negative = match rest.first() {
+        Some(b'-') => {
+            rest = &rest[1..];
+            true
+        }
+        Some(b'+') => {
+            rest = &rest[1..];
+            false
+        }
+        _ => false,
+    };
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    // Accumulate negatively so that i64::MIN parses.
+    let mut value: i64 = 0;
+    for &d in &rest[..digits] {
+        value = value.checked_mul(10)?.checked_sub(i64::from(d - b'0'))?;
+    }
+    if negative {
+        Some(value)
+    } else {
+        value.checked_neg()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Buf;
+
+    use super::*;
+
+    fn b(s: &str) -> Bytes {
+        Bytes::copy_from_slice(s.as_bytes())
+    }
+
+    struct Harness {
+        state: State,
+        woken: Vec<ClientId>,
+    }
+
+    impl Harness {
+        fn new() -> Self {
+            Self {
+                state: State::new(),
+                woken: Vec::new(),
+            }
+        }
+
+        fn run(&mut self, client: ClientId, req: Request) -> BytesMut {
+            let mut reply = BytesMut::new();
+            self.state
+                .apply(client, req, &mut reply, &mut self.woken)
+                .unwrap();
+            reply
+        }
+
+        fn set(&mut self, key: &str, value: &str) {
+            let r = self.run(
+                0,
+                Request::Set {
+                    key: b(key),
+                    value: b(value),
+                },
+            );
+            assert!(r.is_empty(), "SET has no reply");
+        }
+
+        fn get(&mut self, key: &str) -> Vec<u8> {
+            let mut r = self.run(0, Request::Get { key: b(key) });
+            get_vec(&mut r)
+        }
+
+        fn cas(&mut self, key: &str, expected: &str, desired: &str) -> Vec<u8> {
+            let mut r = self.run(
+                0,
+                Request::CompareSet {
+                    key: b(key),
+                    expected: b(expected),
+                    desired: b(desired),
+                },
+            );
+            get_vec(&mut r)
+        }
+
+        fn add(&mut self, key: &str, delta: i64) -> i64 {
+            self.run(0, Request::Add { key: b(key), delta })
+                .get_i64_le()
+        }
+
+        fn wait(&mut self, client: ClientId, keys: &[&str]) -> BytesMut {
+            self.run(
+                client,
+                Request::Wait {
+                    keys: keys.iter().map(|k| b(k)).collect(),
+                },
+            )
+        }
+
+        fn take_woken(&mut self) -> Vec<ClientId> {
+            std::mem::take(&mut self.woken)
+        }
+    }
+
+    fn get_vec(r: &mut BytesMut) -> Vec<u8> {
+        crate::store::protocol::get_bytes(r).unwrap()
+    }
+
+    #[test]
+    fn compare_set_covers_all_four_cases() {
+        let mut h = Harness::new();
+        // Missing key, expected non-empty: the expected value comes back, nothing is created.
+        assert_eq!(h.cas("/k", "x", "y"), b"x");
+        assert_eq!(h.state.num_keys(), 0);
+        // Missing key, expected empty: created.
+        assert_eq!(h.cas("/k", "", "first"), b"first");
+        // Present and equal: replaced.
+        assert_eq!(h.cas("/k", "first", "second"), b"second");
+        // Present and different: the current value comes back, unchanged.
+        assert_eq!(h.cas("/k", "nope", "third"), b"second");
+        assert_eq!(h.get("/k"), b"second");
+    }
+
+    #[test]
+    fn add_parses_like_stoll_and_wraps() {
+        let mut h = Harness::new();
+        assert_eq!(h.add("/c", 5), 5);
+        assert_eq!(h.add("/c", -7), -2);
+        h.set("/ws", "  7");
+        assert_eq!(h.add("/ws", 1), 8);
+        h.set("/junk", " 12abc");
+        assert_eq!(h.add("/junk", 1), 13);
+        h.set("/max", &i64::MAX.to_string());
+        assert_eq!(h.add("/max", 1), i64::MIN);
+        assert_eq!(h.get("/max"), i64::MIN.to_string().as_bytes());
+    }
+
+    #[test]
+    fn add_on_a_non_number_is_refused() {
+        let mut h = Harness::new();
+        h.set("/s", "hello");
+        let err = h
+            .state
+            .apply(
+                0,
+                Request::Add {
+                    key: b("/s"),
+                    delta: 1,
+                },
+                &mut BytesMut::new(),
+                &mut Vec::new(),
+            )
+            .unwrap_err();
+        assert!(matches!(err, StateError::NotANumber { .. }));
+        assert_eq!(h.get("/s"), b"hello", "the value is untouched");
+    }
+
+    #[test]
+    fn stoll_edge_cases() {
+        assert_eq!(parse_stoll(b"-9223372036854775808"), Some(i64::MIN));
+        assert_eq!(parse_stoll(b"9223372036854775808"), None);
+        assert_eq!(parse_stoll(b"+4"), Some(4));
+        assert_eq!(parse_stoll(b"\t\n-3x"), Some(-3));
+        assert_eq!(parse_stoll(b""), None);
+        assert_eq!(parse_stoll(b"-"), None);
+        assert_eq!(parse_stoll(b"x1"), None);
+    }
+
+    #[test]
+    fn wait_answers_at_once_when_keys_exist_and_later_otherwise() {
+        let mut h = Harness::new();
+        h.set("/a", "1");
+        assert_eq!(&h.wait(1, &["/a"])[..], [reply::STOP_WAITING]);
+        assert!(h.wait(1, &["/a", "/b", "/c"]).is_empty());
+        h.set("/b", "1");
+        assert!(h.take_woken().is_empty(), "still waiting for /c");
+        h.add("/c", 1);
+        assert_eq!(h.take_woken(), [1]);
+        assert_eq!(h.state.blocked_clients(), 0);
+    }
+
+    #[test]
+    fn one_write_releases_every_waiter_and_duplicate_keys() {
+        let mut h = Harness::new();
+        h.wait(1, &["/k"]);
+        h.wait(2, &["/k", "/k"]);
+        h.set("/k", "v");
+        let mut woken = h.take_woken();
+        woken.sort_unstable();
+        assert_eq!(woken, [1, 2]);
+    }
+
+    #[test]
+    fn cancel_wait_is_final_and_always_answered() {
+        let mut h = Harness::new();
+        assert_eq!(&h.run(1, Request::CancelWait)[..], [reply::WAIT_CANCELED]);
+        h.wait(1, &["/k"]);
+        assert_eq!(&h.run(1, Request::CancelWait)[..], [reply::WAIT_CANCELED]);
+        h.set("/k", "v");
+        assert!(
+            h.take_woken().is_empty(),
+            "no late STOP_WAITING after a cancel"
+        );
+        assert!(h.state.waiting.is_empty());
+    }
+
+    #[test]
+    fn a_disconnected_waiter_leaves_no_trace() {
+        let mut h = Harness::new();
+        h.wait(1, &["/k", "/j"]);
+        h.state.cancel_wait(1);
+        h.set("/k", "v");
+        h.set("/j", "v");
+        assert!(h.take_woken().is_empty());
+        assert!(h.state.waiting.is_empty() && h.state.waits.is_empty());
+    }
+
+    #[test]
+    fn libuv_compare_set_wakes_waiters_even_when_it_fails() {
+        let mut h = Harness::new();
+        h.wait(1, &["/k"]);
+        h.cas("/k", "not-there", "x");
+        assert_eq!(h.take_woken(), [1]);
+    }
+
+    #[test]
+    fn delete_wakes_nobody_and_reports_a_count() {
+        let mut h = Harness::new();
+        h.set("/k", "v");
+        h.wait(1, &["/other"]);
+        assert_eq!(
+            h.run(0, Request::DeleteKey { key: b("/k") }).get_i64_le(),
+            1
+        );
+        assert_eq!(
+            h.run(0, Request::DeleteKey { key: b("/k") }).get_i64_le(),
+            0
+        );
+        assert!(h.take_woken().is_empty());
+    }
+
+    #[test]
+    fn check_is_inverted_and_sees_non_empty_queues() {
+        let mut h = Harness::new();
+        let check = |h: &mut Harness, k: &str| h.run(0, Request::Check { keys: vec![b(k)] })[0];
+        assert_eq!(check(&mut h, "/q"), reply::NOT_READY);
+        h.run(
+            0,
+            Request::QueuePush {
+                key: b("/q"),
+                value: b("e"),
+            },
+        );
+        assert_eq!(check(&mut h, "/q"), reply::READY);
+    }
+
+    #[test]
+    fn queues_pop_in_order_report_length_before_pop_and_wake_one() {
+        let mut h = Harness::new();
+        h.wait(1, &["/q"]);
+        h.wait(2, &["/q"]);
+        for v in ["a", "b"] {
+            h.run(
+                0,
+                Request::QueuePush {
+                    key: b("/q"),
+                    value: b(v),
+                },
+            );
+        }
+        assert_eq!(h.take_woken(), [1, 2], "one waiter per push");
+        let mut r = h.run(0, Request::QueuePop { key: b("/q") });
+        assert_eq!(r.get_i64_le(), 2);
+        assert_eq!(get_vec(&mut r), b"a");
+        assert_eq!(h.run(0, Request::QueueLen { key: b("/q") }).get_i64_le(), 1);
+        h.run(0, Request::QueuePop { key: b("/q") });
+        let r = h.run(0, Request::QueuePop { key: b("/q") });
+        assert_eq!(&r[..], 0i64.to_le_bytes(), "empty pop is the length alone");
+        assert_eq!(h.state.num_keys(), 0, "queues are not keys");
+    }
+
+    #[test]
+    fn barrier_counts_in_a_visible_key_and_releases_at_world_size() {
+        let mut h = Harness::new();
+        let barrier = |h: &mut Harness, c: ClientId| {
+            h.run(
+                c,
+                Request::Barrier {
+                    key: b("/bar"),
+                    world_size: 2,
+                },
+            )
+        };
+        assert!(barrier(&mut h, 1).is_empty());
+        assert_eq!(h.get("/bar"), b"1");
+        assert_eq!(&barrier(&mut h, 2)[..], [reply::STOP_WAITING]);
+        assert_eq!(h.take_woken(), [1]);
+        assert_eq!(h.get("/bar"), b"2");
+    }
+
+    #[test]
+    fn a_cancelled_barrier_keeps_its_count() {
+        let mut h = Harness::new();
+        h.run(
+            1,
+            Request::Barrier {
+                key: b("/bar2"),
+                world_size: 2,
+            },
+        );
+        h.run(1, Request::CancelWait);
+        assert_eq!(h.get("/bar2"), b"1");
+        assert!(h.state.barriers.is_empty());
+    }
+
+    #[test]
+    fn list_keys_and_num_keys_count_regular_keys_only() {
+        let mut h = Harness::new();
+        h.set("/a", "1");
+        h.add("init/", 1);
+        h.run(
+            0,
+            Request::QueuePush {
+                key: b("/q"),
+                value: b("e"),
+            },
+        );
+        assert_eq!(h.run(0, Request::GetNumKeys).get_i64_le(), 2);
+        let mut r = h.run(0, Request::ListKeys);
+        assert_eq!(r.get_i64_le(), 2);
+        let mut keys = vec![get_vec(&mut r), get_vec(&mut r)];
+        keys.sort();
+        assert_eq!(keys, [b"/a".to_vec(), b"init/".to_vec()]);
+    }
+
+    #[test]
+    fn append_creates_then_concatenates_and_wakes() {
+        let mut h = Harness::new();
+        h.wait(1, &["/log"]);
+        h.run(
+            0,
+            Request::Append {
+                key: b("/log"),
+                value: b("ab"),
+            },
+        );
+        h.run(
+            0,
+            Request::Append {
+                key: b("/log"),
+                value: b("cd"),
+            },
+        );
+        assert_eq!(h.take_woken(), [1]);
+        assert_eq!(h.get("/log"), b"abcd");
+    }
+
+    #[test]
+    fn multi_get_answers_empty_for_missing_keys() {
+        let mut h = Harness::new();
+        h.run(
+            0,
+            Request::MultiSet {
+                pairs: vec![(b("/a"), b("1")), (b("/b"), b("2"))],
+            },
+        );
+        let mut r = h.run(
+            0,
+            Request::MultiGet {
+                keys: vec![b("/a"), b("/missing"), b("/b")],
+            },
+        );
+        assert_eq!(get_vec(&mut r), b"1");
+        assert_eq!(get_vec(&mut r), b"");
+        assert_eq!(get_vec(&mut r), b"2");
+    }
+}
