@@ -4,7 +4,8 @@
 //! is pushed from its request path into the registry. At scrape time this collector asks each
 //! attached store for a [`StoreSnapshot`] and turns it into families labelled `store`
 //! (`rendezvous`: the gang's store on node 0; `workers`: the per-attempt store that serves the
-//! workers' `init_process_group`). Because every attempt gets a fresh store whose counters start at
+//! workers' `init_process_group`). [`StoreStatsSource`] is implemented here for the store
+//! server's `Stats`. Because every attempt gets a fresh store whose counters start at
 //! zero, the totals of a replaced store are carried over, so the exported counters never go back.
 
 use std::collections::{BTreeMap, HashMap};
@@ -21,6 +22,10 @@ const OPERATIONS: &str = "muster_store_operations_total";
 const RECEIVED: &str = "muster_store_received_bytes_total";
 const SENT: &str = "muster_store_sent_bytes_total";
 const WAITERS: &str = "muster_store_waiters";
+const ACCEPTED: &str = "muster_store_connections_accepted_total";
+const REFUSED: &str = "muster_store_connections_refused_total";
+const PROTOCOL_ERRORS: &str = "muster_store_protocol_errors_total";
+const KEYS: &str = "muster_store_keys";
 
 /// Which store a snapshot belongs to (`store` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,15 +59,23 @@ impl StoreRole {
 pub struct StoreSnapshot {
     /// Client connections open now.
     pub connections: u64,
-    /// Requests handled since the store started, by command (c10d `QueryType` names, lower case:
-    /// a fixed set, so the label stays bounded).
+    /// Connections accepted since the store started.
+    pub connections_accepted: u64,
+    /// Connections closed at once because the connection limit was reached.
+    pub connections_refused: u64,
+    /// Connections closed for a protocol violation.
+    pub protocol_errors: u64,
+    /// Requests handled since the store started, by command (c10d `QueryType` names: a fixed
+    /// set, so the label stays bounded).
     pub operations: Vec<(&'static str, u64)>,
     /// Bytes read from clients since the store started.
     pub received_bytes: u64,
     /// Bytes written to clients since the store started.
     pub sent_bytes: u64,
-    /// Clients blocked in `WAIT` now.
+    /// Clients blocked in `WAIT` (or a barrier) now.
     pub waiters: u64,
+    /// Keys held now.
+    pub keys: u64,
 }
 
 /// Something that can report a store's statistics; implemented for the store server's `Stats`.
@@ -74,6 +87,9 @@ pub trait StoreStatsSource: Send + Sync {
 #[derive(Default)]
 struct Carried {
     operations: BTreeMap<&'static str, u64>,
+    connections_accepted: u64,
+    connections_refused: u64,
+    protocol_errors: u64,
     received_bytes: u64,
     sent_bytes: u64,
 }
@@ -83,8 +99,26 @@ impl Carried {
         for (command, count) in &snapshot.operations {
             *self.operations.entry(command).or_default() += count;
         }
+        self.connections_accepted += snapshot.connections_accepted;
+        self.connections_refused += snapshot.connections_refused;
+        self.protocol_errors += snapshot.protocol_errors;
         self.received_bytes += snapshot.received_bytes;
         self.sent_bytes += snapshot.sent_bytes;
+    }
+
+    /// The carried totals as a snapshot of a store with nothing open.
+    fn to_snapshot(&self) -> StoreSnapshot {
+        StoreSnapshot {
+            connections: 0,
+            connections_accepted: self.connections_accepted,
+            connections_refused: self.connections_refused,
+            protocol_errors: self.protocol_errors,
+            operations: self.operations.iter().map(|(c, n)| (*c, *n)).collect(),
+            received_bytes: self.received_bytes,
+            sent_bytes: self.sent_bytes,
+            waiters: 0,
+            keys: 0,
+        }
     }
 }
 
@@ -103,7 +137,7 @@ pub(super) struct StoreCollector {
 
 impl StoreCollector {
     pub(super) fn new() -> Self {
-        let defs: [(&str, &str, &[&str]); 5] = [
+        let defs: [(&str, &str, &[&str]); 9] = [
             (
                 CONNECTIONS,
                 "Client connections open on a store this agent hosts.",
@@ -122,9 +156,21 @@ impl StoreCollector {
             (SENT, "Bytes a hosted store wrote to clients.", &["store"]),
             (
                 WAITERS,
-                "Clients blocked in WAIT on a store this agent hosts.",
+                "Clients blocked in WAIT or a barrier on a store this agent hosts.",
                 &["store"],
             ),
+            (ACCEPTED, "Connections a hosted store accepted.", &["store"]),
+            (
+                REFUSED,
+                "Connections a hosted store refused at its connection limit.",
+                &["store"],
+            ),
+            (
+                PROTOCOL_ERRORS,
+                "Connections a hosted store closed for a protocol violation.",
+                &["store"],
+            ),
+            (KEYS, "Keys held by a store this agent hosts.", &["store"]),
         ];
         let descs = defs
             .iter()
@@ -203,28 +249,27 @@ impl Collector for SharedStoreCollector {
                     Attached {
                         role: *role,
                         source: slot.source.clone(),
-                        carried: StoreSnapshot {
-                            connections: 0,
-                            operations: slot
-                                .carried
-                                .operations
-                                .iter()
-                                .map(|(c, n)| (*c, *n))
-                                .collect(),
-                            received_bytes: slot.carried.received_bytes,
-                            sent_bytes: slot.carried.sent_bytes,
-                            waiters: 0,
-                        },
+                        carried: slot.carried.to_snapshot(),
                     }
                 })
                 .collect()
         };
 
-        let mut connections = Vec::new();
-        let mut operations = Vec::new();
-        let mut received = Vec::new();
-        let mut sent = Vec::new();
-        let mut waiters = Vec::new();
+        // (name, type, one sample per attached role)
+        let mut families: Vec<(&str, MetricType, Vec<prometheus::proto::Metric>)> = [
+            (CONNECTIONS, MetricType::GAUGE),
+            (ACCEPTED, MetricType::COUNTER),
+            (REFUSED, MetricType::COUNTER),
+            (PROTOCOL_ERRORS, MetricType::COUNTER),
+            (OPERATIONS, MetricType::COUNTER),
+            (RECEIVED, MetricType::COUNTER),
+            (SENT, MetricType::COUNTER),
+            (WAITERS, MetricType::GAUGE),
+            (KEYS, MetricType::GAUGE),
+        ]
+        .into_iter()
+        .map(|(name, kind)| (name, kind, Vec::new()))
+        .collect();
         for Attached {
             role,
             source,
@@ -232,49 +277,62 @@ impl Collector for SharedStoreCollector {
         } in attached
         {
             let store = role.as_str();
-            let current = source.map(|s| s.snapshot()).unwrap_or_default();
-            let mut ops: BTreeMap<&'static str, u64> = carried.operations.into_iter().collect();
-            for (command, count) in &current.operations {
+            let now = source.map(|s| s.snapshot()).unwrap_or_default();
+            let mut ops: BTreeMap<&'static str, u64> = carried.operations.iter().copied().collect();
+            for (command, count) in &now.operations {
                 *ops.entry(command).or_default() += count;
             }
-            connections.push(gauge(&[("store", store)], current.connections as f64));
-            waiters.push(gauge(&[("store", store)], current.waiters as f64));
-            received.push(counter(
-                &[("store", store)],
-                (carried.received_bytes + current.received_bytes) as f64,
-            ));
-            sent.push(counter(
-                &[("store", store)],
-                (carried.sent_bytes + current.sent_bytes) as f64,
-            ));
-            for (command, count) in ops {
-                operations.push(counter(
-                    &[("store", store), ("command", command)],
-                    count as f64,
-                ));
+            let label = [("store", store)];
+            let values = [
+                now.connections,
+                carried.connections_accepted + now.connections_accepted,
+                carried.connections_refused + now.connections_refused,
+                carried.protocol_errors + now.protocol_errors,
+                0, // operations: one sample per command, below
+                carried.received_bytes + now.received_bytes,
+                carried.sent_bytes + now.sent_bytes,
+                now.waiters,
+                now.keys,
+            ];
+            for ((name, kind, samples), value) in families.iter_mut().zip(values) {
+                if *name == OPERATIONS {
+                    for (command, count) in &ops {
+                        samples.push(counter(
+                            &[("store", store), ("command", command)],
+                            *count as f64,
+                        ));
+                    }
+                } else if *kind == MetricType::COUNTER {
+                    samples.push(counter(&label, value as f64));
+                } else {
+                    samples.push(gauge(&label, value as f64));
+                }
             }
         }
-        vec![
-            family(
-                CONNECTIONS,
-                collector.help(CONNECTIONS),
-                MetricType::GAUGE,
-                connections,
-            ),
-            family(
-                OPERATIONS,
-                collector.help(OPERATIONS),
-                MetricType::COUNTER,
-                operations,
-            ),
-            family(
-                RECEIVED,
-                collector.help(RECEIVED),
-                MetricType::COUNTER,
-                received,
-            ),
-            family(SENT, collector.help(SENT), MetricType::COUNTER, sent),
-            family(WAITERS, collector.help(WAITERS), MetricType::GAUGE, waiters),
-        ]
+        families
+            .into_iter()
+            .map(|(name, kind, samples)| family(name, collector.help(name), kind, samples))
+            .collect()
+    }
+}
+
+impl StoreStatsSource for rendezvous::store::server::Stats {
+    fn snapshot(&self) -> StoreSnapshot {
+        use rendezvous::store::protocol::Command;
+        use std::sync::atomic::Ordering::Relaxed;
+        StoreSnapshot {
+            connections: self.connections_open.load(Relaxed) as u64,
+            connections_accepted: self.connections_accepted.load(Relaxed),
+            connections_refused: self.connections_refused.load(Relaxed),
+            protocol_errors: self.protocol_errors.load(Relaxed),
+            operations: Command::ALL
+                .iter()
+                .map(|command| (command.name(), self.requests(*command)))
+                .collect(),
+            received_bytes: self.bytes_received.load(Relaxed),
+            sent_bytes: self.bytes_sent.load(Relaxed),
+            waiters: self.blocked_clients.load(Relaxed) as u64,
+            keys: self.keys.load(Relaxed) as u64,
+        }
     }
 }

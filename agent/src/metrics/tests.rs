@@ -482,6 +482,10 @@ impl StoreStatsSource for FakeStore {
     fn snapshot(&self) -> StoreSnapshot {
         StoreSnapshot {
             connections: self.connections.load(Ordering::Relaxed),
+            connections_accepted: 1,
+            connections_refused: 0,
+            protocol_errors: 0,
+            keys: 3,
             operations: vec![("set", self.sets.load(Ordering::Relaxed)), ("get", 1)],
             received_bytes: self.received.load(Ordering::Relaxed),
             sent_bytes: 10,
@@ -1059,4 +1063,65 @@ fn gathering_is_fast() {
         Duration::from_millis(1)
     };
     assert!(median < limit, "median gather+encode {median:?}");
+}
+
+#[tokio::test]
+async fn a_real_store_server_is_observed_at_scrape_time() {
+    use rendezvous::store::client::Client;
+    use rendezvous::store::server::{Config, Server};
+
+    let server = Server::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+        .await
+        .unwrap();
+    let addr = server.local_addr();
+    let metrics = Metrics::new();
+    metrics.attach_store(StoreRole::Rendezvous, server.stats());
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn(server.run(shutdown.clone()));
+
+    let mut client = timeout(IO_TIMEOUT, Client::connect(addr, IO_TIMEOUT))
+        .await
+        .unwrap()
+        .unwrap();
+    client.set(b"k", b"v").await.unwrap();
+    client.set(b"k2", b"v").await.unwrap();
+    assert_eq!(client.get(b"k").await.unwrap(), b"v");
+
+    let samples = scrape(&metrics);
+    let v = |name: &str, labels: &[(&str, &str)]| value(&samples, name, labels);
+    let store = ("store", "rendezvous");
+    assert_eq!(v("muster_store_connections", &[store]), Some(1.0));
+    assert_eq!(
+        v("muster_store_connections_accepted_total", &[store]),
+        Some(1.0)
+    );
+    assert_eq!(
+        v(
+            "muster_store_operations_total",
+            &[store, ("command", "SET")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        v(
+            "muster_store_operations_total",
+            &[store, ("command", "GET")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        v(
+            "muster_store_operations_total",
+            &[store, ("command", "BARRIER")]
+        ),
+        Some(0.0),
+        "every command has a series from the start"
+    );
+    assert_eq!(v("muster_store_keys", &[store]), Some(2.0));
+    assert!(v("muster_store_received_bytes_total", &[store]).unwrap() > 0.0);
+    assert!(v("muster_store_sent_bytes_total", &[store]).unwrap() > 0.0);
+
+    drop(client);
+    shutdown.cancel();
+    timeout(IO_TIMEOUT, task).await.unwrap().unwrap().unwrap();
 }
