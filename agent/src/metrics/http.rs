@@ -111,6 +111,8 @@ pub enum ServeError {
         #[source]
         source: io::Error,
     },
+    #[error("cannot start the metrics endpoint's thread: {0}")]
+    Thread(#[source] io::Error),
 }
 
 /// Limits and probe thresholds of the endpoint.
@@ -216,6 +218,94 @@ impl Endpoint {
                     backoff = (backoff * 2).min(Duration::from_secs(1));
                 }
             }
+        }
+    }
+}
+
+/// An endpoint serving on a thread of its own (see [`serve_in_thread`]); stops when dropped.
+#[derive(Debug)]
+pub struct Serving {
+    local_addr: SocketAddr,
+    stop: CancellationToken,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Serving {
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops serving and waits for the thread (bounded by the endpoint's own timeouts).
+    pub fn stop(mut self) {
+        self.stop.cancel();
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Binds `addr` and serves on a dedicated thread with its own single-threaded runtime, until
+/// `shutdown` is cancelled or the returned [`Serving`] is dropped.
+///
+/// The agent supervises its workers on one thread; serving from another one means a scrape
+/// (gather + encode) never takes time from supervision, and `/healthz` still answers — with 503
+/// — when the agent's own thread is stuck, instead of timing out.
+pub fn serve_in_thread(
+    addr: SocketAddr,
+    metrics: Metrics,
+    config: EndpointConfig,
+    shutdown: &CancellationToken,
+) -> Result<Serving, ServeError> {
+    let stop = shutdown.child_token();
+    let token = stop.clone();
+    let (bound_tx, bound_rx) = std::sync::mpsc::sync_channel(1);
+    let thread = std::thread::Builder::new()
+        .name("muster-metrics".to_owned())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(err) => {
+                    let _ = bound_tx.send(Err(ServeError::Thread(err)));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                match Endpoint::bind(addr, metrics, config) {
+                    Ok(endpoint) => {
+                        let _ = bound_tx.send(Ok(endpoint.local_addr()));
+                        endpoint.run(token).await;
+                    }
+                    Err(err) => {
+                        let _ = bound_tx.send(Err(err));
+                    }
+                }
+            });
+        })
+        .map_err(ServeError::Thread)?;
+    let bound = bound_rx.recv().unwrap_or_else(|_| {
+        Err(ServeError::Thread(io::Error::other(
+            "the metrics thread ended before binding",
+        )))
+    });
+    match bound {
+        Ok(local_addr) => Ok(Serving {
+            local_addr,
+            stop,
+            thread: Some(thread),
+        }),
+        Err(err) => {
+            let _ = thread.join();
+            Err(err)
         }
     }
 }

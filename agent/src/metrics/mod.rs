@@ -37,7 +37,10 @@ use prometheus::{
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-pub use http::{AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError};
+pub use http::{
+    serve_in_thread, AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError, Serving,
+    METRICS_CONTENT_TYPE,
+};
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 
 use live::Live;
@@ -791,6 +794,11 @@ impl Metrics {
         self.inner.workers_running.set(i64::from(count));
         self.inner.worker_group_starts.set(unix_now());
         self.inner.live.clear_steps();
+    }
+
+    /// One more local worker of the current group started.
+    pub fn worker_started(&self) {
+        self.inner.workers_running.inc();
     }
 
     /// One local worker ended.

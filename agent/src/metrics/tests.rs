@@ -1125,3 +1125,34 @@ async fn a_real_store_server_is_observed_at_scrape_time() {
     shutdown.cancel();
     timeout(IO_TIMEOUT, task).await.unwrap().unwrap().unwrap();
 }
+
+#[test]
+fn the_endpoint_thread_serves_while_the_caller_is_blocked() {
+    let metrics = Metrics::new();
+    let shutdown = CancellationToken::new();
+    let serving = serve_in_thread(
+        "127.0.0.1:0".parse().unwrap(),
+        metrics.clone(),
+        EndpointConfig::default(),
+        &shutdown,
+    )
+    .unwrap();
+    let addr = serving.local_addr();
+    // No runtime on this thread at all: the endpoint has its own.
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(IO_TIMEOUT)).unwrap();
+    std::io::Write::write_all(&mut stream, b"GET /readyz HTTP/1.0\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 503 "), "{reply}");
+
+    let taken = serve_in_thread(addr, metrics, EndpointConfig::default(), &shutdown).unwrap_err();
+    assert!(matches!(taken, ServeError::Bind { .. }), "{taken}");
+
+    shutdown.cancel();
+    serving.stop();
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "closed after stop"
+    );
+}
