@@ -651,6 +651,20 @@ fn the_dashboard_and_alerts_only_reference_metrics_the_agent_defines() {
     assert!(referenced.len() >= 30, "{referenced:?}");
     assert_defined(&dashboard_path, &referenced);
 
+    // The reference table documents every muster metric, and nothing else.
+    let readme_path = format!("{examples}/prometheus/README.md");
+    let text = std::fs::read_to_string(&readme_path).expect("the metrics reference exists");
+    let documented = referenced_names(&text);
+    assert_defined(&readme_path, &documented);
+    for name in Metrics::new().metric_names() {
+        if name.starts_with("muster_") {
+            assert!(
+                documented.contains(&name),
+                "{readme_path} does not document {name}"
+            );
+        }
+    }
+
     let alerts_path = format!("{examples}/prometheus/muster-alerts.yml");
     let text = std::fs::read_to_string(&alerts_path).expect("the example alerts exist");
     let referenced = referenced_names(&text);
