@@ -6,12 +6,15 @@
 //!   `dry-run`), and the one place where errors become exit codes.
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
+//! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
+//!   protocol over the store).
 //! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
+pub mod checkpoint;
 pub mod commands;
 pub mod exit_code;
 pub mod logging;

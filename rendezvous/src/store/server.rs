@@ -35,8 +35,12 @@ use super::state::{ClientId, State, StateError};
 /// worker count per store; the cap exists so a runaway client cannot exhaust file descriptors.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
 
-/// Receive buffer reserved per read; libuv reads in 4 KiB chunks, we take a little more so a
-/// batch of pipelined requests is usually one read.
+/// Receive buffer of an idle connection. Small, because a job's store holds one connection per
+/// agent and per worker, mostly idle: 16k connections × 1 KiB is 16 MiB.
+const IDLE_BUFFER: usize = 1024;
+
+/// Receive buffer grown to while requests stream in; libuv reads in 4 KiB chunks, we take a
+/// little more so a batch of pipelined requests is usually one read.
 const READ_CHUNK: usize = 16 * 1024;
 
 /// Backlog when `/proc/sys/net/core/somaxconn` cannot be read.
@@ -307,42 +311,51 @@ async fn connection_loop(
     shutdown: &CancellationToken,
 ) -> Close {
     let stats = &shared.stats;
-    let mut inbuf = BytesMut::with_capacity(READ_CHUNK);
+    let mut inbuf = BytesMut::with_capacity(IDLE_BUFFER);
     let mut validated = false;
     loop {
-        tokio::select! {
+        let pending = tokio::select! {
             () = shutdown.cancelled() => return Close::Shutdown,
             // Another client's write released us: send the STOP_WAITING byte(s) queued for us.
-            () = notify.notified() => {}
+            () = notify.notified() => take_pending(id, shared),
             read = stream.read_buf(&mut inbuf) => match read {
                 Ok(0) => return Close::PeerClosed,
                 Ok(n) => {
                     stats.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
-                    if let Err(reason) = process(&mut inbuf, id, &mut validated, shared) {
+                    let (pending, result) = process(&mut inbuf, id, &mut validated, shared);
+                    if let Err(reason) = result {
                         // Replies to the requests before the bad one are still owed.
-                        let _ = flush(stream, id, shared, shutdown).await;
+                        let _ = write(stream, &pending, shared, shutdown).await;
                         return Close::Protocol(reason);
                     }
-                    if inbuf.capacity() - inbuf.len() < READ_CHUNK / 4 {
-                        inbuf.reserve(READ_CHUNK);
+                    if inbuf.is_empty() && inbuf.capacity() > READ_CHUNK {
+                        // Give back what a large value needed once.
+                        inbuf = BytesMut::with_capacity(IDLE_BUFFER);
+                    } else if inbuf.capacity() - inbuf.len() < IDLE_BUFFER {
+                        // read_buf needs spare capacity (with none it would read 0 bytes, which
+                        // looks like end of stream); grow in chunks while data streams in.
+                        inbuf.reserve(if n >= IDLE_BUFFER { READ_CHUNK } else { IDLE_BUFFER });
                     }
+                    pending
                 }
                 Err(err) => return Close::Io(err),
             },
-        }
-        if let Err(close) = flush(stream, id, shared, shutdown).await {
+        };
+        if let Err(close) = write(stream, &pending, shared, shutdown).await {
             return close;
         }
     }
 }
 
 /// Decodes and applies every complete request in `inbuf`, under one lock.
+/// Returns the bytes now owed to this client (taken under the same lock, so nothing queued for
+/// it can be reordered) and whether the connection may go on.
 fn process(
     inbuf: &mut BytesMut,
     id: ClientId,
     validated: &mut bool,
     shared: &Shared,
-) -> Result<(), String> {
+) -> (BytesMut, Result<(), String>) {
     let stats = &shared.stats;
     let mut guard = shared.lock();
     let inner = &mut *guard;
@@ -396,11 +409,11 @@ fn process(
             break;
         }
     }
-    if let Some(outbox) = inner.outboxes.get_mut(&id) {
-        outbox.pending = reply;
-    }
     for other in woken {
-        if let Some(outbox) = inner.outboxes.get_mut(&other) {
+        if other == id {
+            // A pipelined write released our own wait: its byte follows our earlier replies.
+            reply.put_u8(reply::STOP_WAITING);
+        } else if let Some(outbox) = inner.outboxes.get_mut(&other) {
             outbox.pending.put_u8(reply::STOP_WAITING);
             outbox.notify.notify_one();
         }
@@ -409,31 +422,37 @@ fn process(
         .blocked_clients
         .store(inner.state.blocked_clients(), Ordering::Relaxed);
     stats.keys.store(inner.state.num_keys(), Ordering::Relaxed);
-    result
+    (reply, result)
 }
 
 fn decode_reason(err: &DecodeError) -> String {
     format!("malformed request: {err}")
 }
 
-/// Writes out whatever is queued for this client.
-async fn flush(
+/// Takes whatever other clients' writes queued for this client.
+fn take_pending(id: ClientId, shared: &Shared) -> BytesMut {
+    let mut inner = shared.lock();
+    inner
+        .outboxes
+        .get_mut(&id)
+        .map(|outbox| outbox.pending.split())
+        .unwrap_or_default()
+}
+
+/// Writes bytes owed to the client.
+async fn write(
     stream: &mut TcpStream,
-    id: ClientId,
+    pending: &[u8],
     shared: &Shared,
     shutdown: &CancellationToken,
 ) -> Result<(), Close> {
-    let pending = {
-        let mut inner = shared.lock();
-        match inner.outboxes.get_mut(&id) {
-            Some(outbox) if !outbox.pending.is_empty() => outbox.pending.split(),
-            _ => return Ok(()),
-        }
-    };
+    if pending.is_empty() {
+        return Ok(());
+    }
     // A client that stops reading must not hold the task past shutdown.
     tokio::select! {
         () = shutdown.cancelled() => Err(Close::Shutdown),
-        written = stream.write_all(&pending) => match written {
+        written = stream.write_all(pending) => match written {
             Ok(()) => {
                 shared.stats.bytes_sent.fetch_add(pending.len() as u64, Ordering::Relaxed);
                 Ok(())

@@ -1,0 +1,462 @@
+//! The agent's end of the local channel to its workers: a Unix stream socket whose path the
+//! workers find in `MUSTER_CHECKPOINT_SOCKET`, speaking the newline-delimited words of
+//! `python/muster_checkpoint.py`.
+//!
+//! Workers report their step on every training step; the agent keeps only the latest step and
+//! when it arrived (for the target-step agreement and for metrics) and forwards the rare
+//! checkpoint events (saved, missed, failed) to whoever drives the barrier. Nothing here blocks a
+//! worker: the agent reads continuously and pushes at most a few lines per checkpoint.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// Environment variable naming the socket, read by the Python helper.
+pub const SOCKET_ENV: &str = "MUSTER_CHECKPOINT_SOCKET";
+
+/// A worker line longer than this is a broken or foreign client: its connection is closed.
+const MAX_LINE_BYTES: usize = 1024;
+
+/// What a worker told the agent about a checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkerEvent {
+    Saved {
+        local_rank: u32,
+        generation: u64,
+        step: u64,
+        checkpoint_id: String,
+    },
+    /// The save request reached the worker after the step it named.
+    Missed {
+        local_rank: u32,
+        generation: u64,
+        step: u64,
+    },
+    Failed {
+        local_rank: u32,
+        generation: u64,
+        reason: String,
+    },
+}
+
+/// The latest report of one local rank.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankProgress {
+    pub local_rank: u32,
+    pub step: Option<u64>,
+    /// When the last step report arrived.
+    pub reported_at: Option<Instant>,
+    /// Smoothed time between consecutive steps.
+    pub step_period: Option<Duration>,
+}
+
+struct Link {
+    progress: RankProgress,
+    outbox: mpsc::UnboundedSender<String>,
+}
+
+#[derive(Default)]
+struct Links {
+    by_rank: HashMap<u32, Link>,
+}
+
+/// The listening socket and what the connected workers reported.
+pub struct LocalChannel {
+    path: PathBuf,
+    links: Arc<Mutex<Links>>,
+    events: mpsc::UnboundedReceiver<WorkerEvent>,
+    stop: CancellationToken,
+}
+
+fn lock(links: &Mutex<Links>) -> MutexGuard<'_, Links> {
+    links.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl LocalChannel {
+    /// Listens on `dir/checkpoint.sock` (replacing a stale socket file) until `shutdown`.
+    pub fn bind(dir: &Path, shutdown: &CancellationToken) -> std::io::Result<LocalChannel> {
+        std::fs::create_dir_all(dir)?;
+        let path = dir.join("checkpoint.sock");
+        match std::fs::remove_file(&path) {
+            Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err),
+            _ => {}
+        }
+        let listener = UnixListener::bind(&path)?;
+        let links = Arc::new(Mutex::new(Links::default()));
+        let (events_tx, events) = mpsc::unbounded_channel();
+        let stop = shutdown.child_token();
+        tokio::spawn(accept_loop(
+            listener,
+            Arc::clone(&links),
+            events_tx,
+            stop.clone(),
+        ));
+        Ok(LocalChannel {
+            path,
+            links,
+            events,
+            stop,
+        })
+    }
+
+    /// The socket path to export as [`SOCKET_ENV`].
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Local ranks currently connected.
+    pub fn connected_ranks(&self) -> Vec<u32> {
+        let mut ranks: Vec<u32> = lock(&self.links).by_rank.keys().copied().collect();
+        ranks.sort_unstable();
+        ranks
+    }
+
+    /// Every connected rank's latest report.
+    pub fn progress(&self) -> Vec<RankProgress> {
+        let mut all: Vec<RankProgress> = lock(&self.links)
+            .by_rank
+            .values()
+            .map(|l| l.progress)
+            .collect();
+        all.sort_by_key(|p| p.local_rank);
+        all
+    }
+
+    /// Sends one line to every connected worker.
+    pub fn broadcast(&self, line: &str) {
+        for link in lock(&self.links).by_rank.values() {
+            // A closed outbox means the worker is gone; its exit is the supervisor's business.
+            let _ = link.outbox.send(line.to_owned());
+        }
+    }
+
+    /// The next checkpoint event from any worker.
+    pub async fn next_event(&mut self) -> Option<WorkerEvent> {
+        self.events.recv().await
+    }
+
+    /// Forgets the ranks of a finished attempt (their processes are gone; a new attempt's
+    /// workers connect afresh).
+    pub fn forget_all(&self) {
+        lock(&self.links).by_rank.clear();
+    }
+}
+
+impl Drop for LocalChannel {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+async fn accept_loop(
+    listener: UnixListener,
+    links: Arc<Mutex<Links>>,
+    events: mpsc::UnboundedSender<WorkerEvent>,
+    stop: CancellationToken,
+) {
+    loop {
+        let stream = tokio::select! {
+            () = stop.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(err) => {
+                    warn!(error = %err, "checkpoint socket: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        tokio::spawn(serve_worker(
+            stream,
+            Arc::clone(&links),
+            events.clone(),
+            stop.clone(),
+        ));
+    }
+}
+
+async fn serve_worker(
+    stream: UnixStream,
+    links: Arc<Mutex<Links>>,
+    events: mpsc::UnboundedSender<WorkerEvent>,
+    stop: CancellationToken,
+) {
+    let (read, mut write) = stream.into_split();
+    let mut lines = BufReader::new(read);
+    let (outbox, mut outgoing) = mpsc::unbounded_channel::<String>();
+    let mut local_rank: Option<u32> = None;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        tokio::select! {
+            () = stop.cancelled() => break,
+            Some(mut message) = outgoing.recv() => {
+                message.push('\n');
+                if write.write_all(message.as_bytes()).await.is_err() {
+                    break;
+                }
+            }
+            read = read_bounded_line(&mut lines, &mut line) => match read {
+                Ok(true) => {
+                    if let Err(reason) = handle_line(&line, &mut local_rank, &links, &outbox, &events) {
+                        warn!(local_rank = ?local_rank, "checkpoint socket: {reason}; closing");
+                        break;
+                    }
+                }
+                Ok(false) => break,
+                Err(err) => {
+                    debug!(error = %err, "checkpoint socket: read failed");
+                    break;
+                }
+            },
+        }
+    }
+    if let Some(rank) = local_rank {
+        let mut links = lock(&links);
+        // Only forget the rank if a newer connection has not taken its place.
+        if links
+            .by_rank
+            .get(&rank)
+            .is_some_and(|l| l.outbox.same_channel(&outbox))
+        {
+            links.by_rank.remove(&rank);
+        }
+    }
+}
+
+/// Reads one line of at most [`MAX_LINE_BYTES`]; `Ok(false)` at end of stream.
+async fn read_bounded_line(
+    reader: &mut BufReader<tokio::net::unix::OwnedReadHalf>,
+    line: &mut String,
+) -> std::io::Result<bool> {
+    let mut buf = Vec::new();
+    loop {
+        let available = reader.fill_buf().await?;
+        if available.is_empty() {
+            return Ok(false);
+        }
+        if let Some(pos) = available.iter().position(|&b| b == b'\n') {
+            buf.extend_from_slice(&available[..pos]);
+            reader.consume(pos + 1);
+            break;
+        }
+        let n = available.len();
+        buf.extend_from_slice(available);
+        reader.consume(n);
+        if buf.len() > MAX_LINE_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "line too long",
+            ));
+        }
+    }
+    if buf.len() > MAX_LINE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "line too long",
+        ));
+    }
+    *line = String::from_utf8_lossy(&buf).into_owned();
+    Ok(true)
+}
+
+/// Weight of a new sample in the smoothed step period.
+const PERIOD_SMOOTHING: f64 = 0.3;
+
+fn handle_line(
+    line: &str,
+    local_rank: &mut Option<u32>,
+    links: &Mutex<Links>,
+    outbox: &mpsc::UnboundedSender<String>,
+    events: &mpsc::UnboundedSender<WorkerEvent>,
+) -> Result<(), String> {
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let number = |i: usize| -> Result<u64, String> {
+        words
+            .get(i)
+            .and_then(|w| w.parse().ok())
+            .ok_or_else(|| format!("malformed message {line:?}"))
+    };
+    match words.first().copied() {
+        Some("hello") => {
+            let rank = u32::try_from(number(1)?).map_err(|_| format!("bad rank in {line:?}"))?;
+            *local_rank = Some(rank);
+            lock(links).by_rank.insert(
+                rank,
+                Link {
+                    progress: RankProgress {
+                        local_rank: rank,
+                        step: None,
+                        reported_at: None,
+                        step_period: None,
+                    },
+                    outbox: outbox.clone(),
+                },
+            );
+        }
+        Some("step") => {
+            let step = number(1)?;
+            let rank = local_rank.ok_or("step before hello")?;
+            if let Some(link) = lock(links).by_rank.get_mut(&rank) {
+                let now = Instant::now();
+                let p = &mut link.progress;
+                if let (Some(prev_step), Some(prev_at)) = (p.step, p.reported_at) {
+                    if step > prev_step {
+                        let sample =
+                            now.duration_since(prev_at).as_secs_f64() / (step - prev_step) as f64;
+                        let smoothed = match p.step_period {
+                            Some(old) => old
+                                .as_secs_f64()
+                                .mul_add(1.0 - PERIOD_SMOOTHING, sample * PERIOD_SMOOTHING),
+                            None => sample,
+                        };
+                        p.step_period = Some(Duration::from_secs_f64(smoothed));
+                    }
+                }
+                p.step = Some(step);
+                p.reported_at = Some(now);
+            }
+        }
+        Some(kind @ ("saved" | "missed" | "failed")) => {
+            let rank = local_rank.ok_or("checkpoint message before hello")?;
+            let generation = number(1)?;
+            let event = match kind {
+                "saved" => WorkerEvent::Saved {
+                    local_rank: rank,
+                    generation,
+                    step: number(2)?,
+                    checkpoint_id: words.get(3).copied().unwrap_or_default().to_owned(),
+                },
+                "missed" => WorkerEvent::Missed {
+                    local_rank: rank,
+                    generation,
+                    step: number(2)?,
+                },
+                _ => WorkerEvent::Failed {
+                    local_rank: rank,
+                    generation,
+                    reason: words.get(2..).map(|w| w.join(" ")).unwrap_or_default(),
+                },
+            };
+            let _ = events.send(event);
+        }
+        _ => return Err(format!("unknown message {line:?}")),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+    use super::*;
+
+    async fn worker(
+        path: &Path,
+        rank: u32,
+    ) -> (
+        BufReader<tokio::net::unix::OwnedReadHalf>,
+        tokio::net::unix::OwnedWriteHalf,
+    ) {
+        let stream = UnixStream::connect(path).await.unwrap();
+        let (r, mut w) = stream.into_split();
+        w.write_all(format!("hello {rank} {rank} 1\n").as_bytes())
+            .await
+            .unwrap();
+        (BufReader::new(r), w)
+    }
+
+    async fn settle<F: Fn() -> bool>(cond: F) {
+        for _ in 0..200 {
+            if cond() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("condition not reached");
+    }
+
+    #[tokio::test]
+    async fn steps_are_tracked_and_events_forwarded() {
+        let dir = std::env::temp_dir().join(format!("muster-local-test-{}", std::process::id()));
+        let stop = CancellationToken::new();
+        let mut channel = LocalChannel::bind(&dir, &stop).unwrap();
+        let (mut r0, mut w0) = worker(channel.path(), 0).await;
+        let (_r1, mut w1) = worker(channel.path(), 1).await;
+        w0.write_all(b"step 4\nstep 5\n").await.unwrap();
+        w1.write_all(b"step 5\n").await.unwrap();
+        settle(|| {
+            channel.progress().iter().all(|p| p.step == Some(5)) && channel.progress().len() == 2
+        })
+        .await;
+        assert_eq!(channel.connected_ranks(), [0, 1]);
+        assert!(channel.progress()[0].step_period.is_some());
+
+        channel.broadcast("save 1 7 0");
+        let mut line = String::new();
+        r0.read_line(&mut line).await.unwrap();
+        assert_eq!(line, "save 1 7 0\n");
+
+        w0.write_all(b"saved 1 7 ckpt-7\n").await.unwrap();
+        w1.write_all(b"failed 1 disk full\n").await.unwrap();
+        let mut got = [
+            channel.next_event().await.unwrap(),
+            channel.next_event().await.unwrap(),
+        ];
+        got.sort_by_key(|e| matches!(e, WorkerEvent::Failed { .. }));
+        assert_eq!(
+            got[0],
+            WorkerEvent::Saved {
+                local_rank: 0,
+                generation: 1,
+                step: 7,
+                checkpoint_id: "ckpt-7".into()
+            }
+        );
+        assert_eq!(
+            got[1],
+            WorkerEvent::Failed {
+                local_rank: 1,
+                generation: 1,
+                reason: "disk full".into()
+            }
+        );
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn garbage_closes_only_that_connection() {
+        let dir = std::env::temp_dir().join(format!("muster-local-garbage-{}", std::process::id()));
+        let stop = CancellationToken::new();
+        let channel = LocalChannel::bind(&dir, &stop).unwrap();
+        let (_r, mut w) = worker(channel.path(), 0).await;
+        let mut bad = UnixStream::connect(channel.path()).await.unwrap();
+        bad.write_all(&[b'x'; 4096]).await.unwrap();
+        bad.write_all(b"\n").await.unwrap();
+        w.write_all(b"step 1\n").await.unwrap();
+        settle(|| {
+            channel
+                .progress()
+                .first()
+                .is_some_and(|p| p.step == Some(1))
+        })
+        .await;
+        let mut sink = Vec::new();
+        let closed = tokio::time::timeout(
+            Duration::from_secs(2),
+            tokio::io::AsyncReadExt::read_to_end(&mut bad, &mut sink),
+        )
+        .await;
+        assert!(closed.is_ok(), "the oversized client was disconnected");
+        stop.cancel();
+    }
+}

@@ -1,0 +1,187 @@
+"""muster's checkpoint-on-preemption helper for training scripts.
+
+One file, no dependencies beyond the standard library (it never imports torch): vendor it, or let
+muster put it on the workers' PYTHONPATH (it does). Five lines in a training loop:
+
+    ckpt = muster_checkpoint.Checkpointer()
+    for step in range(start_step, total_steps):
+        train_one_step()
+        if ckpt.should_save(step):                 # the step every rank on every node saves at
+            save_checkpoint(step)
+            if ckpt.saved(step): break             # True: the gang committed (or gave up): stop
+
+How it works: the agent (muster, PID 1 of the pod) listens on a Unix socket named in
+MUSTER_CHECKPOINT_SOCKET. `should_save` reports the step (one small non-blocking send) and reads,
+without blocking, whether the agent has pushed a save request. When a pod is preempted, the
+agents agree on a target step T that every rank can still reach and push it to every worker;
+each rank saves at T and `saved` reports it and waits until the agents have counted every rank
+of the job, then returns. Outside muster (or with an old muster) every call is a cheap no-op.
+
+Messages are newline-terminated ASCII words:
+  worker -> agent: "hello <local_rank> <rank> <pid>", "step <n>", "saved <gen> <step> <id>",
+                   "missed <gen> <step>", "failed <gen> <reason>"
+  agent -> worker: "save <gen> <target_step> <deadline_unix_s>",
+                   "commit <gen> <exit|continue>", "abort <gen> <reason>"
+"""
+
+import os
+import socket
+import time
+
+__all__ = ["Checkpointer", "SOCKET_ENV"]
+
+SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
+
+# How long `saved` waits for the agent's verdict when the agent gave no deadline.
+_DEFAULT_VERDICT_WAIT_S = 600.0
+
+
+class Checkpointer:
+    """The worker's side of muster's checkpoint barrier."""
+
+    def __init__(self, socket_path=None):
+        self._path = socket_path if socket_path is not None else os.environ.get(SOCKET_ENV, "")
+        self._sock = None
+        self._inbox = b""
+        self._last_step = None
+        # The save request in force: (generation, target step, deadline) or None.
+        self._request = None
+        # Set by the agent's verdict on the last save.
+        self.committed = False
+        self.aborted_reason = None
+        if self._path:
+            self._connect()
+
+    @property
+    def active(self):
+        """True when an agent is listening (the helper is not a no-op)."""
+        return self._sock is not None
+
+    @property
+    def target_step(self):
+        """The step the gang agreed to save at, if a save was requested."""
+        return self._request[1] if self._request else None
+
+    def should_save(self, step):
+        """Reports `step` and returns True when this rank must save a checkpoint at it now."""
+        if self._sock is None:
+            return False
+        if step != self._last_step:
+            self._last_step = step
+            self._send("step %d" % step)
+        self._poll()
+        if self._request is None:
+            return False
+        generation, target, _deadline = self._request
+        if step == target:
+            return True
+        if step > target:
+            # The request reached us after the step it named: tell the agent, which picks a
+            # later target for everyone (a new generation).
+            self._send("missed %d %d" % (generation, step))
+            self._request = None
+        return False
+
+    def saved(self, step, checkpoint_id=""):
+        """Confirms the save of `step`; blocks until the agents commit or abort it.
+
+        Returns True when training should stop now (committed for preemption, or aborted);
+        False when the gang committed and asked to continue (an operator's checkpoint).
+        """
+        if self._sock is None or self._request is None:
+            return False
+        generation, _target, deadline = self._request
+        ident = str(checkpoint_id or step).replace(" ", "_").replace("\n", "_")
+        self._send("saved %d %d %s" % (generation, step, ident))
+        limit = deadline if deadline else time.time() + _DEFAULT_VERDICT_WAIT_S
+        while True:
+            for words in self._messages():
+                if words[0] == "commit" and int(words[1]) == generation:
+                    self.committed = True
+                    self._request = None
+                    return len(words) < 3 or words[2] != "continue"
+                if words[0] == "abort" and int(words[1]) == generation:
+                    self.aborted_reason = " ".join(words[2:]) or "aborted"
+                    self._request = None
+                    return True
+            remaining = limit - time.time()
+            if remaining <= 0:
+                self.aborted_reason = "no verdict from the agent before the deadline"
+                return True
+            if not self._wait_readable(min(remaining, 1.0)):
+                continue
+
+    def failed(self, reason):
+        """Tells the agent this rank could not save (the gang aborts this checkpoint)."""
+        if self._sock is not None and self._request is not None:
+            text = str(reason).replace("\n", " ")[:200]
+            self._send("failed %d %s" % (self._request[0], text))
+            self._request = None
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    def _connect(self):
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(self._path)
+            sock.setblocking(False)
+        except OSError:
+            # No agent listening: behave as a no-op rather than break training.
+            self._sock = None
+            return
+        self._sock = sock
+        self._send(
+            "hello %s %s %d"
+            % (os.environ.get("LOCAL_RANK", "0"), os.environ.get("RANK", "0"), os.getpid())
+        )
+
+    def _send(self, line):
+        if self._sock is None:
+            return
+        data = (line + "\n").encode("ascii", "replace")
+        try:
+            self._sock.setblocking(True)
+            self._sock.settimeout(1.0)
+            self._sock.sendall(data)
+        except OSError:
+            self._sock = None
+        finally:
+            if self._sock is not None:
+                self._sock.setblocking(False)
+
+    def _wait_readable(self, timeout):
+        import select
+
+        if self._sock is None:
+            return False
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        return bool(readable)
+
+    def _messages(self):
+        """Every complete message received so far, as word lists."""
+        if self._sock is None:
+            return []
+        while True:
+            try:
+                chunk = self._sock.recv(4096)
+            except BlockingIOError:
+                break
+            except OSError:
+                self._sock = None
+                break
+            if not chunk:
+                self._sock = None
+                break
+            self._inbox += chunk
+        lines = self._inbox.split(b"\n")
+        self._inbox = lines.pop()
+        return [line.decode("ascii", "replace").split() for line in lines if line.strip()]
+
+    def _poll(self):
+        for words in self._messages():
+            if words[0] == "save" and len(words) >= 3:
+                deadline = float(words[3]) if len(words) > 3 else 0.0
+                self._request = (int(words[1]), int(words[2]), deadline)
+            elif words[0] == "abort" and self._request and int(words[1]) == self._request[0]:
+                self.aborted_reason = " ".join(words[2:]) or "aborted"
+                self._request = None
