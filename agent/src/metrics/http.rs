@@ -418,8 +418,30 @@ async fn serve_connection(
             }
         }
         if !keep_alive {
-            let _ = timeout_at(deadline, stream.shutdown()).await;
+            linger(&mut stream, deadline.min(Instant::now() + LINGER)).await;
             return;
+        }
+    }
+}
+
+/// How long a closing connection keeps reading what the peer still sends.
+const LINGER: Duration = Duration::from_millis(500);
+/// How much a closing connection reads and discards at most.
+const LINGER_BYTES: usize = 64 * 1024;
+
+/// Closes our side, then reads and discards what the peer is still sending for a moment: closing
+/// a socket with unread input makes the kernel send a reset, which can destroy the error response
+/// before the peer reads it (RFC 9112 §9.6).
+async fn linger(stream: &mut TcpStream, deadline: Instant) {
+    if timeout_at(deadline, stream.shutdown()).await.is_err() {
+        return;
+    }
+    let mut chunk = [0u8; 4096];
+    let mut discarded = 0;
+    while discarded < LINGER_BYTES {
+        match timeout_at(deadline, stream.read(&mut chunk)).await {
+            Ok(Ok(n)) if n > 0 => discarded += n,
+            _ => return,
         }
     }
 }
@@ -439,6 +461,16 @@ async fn read_request(
         if let Some(head_len) = head_end(buf) {
             let head = parse_head(&buf[..head_len])?;
             let total = head_len + head.content_length;
+            if head.expect_continue && buf.len() < total {
+                // curl waits a second for this before sending a body it announced.
+                let deadline = request_deadline.unwrap_or(idle_deadline);
+                if !matches!(
+                    timeout_at(deadline, stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")).await,
+                    Ok(Ok(()))
+                ) {
+                    return Ok(None);
+                }
+            }
             while buf.len() < total {
                 let deadline = request_deadline.unwrap_or(idle_deadline);
                 match read_some(stream, &mut chunk, deadline, shutdown).await {
@@ -504,6 +536,8 @@ fn head_end(buf: &[u8]) -> Option<usize> {
 struct Head {
     request: Request,
     content_length: usize,
+    /// `Expect: 100-continue`: the client waits for a go-ahead before sending the body.
+    expect_continue: bool,
 }
 
 fn parse_head(head: &[u8]) -> Result<Head, Reject> {
@@ -533,6 +567,7 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
     let mut content_length: Option<usize> = None;
     let mut connection_close = false;
     let mut connection_keep_alive = false;
+    let mut expect_continue = false;
     for line in lines {
         if line.is_empty() {
             continue;
@@ -553,6 +588,8 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
             content_length = Some(n);
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(Reject::ChunkedBody);
+        } else if name.eq_ignore_ascii_case("expect") {
+            expect_continue = value.eq_ignore_ascii_case("100-continue");
         } else if name.eq_ignore_ascii_case("connection") {
             for token in value.split(',').map(str::trim) {
                 connection_close |= token.eq_ignore_ascii_case("close");
@@ -578,6 +615,7 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
             keep_alive,
         },
         content_length: content_length.unwrap_or(0),
+        expect_continue,
     })
 }
 
@@ -828,6 +866,27 @@ mod tests {
             parse_head(b"GET /\xff HTTP/1.1\r\n\r\n").err(),
             Some(Reject::BadRequest)
         );
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn parsing_arbitrary_bytes_never_panics(input in proptest::collection::vec(proptest::num::u8::ANY, 0..2048)) {
+            let _ = head_end(&input);
+            let _ = parse_head(&input);
+        }
+
+        #[test]
+        fn parsing_request_like_text_never_panics(
+            method in "[A-Z]{0,8}",
+            target in "[ -~]{0,40}",
+            headers in proptest::collection::vec("[ -~]{0,60}", 0..8),
+        ) {
+            let text = format!("{method} {target} HTTP/1.1\r\n{}\r\n\r\n", headers.join("\r\n"));
+            if let Ok(head) = parse_head(text.as_bytes()) {
+                proptest::prop_assert!(head.request.path.starts_with('/'));
+                proptest::prop_assert!(head.content_length <= MAX_BODY_BYTES);
+            }
+        }
     }
 
     #[test]
