@@ -26,7 +26,7 @@ mod http;
 mod live;
 mod store;
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus::core::Collector;
@@ -402,6 +402,15 @@ struct Inner {
     http_requests: IntCounterVec,
 }
 
+static INSTALLED: OnceLock<Metrics> = OnceLock::new();
+
+/// The registry the agent installed with [`Metrics::install`], if any (`None` in tests and in
+/// subcommands without an endpoint, where recording is simply skipped):
+/// `if let Some(m) = metrics::installed() { m.dns_attempt(DnsResult::NxDomain) }`.
+pub fn installed() -> Option<&'static Metrics> {
+    INSTALLED.get()
+}
+
 /// Definitions are compile-time constants; a failure here is a bug that the unit tests catch.
 const STATIC_DEFINITION: &str = "static metric definitions are valid";
 
@@ -654,6 +663,13 @@ impl Metrics {
         Self {
             inner: Arc::new(inner),
         }
+    }
+
+    /// Makes this the process's registry, for the parts of the agent that are not handed a
+    /// `Metrics` (discovery, GPU checks, the checkpoint channel): they record through
+    /// [`installed`]. The first call wins; returns whether this one did.
+    pub fn install(&self) -> bool {
+        INSTALLED.set(self.clone()).is_ok()
     }
 
     // ---- agent loop -------------------------------------------------------------------------

@@ -1170,3 +1170,15 @@ fn the_endpoint_thread_serves_while_the_caller_is_blocked() {
         "closed after stop"
     );
 }
+
+#[test]
+fn the_installed_registry_is_the_first_one() {
+    let first = Metrics::new();
+    let second = Metrics::new();
+    assert!(first.install());
+    assert!(!second.install());
+    let installed = installed().expect("installed");
+    installed.set_phase(Phase::Preflight);
+    assert_eq!(first.phase(), Phase::Preflight);
+    assert_eq!(second.phase(), Phase::Resolving);
+}
