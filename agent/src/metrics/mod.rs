@@ -58,6 +58,8 @@ pub const STORE_PROTOCOL: &str = "c10d-tcpstore-2.15";
 pub const MAX_LOCAL_RANKS: u32 = 256;
 /// GPUs beyond this index are not exported (an HGX node has 8).
 pub const MAX_GPUS: u32 = 64;
+/// Distinct GPU check names exported (the pre-flight has about twenty).
+pub const MAX_GPU_CHECKS: usize = 64;
 /// Longest `run_id` label value kept; longer ids are cut (the label is informational).
 const MAX_RUN_ID_LEN: usize = 128;
 
@@ -396,6 +398,8 @@ struct Inner {
     last_checkpoint_step: IntGauge,
     last_checkpoint_timestamp: Gauge,
     gpu_check: IntGaugeVec,
+    /// The check names seen so far (bounds the `check` label).
+    gpu_check_names: Mutex<Vec<String>>,
     gpu_nvlink_links: IntGaugeVec,
     gpu_preflight_healthy: IntGauge,
     gpu_preflight_duration: Gauge,
@@ -615,6 +619,7 @@ impl Metrics {
                 "GPU pre-flight result per check and GPU (1 pass or warn, 0 fail).",
                 &["gpu", "UUID", "check"],
             ),
+            gpu_check_names: Mutex::new(Vec::new()),
             gpu_nvlink_links: defs.int_gauge_vec(
                 "muster_gpu_nvlink_active_links",
                 "NVLink links up per GPU, from NVML.",
@@ -774,15 +779,32 @@ impl Metrics {
 
     // ---- GPU pre-flight -----------------------------------------------------------------------
 
-    /// One pre-flight check's verdict on one GPU (`healthy` is false only for a failing check;
-    /// warnings count as healthy, as they do for the gang).
-    pub fn gpu_check(&self, gpu: u32, uuid: &str, check: &'static str, healthy: bool) {
-        if gpu >= MAX_GPUS {
-            return;
+    /// One pre-flight check's verdict on one GPU, or on the whole node (`gpu` `None`: exported as
+    /// `gpu="node"`). `healthy` is false only for a failing check; warnings count as healthy, as
+    /// they do for the gang. `check` is one of the pre-flight's fixed check names, and at most
+    /// [`MAX_GPU_CHECKS`] distinct names are kept.
+    pub fn gpu_check(&self, gpu: Option<u32>, uuid: &str, check: &str, healthy: bool) {
+        let gpu = match gpu {
+            Some(index) if index >= MAX_GPUS => return,
+            Some(index) => index.to_string(),
+            None => "node".to_owned(),
+        };
+        {
+            let mut names = self
+                .inner
+                .gpu_check_names
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !names.iter().any(|n| n == check) {
+                if names.len() >= MAX_GPU_CHECKS {
+                    return;
+                }
+                names.push(check.to_owned());
+            }
         }
         self.inner
             .gpu_check
-            .with_label_values(&[&gpu.to_string(), uuid, check])
+            .with_label_values(&[gpu.as_str(), uuid, check])
             .set(i64::from(healthy));
     }
 

@@ -230,8 +230,9 @@ fn events_move_the_right_series() {
     metrics.worker_step(0, 120);
     metrics.worker_step(MAX_LOCAL_RANKS, 1);
     metrics.signal_received(15);
-    metrics.gpu_check(0, "GPU-abc", "ecc_uncorrectable", false);
-    metrics.gpu_check(MAX_GPUS, "GPU-far", "ecc_uncorrectable", false);
+    metrics.gpu_check(Some(0), "GPU-abc", "ecc_uncorrectable", false);
+    metrics.gpu_check(Some(MAX_GPUS), "GPU-far", "ecc_uncorrectable", false);
+    metrics.gpu_check(None, "", "driver", true);
     metrics.gpu_nvlink_active_links(0, "GPU-abc", 18);
     metrics.gpu_preflight_finished(false, Duration::from_millis(300));
     metrics.checkpoint_requested(CheckpointTrigger::Signal);
@@ -356,6 +357,13 @@ fn events_move_the_right_series() {
     );
     assert_eq!(v("muster_gpu_check_healthy", &[("UUID", "GPU-far")]), None);
     assert_eq!(
+        v(
+            "muster_gpu_check_healthy",
+            &[("gpu", "node"), ("check", "driver")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
         v("muster_gpu_nvlink_active_links", &[("gpu", "0")]),
         Some(18.0)
     );
@@ -425,6 +433,14 @@ fn label_values_stay_bounded() {
     assert_eq!(infos.len(), 1, "one job_info series at a time");
     assert_eq!(infos[0].labels["run_id"], "second");
     assert_eq!(truncate(&"é".repeat(200), 5), "éé");
+    for i in 0..MAX_GPU_CHECKS + 10 {
+        metrics.gpu_check(Some(0), "GPU-a", &format!("check_{i}"), true);
+    }
+    let checks = scrape(&metrics)
+        .iter()
+        .filter(|s| s.name == "muster_gpu_check_healthy")
+        .count();
+    assert_eq!(checks, MAX_GPU_CHECKS);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1055,7 +1071,7 @@ fn gathering_is_fast() {
         metrics.worker_step(rank, 100);
         metrics.gpu_nvlink_active_links(rank, "GPU-x", 18);
         for check in ["ecc", "nvlink", "thermal", "pcie", "fabric"] {
-            metrics.gpu_check(rank, "GPU-x", check, true);
+            metrics.gpu_check(Some(rank), "GPU-x", check, true);
         }
     }
     let mut times: Vec<Duration> = (0..200)
