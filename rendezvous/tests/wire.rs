@@ -1,0 +1,20 @@
+//! Wire-level proof of the store: one integration-test binary (link time stays low on 2 cores)
+//! with one module per area.
+//!
+//! - `replay`: byte-exact exchanges captured from real torch 2.15 (client and libuv server, see
+//!   `tests/fixtures/tcpstore/README.md`) replayed against our server; its replies must equal
+//!   torch's byte for byte.
+//! - `malformed`: hostile and broken input (truncated frames, unknown commands, bad handshakes,
+//!   huge lengths, vanishing clients, many idle connections): the offending connection is closed,
+//!   nothing huge is allocated, and other clients keep being served.
+//! - `codec`: property tests of `rendezvous::store::protocol`.
+
+#[path = "wire/common.rs"]
+mod common;
+
+#[path = "wire/codec.rs"]
+mod codec;
+#[path = "wire/malformed.rs"]
+mod malformed;
+#[path = "wire/replay.rs"]
+mod replay;

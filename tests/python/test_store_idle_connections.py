@@ -1,0 +1,100 @@
+"""10,000 idle connections to `muster store` while other clients keep being served.
+
+The descriptor limit is raised for both sides: the store runs under `ulimit -n` in bash, this
+process raises its own soft limit (and the hard one where it may).
+"""
+
+import resource
+import socket
+import struct
+import subprocess
+import time
+
+import pytest
+
+from conftest import muster_bin
+
+IDLE = 10_000
+MAGIC = 0x3C85F7CE
+
+
+def _raise_nofile(want):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= want:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, max(hard, want)))
+    except (ValueError, OSError):
+        if hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want} and cannot be raised here")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def _hello(nonce):
+    return b"\x00" + struct.pack("<I", MAGIC) + b"\x0d" + struct.pack("<I", nonce)
+
+
+def _recv_exact(s, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise AssertionError("connection closed")
+        buf += chunk
+    return buf
+
+
+def _add(s, key, delta):
+    s.sendall(b"\x04" + struct.pack("<Q", len(key)) + key + struct.pack("<q", delta))
+    return struct.unpack("<q", _recv_exact(s, 8))[0]
+
+
+@pytest.mark.timeout(180)
+def test_ten_thousand_idle_connections():
+    _raise_nofile(IDLE + 2048)
+    proc = subprocess.Popen(
+        ["bash", "-c", f'ulimit -n {IDLE + 4096} 2>/dev/null || ulimit -n "$(ulimit -Hn)"; '
+                       f'exec "$0" store --host 127.0.0.1 --port 0', muster_bin()],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    idle = []
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        port = int(line.strip().rsplit(":", 1)[-1])
+        active = socket.create_connection(("127.0.0.1", port), timeout=10)
+        active.sendall(_hello(1))
+        assert _recv_exact(active, 4) == struct.pack("<I", 1)
+        t0 = time.monotonic()
+        for i in range(IDLE):
+            s = socket.create_connection(("127.0.0.1", port), timeout=10)
+            if i % 2:
+                s.sendall(_hello(i))  # half validated, half never said anything
+            idle.append(s)
+            if i % 1000 == 999:
+                # the active client keeps being served while the idle crowd grows
+                assert _add(active, b"/progress", 1) == (i + 1) // 1000
+        connect_s = time.monotonic() - t0
+        for i in range(1, IDLE, 2):
+            assert _recv_exact(idle[i], 4) == struct.pack("<I", i)
+        t1 = time.monotonic()
+        for n in range(1, 1001):
+            assert _add(active, b"/busy", 1) == n
+        per_op = (time.monotonic() - t1) / 1000
+        assert per_op < 0.005, f"{per_op * 1e6:.0f} µs per ADD with {IDLE} idle connections"
+        fresh = socket.create_connection(("127.0.0.1", port), timeout=10)
+        fresh.sendall(_hello(77))
+        assert _recv_exact(fresh, 4) == struct.pack("<I", 77)
+        assert _add(fresh, b"/busy", 0) == 1000
+        fresh.close()
+        assert proc.poll() is None, "muster store died"
+        print(f"{IDLE} idle connections in {connect_s:.2f}s; {per_op * 1e6:.0f} µs per ADD")
+    finally:
+        for s in idle:
+            s.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
