@@ -29,9 +29,6 @@ fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
     let subcommand = args.get(1).and_then(|a| a.to_str()).unwrap_or_default();
     match subcommand {
         "store" => crate::store_cmd::run(args),
-        _ => Err(exit_code::Exit::config(
-            "the launch form is not available yet; try `muster store --help`",
-        )
-        .into()),
+        _ => crate::cli::run(&args),
     }
 }

@@ -10,16 +10,24 @@
 //!   protocol over the store).
 //! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
+//! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
+//! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
+//! - [`logs`]: worker output: prefixed or JSON lines, per-rank files, one console writer.
+//! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
+pub mod cli;
 pub mod commands;
 pub mod exit_code;
+pub mod launch;
 pub mod logging;
+pub mod logs;
 pub mod metrics;
 pub mod signals;
 pub mod store_cmd;
+pub mod sys;
 
 pub use commands::main;

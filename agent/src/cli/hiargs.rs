@@ -1,0 +1,651 @@
+//! From the raw parse ([`super::lowargs`]) to the validated [`Config`]: every value is checked and
+//! typed here, torchrun's derived defaults are applied (standalone mode, the run id, the Python
+//! interpreter), and every mistake becomes one line naming the flag and where its value came from.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use super::lowargs::{LowArgs, RawValue};
+use crate::launch::config::{
+    Config, Entrypoint, GpuCheck, LogConfig, LogFormat, NodeRange, SignalAction, SignalPolicy,
+    StreamSpec, Streams, DEFAULT_PREFIX_TEMPLATE, DEFAULT_SHUTDOWN_TIMEOUT,
+};
+
+/// A configuration error: one line for the user, exit code 202.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// What the machine offers, injected so validation stays a pure function in tests.
+pub struct Probe<'a> {
+    pub gpu_count: &'a dyn Fn() -> u32,
+    pub cpu_count: &'a dyn Fn() -> u32,
+    pub env: &'a dyn Fn(&str) -> Option<OsString>,
+    pub is_file: &'a dyn Fn(&Path) -> bool,
+}
+
+/// GPUs visible to this node: the NVIDIA character devices `/dev/nvidia0`, `/dev/nvidia1`, ...
+///
+/// The GPU pre-flight replaces this with NVML's count; device nodes are what the container
+/// runtime exposes, so the count is right without loading any driver library.
+pub fn gpu_count() -> u32 {
+    let Ok(dir) = std::fs::read_dir("/dev") else {
+        return 0;
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| {
+                n.strip_prefix("nvidia")
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            })
+        })
+        .count() as u32
+}
+
+/// CPUs this process may use (affinity and cgroup quota aware, unlike torch's `os.cpu_count()`).
+pub fn cpu_count() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+}
+
+fn bad(raw: &RawValue, flag: &str, why: impl std::fmt::Display) -> ConfigError {
+    ConfigError(format!(
+        "invalid --{flag} `{}` ({}): {why}",
+        raw.value, raw.source
+    ))
+}
+
+fn get<'a>(low: &'a LowArgs, flag: &str) -> Option<&'a RawValue> {
+    low.values.get(flag)
+}
+
+fn parse_u32(low: &LowArgs, flag: &str, default: u32) -> Result<u32, ConfigError> {
+    match get(low, flag) {
+        None => Ok(default),
+        Some(raw) => raw
+            .value
+            .trim()
+            .parse()
+            .map_err(|_| bad(raw, flag, "expected a non-negative integer")),
+    }
+}
+
+/// Seconds as an integer or decimal, optionally with an `s`/`m` suffix.
+pub fn parse_seconds(text: &str) -> Option<Duration> {
+    let t = text.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else {
+        (t, 1.0)
+    };
+    let v: f64 = num.trim().parse().ok()?;
+    (v.is_finite() && v >= 0.0).then(|| Duration::from_secs_f64(v * scale))
+}
+
+fn parse_duration(low: &LowArgs, flag: &str) -> Result<Option<Duration>, ConfigError> {
+    get(low, flag)
+        .map(|raw| parse_seconds(&raw.value).ok_or_else(|| bad(raw, flag, "expected seconds")))
+        .transpose()
+}
+
+/// `--nnodes N` or `MIN:MAX`.
+pub fn parse_nnodes(text: &str) -> Result<NodeRange, String> {
+    let num = |s: &str| {
+        s.trim()
+            .parse::<u32>()
+            .map_err(|_| "expected N or MIN:MAX".to_owned())
+    };
+    let (min, max) = if let Some((a, b)) = text.split_once(':') {
+        (num(a)?, num(b)?)
+    } else {
+        let n = num(text)?;
+        (n, n)
+    };
+    if min == 0 || min > max {
+        return Err("need 0 < MIN <= MAX".to_owned());
+    }
+    Ok(NodeRange { min, max })
+}
+
+/// `--nproc-per-node`: a count, `gpu`, `cpu` or `auto` (GPUs if any, else CPUs).
+pub fn parse_nproc(text: &str, gpus: u32, cpus: u32) -> Result<u32, String> {
+    let n = match text.trim() {
+        "gpu" | "cuda" => {
+            if gpus == 0 {
+                return Err("`gpu` asks for one worker per GPU, but this node has no GPU".into());
+            }
+            gpus
+        }
+        "cpu" => cpus,
+        "auto" => {
+            if gpus > 0 {
+                gpus
+            } else {
+                cpus
+            }
+        }
+        other => other
+            .parse::<u32>()
+            .map_err(|_| "expected a number, gpu, cpu or auto".to_owned())?,
+    };
+    if n == 0 {
+        return Err("need at least one worker".into());
+    }
+    Ok(n)
+}
+
+/// torchrun's `Std.from_str`: `0..3` for every rank, or `RANK:STD,RANK:STD`.
+pub fn parse_stream_spec(text: &str) -> Result<StreamSpec, String> {
+    let one = |s: &str| match s.trim() {
+        "0" => Ok(Streams::NONE),
+        "1" => Ok(Streams::STDOUT),
+        "2" => Ok(Streams::STDERR),
+        "3" => Ok(Streams(3)),
+        _ => Err("expected 0, 1, 2, 3 or LOCAL_RANK:STD,...".to_owned()),
+    };
+    let t = text.trim();
+    if !t.contains(':') {
+        return Ok(StreamSpec {
+            all: one(t)?,
+            per_rank: BTreeMap::new(),
+        });
+    }
+    let mut per_rank = BTreeMap::new();
+    for part in t.split(',').filter(|p| !p.trim().is_empty()) {
+        let (rank, std) = part
+            .split_once(':')
+            .ok_or_else(|| "expected LOCAL_RANK:STD,...".to_owned())?;
+        let rank = rank
+            .trim()
+            .parse::<u32>()
+            .map_err(|_| "expected LOCAL_RANK:STD,...".to_owned())?;
+        per_rank.insert(rank, one(std)?);
+    }
+    Ok(StreamSpec {
+        all: Streams::NONE,
+        per_rank,
+    })
+}
+
+fn parse_rank_list(text: &str) -> Result<BTreeSet<u32>, String> {
+    text.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.trim()
+                .parse::<u32>()
+                .map_err(|_| "expected comma-separated local ranks".to_owned())
+        })
+        .collect()
+}
+
+fn parse_rdzv_conf(text: &str) -> Result<Vec<(String, String)>, String> {
+    text.split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
+                .filter(|(k, _)| !k.is_empty())
+                .ok_or_else(|| format!("`{p}` is not KEY=VALUE"))
+        })
+        .collect()
+}
+
+fn parse_signal_name(name: &str) -> Result<Signal, String> {
+    let upper = name.trim().to_ascii_uppercase();
+    let full = if upper.starts_with("SIG") {
+        upper
+    } else {
+        format!("SIG{upper}")
+    };
+    let sig: Signal = full
+        .parse()
+        .map_err(|_| format!("`{name}` is not a signal name"))?;
+    match sig {
+        Signal::SIGKILL | Signal::SIGSTOP => Err(format!("{sig} cannot be handled")),
+        Signal::SIGCHLD => Err("SIGCHLD is how the agent sees workers exit".into()),
+        Signal::SIGSEGV
+        | Signal::SIGBUS
+        | Signal::SIGFPE
+        | Signal::SIGILL
+        | Signal::SIGTRAP
+        | Signal::SIGSYS => Err(format!(
+            "{sig} is a fault of the agent itself, not a request"
+        )),
+        s => Ok(s),
+    }
+}
+
+/// `--signals-to-handle SIGTERM,SIGUSR1:forward,...`. The four stop signals are always handled
+/// (as `terminate` unless given another action), so listing only SIGUSR1 cannot make SIGTERM
+/// kill the agent without stopping its workers.
+pub fn parse_signals(text: &str) -> Result<SignalPolicy, String> {
+    let mut policy = SignalPolicy {
+        raw: text.trim().to_owned(),
+        ..SignalPolicy::default()
+    };
+    for part in text.split(',').filter(|p| !p.trim().is_empty()) {
+        let (name, action) = match part.split_once(':') {
+            Some((n, a)) => (n, Some(a)),
+            None => (part, None),
+        };
+        let sig = parse_signal_name(name)?;
+        let action = match action.map(|a| a.trim().to_ascii_lowercase()) {
+            None => SignalAction::Terminate,
+            Some(a) => match a.as_str() {
+                "terminate" => SignalAction::Terminate,
+                "forward" => SignalAction::Forward,
+                "ignore" => SignalAction::Ignore,
+                _ => return Err(format!("`{a}` is not terminate, forward or ignore")),
+            },
+        };
+        policy.actions.retain(|(s, _)| *s != sig);
+        policy.actions.push((sig, action));
+    }
+    Ok(policy)
+}
+
+/// A random version-4 UUID, torchrun's standalone run id.
+pub fn random_run_id() -> String {
+    use std::fmt::Write as _;
+    let mut b: [u8; 16] = rand::random();
+    b[6] = (b[6] & 0x0f) | 0x40;
+    b[8] = (b[8] & 0x3f) | 0x80;
+    let mut h = String::with_capacity(32);
+    for x in b {
+        let _ = write!(h, "{x:02x}");
+    }
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
+}
+
+fn find_on_path(name: &str, probe: &Probe<'_>) -> Option<PathBuf> {
+    let path = (probe.env)("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| (probe.is_file)(p))
+}
+
+/// The interpreter for Python entry points: `$PYTHON_EXEC`, else `python3`, else `python`.
+fn python(probe: &Probe<'_>) -> Result<OsString, ConfigError> {
+    if let Some(exec) = (probe.env)("PYTHON_EXEC").filter(|v| !v.is_empty()) {
+        return Ok(exec);
+    }
+    ["python3", "python"]
+        .into_iter()
+        .find_map(|n| find_on_path(n, probe))
+        .map(PathBuf::into_os_string)
+        .ok_or_else(|| {
+            ConfigError(
+                "no Python interpreter: set PYTHON_EXEC or put python3 on PATH (or use --no-python)"
+                    .into(),
+            )
+        })
+}
+
+fn entrypoint(
+    positional: &[OsString],
+    module: bool,
+    no_python: bool,
+    probe: &Probe<'_>,
+) -> Result<Entrypoint, ConfigError> {
+    let Some((first, rest)) = positional.split_first() else {
+        return Err(ConfigError(
+            "missing the training script (usage: muster [OPTIONS] script.py [ARGS]...)".into(),
+        ));
+    };
+    let display = first.to_string_lossy().into_owned();
+    if module && no_python {
+        return Err(ConfigError(
+            "--module and --no-python cannot be combined".into(),
+        ));
+    }
+    if no_python {
+        let has_slash = display.contains('/');
+        if has_slash && !(probe.is_file)(Path::new(first)) {
+            return Err(ConfigError(format!("program not found: {display}")));
+        }
+        if !has_slash && find_on_path(&display, probe).is_none() {
+            return Err(ConfigError(format!("program not found on PATH: {display}")));
+        }
+        return Ok(Entrypoint {
+            program: first.clone(),
+            args: rest.to_vec(),
+            display,
+        });
+    }
+    let mut args: Vec<OsString> = vec!["-u".into()];
+    if module {
+        args.push("-m".into());
+    } else if !(probe.is_file)(Path::new(first)) {
+        if Path::new(first).extension().is_none_or(|e| e != "py") {
+            // Not a script file: a program on PATH runs directly (torchrun would hand it to
+            // Python and fail).
+            if let Some(found) = (!display.contains('/'))
+                .then(|| find_on_path(&display, probe))
+                .flatten()
+            {
+                return Ok(Entrypoint {
+                    program: found.into_os_string(),
+                    args: rest.to_vec(),
+                    display,
+                });
+            }
+        }
+        return Err(ConfigError(format!("training script not found: {display}")));
+    }
+    args.push(first.clone());
+    args.extend(rest.iter().cloned());
+    Ok(Entrypoint {
+        program: python(probe)?,
+        args,
+        display,
+    })
+}
+
+/// Validates the raw parse into a [`Config`].
+pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
+    if low.values.get("run-path").is_some_and(|v| v.value == "1") {
+        return Err(ConfigError(
+            "--run-path is not supported: muster never runs training code inside the agent; \
+             drop the flag (the script then runs as `python -u script.py`)"
+                .into(),
+        ));
+    }
+    let switch = |flag: &str| low.values.get(flag).is_some_and(|v| v.value == "1");
+
+    let nnodes = match get(low, "nnodes") {
+        None => NodeRange { min: 1, max: 1 },
+        Some(raw) => parse_nnodes(&raw.value).map_err(|e| bad(raw, "nnodes", e))?,
+    };
+    let nproc_per_node = match get(low, "nproc-per-node") {
+        None => 1,
+        Some(raw) => parse_nproc(&raw.value, (probe.gpu_count)(), (probe.cpu_count)())
+            .map_err(|e| bad(raw, "nproc-per-node", e))?,
+    };
+    let node_rank = parse_u32(low, "node-rank", 0)?;
+    let max_restarts = parse_u32(low, "max-restarts", 0)?;
+    let master_port = match get(low, "master-port") {
+        None => None,
+        Some(raw) => Some(
+            raw.value
+                .trim()
+                .parse::<u16>()
+                .map_err(|_| bad(raw, "master-port", "expected a port number"))?,
+        ),
+    };
+    let rdzv_backend = get(low, "rdzv-backend").map_or("static", |r| r.value.trim());
+    if !matches!(rdzv_backend, "static" | "c10d") {
+        let raw = get(low, "rdzv-backend").ok_or_else(|| ConfigError("rdzv-backend".into()))?;
+        return Err(bad(raw, "rdzv-backend", "muster supports static and c10d"));
+    }
+    let rdzv_endpoint = get(low, "rdzv-endpoint").map_or("", |r| r.value.trim());
+    let rdzv_conf = match get(low, "rdzv-conf") {
+        None => Vec::new(),
+        Some(raw) => parse_rdzv_conf(&raw.value).map_err(|e| bad(raw, "rdzv-conf", e))?,
+    };
+    // torchrun: --standalone, or the static default with nothing pointing elsewhere on one node.
+    let standalone = switch("standalone")
+        || (rdzv_backend == "static"
+            && rdzv_endpoint.is_empty()
+            && master_port.is_none()
+            && nnodes.max == 1);
+    let (rdzv_backend, rdzv_endpoint, run_id) = if standalone {
+        ("c10d".to_owned(), "localhost:0".to_owned(), random_run_id())
+    } else {
+        (
+            rdzv_backend.to_owned(),
+            rdzv_endpoint.to_owned(),
+            get(low, "rdzv-id").map_or_else(|| "none".to_owned(), |r| r.value.trim().to_owned()),
+        )
+    };
+
+    let monitor_interval =
+        parse_duration(low, "monitor-interval")?.unwrap_or(Duration::from_millis(100));
+    let shutdown_timeout =
+        parse_duration(low, "shutdown-timeout")?.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT);
+    let grace_period = parse_duration(low, "grace-period")?;
+    let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
+
+    let redirects = match get(low, "redirects") {
+        None => StreamSpec::default(),
+        Some(raw) => parse_stream_spec(&raw.value).map_err(|e| bad(raw, "redirects", e))?,
+    };
+    let tee = match get(low, "tee") {
+        None => StreamSpec::default(),
+        Some(raw) => parse_stream_spec(&raw.value).map_err(|e| bad(raw, "tee", e))?,
+    };
+    let local_ranks_filter = match get(low, "local-ranks-filter") {
+        None => None,
+        Some(raw) => {
+            Some(parse_rank_list(&raw.value).map_err(|e| bad(raw, "local-ranks-filter", e))?)
+        }
+    };
+    let format = match get(low, "log-format").map(|r| (r, r.value.trim())) {
+        None | Some((_, "text")) => LogFormat::Text,
+        Some((_, "json")) => LogFormat::Json,
+        Some((raw, _)) => return Err(bad(raw, "log-format", "expected text or json")),
+    };
+    let prefix_template = get(low, "log-line-prefix-template")
+        .map_or_else(|| DEFAULT_PREFIX_TEMPLATE.to_owned(), |r| r.value.clone());
+    let log_dir = get(low, "log-dir").map(|r| PathBuf::from(r.value.trim()));
+
+    let signals = match get(low, "signals-to-handle") {
+        None => SignalPolicy::default(),
+        Some(raw) => parse_signals(&raw.value).map_err(|e| bad(raw, "signals-to-handle", e))?,
+    };
+    let metrics_addr = match get(low, "metrics-addr") {
+        None => None,
+        Some(raw) => Some(
+            raw.value
+                .trim()
+                .parse::<SocketAddr>()
+                .map_err(|_| bad(raw, "metrics-addr", "expected IP:PORT"))?,
+        ),
+    };
+    let gpu_check = match get(low, "gpu-check").map(|r| (r, r.value.trim())) {
+        None | Some((_, "warn")) => GpuCheck::Warn,
+        Some((_, "off")) => GpuCheck::Off,
+        Some((_, "require")) => GpuCheck::Require,
+        Some((raw, _)) => return Err(bad(raw, "gpu-check", "expected off, warn or require")),
+    };
+
+    let entrypoint = entrypoint(
+        &low.positional,
+        switch("module"),
+        switch("no-python"),
+        probe,
+    )?;
+
+    Ok(Config {
+        nnodes,
+        nproc_per_node,
+        node_rank,
+        rdzv_backend,
+        rdzv_endpoint,
+        run_id,
+        rdzv_conf,
+        standalone,
+        max_restarts,
+        monitor_interval,
+        role,
+        entrypoint,
+        logs: LogConfig {
+            log_dir,
+            redirects,
+            tee,
+            local_ranks_filter,
+            prefix_template,
+            format,
+        },
+        master_addr: get(low, "master-addr").map(|r| r.value.trim().to_owned()),
+        master_port,
+        local_addr: get(low, "local-addr").map(|r| r.value.trim().to_owned()),
+        shutdown_timeout,
+        signals,
+        metrics_addr,
+        gpu_check,
+        grace_period,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::lowargs;
+    use super::*;
+
+    fn build_with(args: &[&str], env: &[(&str, &str)], gpus: u32) -> Result<Config, ConfigError> {
+        let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let lookup = move |name: &str| -> Option<OsString> {
+            env.iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| OsString::from(v))
+        };
+        let low = lowargs::parse(&args, &lookup).map_err(|e| ConfigError(e.to_string()))?;
+        let gpu = move || gpus;
+        let probe = Probe {
+            gpu_count: &gpu,
+            cpu_count: &|| 6,
+            env: &lookup,
+            is_file: &|p: &Path| {
+                ["train.py", "/usr/bin/python3", "/bin/true"].contains(&p.to_str().unwrap_or(""))
+            },
+        };
+        build(&low, &probe)
+    }
+
+    const PATH: (&str, &str) = ("PATH", "/usr/bin:/bin");
+
+    #[test]
+    fn standalone_defaults_like_torchrun() {
+        let c = build_with(&["--nproc-per-node", "4", "train.py", "--x"], &[PATH], 0).unwrap();
+        assert!(c.standalone);
+        assert_eq!(c.run_id.len(), 36);
+        assert_eq!(c.nproc_per_node, 4);
+        assert_eq!(c.entrypoint.program, OsString::from("/usr/bin/python3"));
+        assert_eq!(
+            c.entrypoint.args,
+            ["-u", "train.py", "--x"].map(OsString::from).to_vec()
+        );
+        let c = build_with(
+            &["--master-port", "29500", "--rdzv-id", "job", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert!(!c.standalone);
+        assert_eq!(c.run_id, "job");
+    }
+
+    #[test]
+    fn python_exec_module_and_no_python() {
+        let c = build_with(
+            &["-m", "pkg.train"],
+            &[PATH, ("PYTHON_EXEC", "/venv/py")],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.entrypoint.program, OsString::from("/venv/py"));
+        assert_eq!(
+            c.entrypoint.args,
+            ["-u", "-m", "pkg.train"].map(OsString::from).to_vec()
+        );
+        let c = build_with(&["--no-python", "true", "a"], &[PATH], 0).unwrap();
+        assert_eq!(c.entrypoint.program, OsString::from("true"));
+        assert_eq!(c.entrypoint.args, vec![OsString::from("a")]);
+    }
+
+    #[test]
+    fn nproc_variants() {
+        assert_eq!(parse_nproc("auto", 0, 6), Ok(6));
+        assert_eq!(parse_nproc("auto", 2, 6), Ok(2));
+        assert_eq!(parse_nproc("cpu", 2, 6), Ok(6));
+        assert!(parse_nproc("gpu", 0, 6).unwrap_err().contains("no GPU"));
+        assert!(parse_nproc("0", 0, 6).is_err());
+        let err = build_with(&["--nproc-per-node", "gpu", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(
+            err.0.contains("--nproc-per-node `gpu` (command line)"),
+            "{err}"
+        );
+        assert_eq!(
+            build_with(&["--nproc_per_node=gpu", "train.py"], &[PATH], 3)
+                .unwrap()
+                .nproc_per_node,
+            3
+        );
+    }
+
+    #[test]
+    fn bad_input_is_one_clear_line() {
+        let err = build_with(&["missing.py"], &[PATH], 0).unwrap_err();
+        assert_eq!(err.0, "training script not found: missing.py");
+        let err = build_with(&["--run-path", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--run-path is not supported"));
+        let err = build_with(&["train.py"], &[PATH, ("PET_NNODES", "x")], 0).unwrap_err();
+        assert!(err.0.contains("environment variable PET_NNODES"), "{err}");
+        let err = build_with(&[], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("missing the training script"));
+        let err = build_with(&["--log-format", "xml", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--log-format"));
+    }
+
+    #[test]
+    fn stream_specs_and_ranges() {
+        assert_eq!(parse_stream_spec("3").unwrap().for_rank(5), Streams(3));
+        let s = parse_stream_spec("0:1,1:2").unwrap();
+        assert_eq!(s.for_rank(0), Streams::STDOUT);
+        assert_eq!(s.for_rank(1), Streams::STDERR);
+        assert_eq!(s.for_rank(2), Streams::NONE);
+        assert!(parse_stream_spec("4").is_err());
+        assert_eq!(parse_nnodes("2:4"), Ok(NodeRange { min: 2, max: 4 }));
+        assert!(parse_nnodes("3:2").is_err());
+        assert!(parse_nnodes("0").is_err());
+    }
+
+    #[test]
+    fn signals_policy() {
+        let p = parse_signals("SIGTERM,USR1:forward,SIGUSR2:ignore").unwrap();
+        assert!(p
+            .actions
+            .contains(&(Signal::SIGUSR1, SignalAction::Forward)));
+        assert!(p.actions.contains(&(Signal::SIGUSR2, SignalAction::Ignore)));
+        assert!(p
+            .actions
+            .contains(&(Signal::SIGINT, SignalAction::Terminate)));
+        assert_eq!(p.raw, "SIGTERM,USR1:forward,SIGUSR2:ignore");
+        assert!(parse_signals("SIGKILL").is_err());
+        assert!(parse_signals("SIGTERM:explode").is_err());
+    }
+
+    #[test]
+    fn seconds() {
+        assert_eq!(parse_seconds("2.5"), Some(Duration::from_millis(2500)));
+        assert_eq!(parse_seconds("3s"), Some(Duration::from_secs(3)));
+        assert_eq!(parse_seconds("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_seconds("-1"), None);
+    }
+
+    #[test]
+    fn uuid_shape() {
+        let id = random_run_id();
+        assert_eq!(id.as_bytes()[14], b'4');
+        assert_ne!(id, random_run_id());
+    }
+}

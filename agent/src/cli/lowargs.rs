@@ -1,0 +1,490 @@
+//! The raw parse of the launch form: torchrun's flags in both spellings, then the `MUSTER_*` and
+//! `PET_*` environment, with no interpretation of the values yet (that is [`super::hiargs`]).
+//!
+//! A small hand-written layer instead of clap because torchrun's contract is argparse's, not
+//! clap's: every long flag has an underscore twin (`--nproc_per_node`), the first positional
+//! argument ends option parsing (everything after the script belongs to the script, even
+//! `--help`), and every flag has an environment twin with an empty value meaning "unset"
+//! (torchrun itself crashes on `PET_STANDALONE=""`). The flag table below is also the source of
+//! `muster --help`, so the two cannot drift apart.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+
+/// Whether a flag takes a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// `--standalone`; from the environment `1/0/true/false/yes/no/on/off`.
+    Switch,
+    /// `--nnodes 2`, `--nnodes=2`, `-r 3`, `-r3`.
+    Value,
+}
+
+/// One flag of the launch form.
+#[derive(Debug)]
+pub struct FlagDef {
+    /// The long name in its dash spelling, without `--`.
+    pub name: &'static str,
+    pub short: Option<char>,
+    pub kind: Kind,
+    /// Placeholder shown in `--help`.
+    pub value_name: &'static str,
+    pub help: &'static str,
+    /// A legacy torch variable read after `MUSTER_*` and `PET_*` (torchrun honours these).
+    pub torch_env: Option<&'static str>,
+}
+
+const fn value(name: &'static str, value_name: &'static str, help: &'static str) -> FlagDef {
+    FlagDef {
+        name,
+        short: None,
+        kind: Kind::Value,
+        value_name,
+        help,
+        torch_env: None,
+    }
+}
+
+const fn switch(name: &'static str, help: &'static str) -> FlagDef {
+    FlagDef {
+        name,
+        short: None,
+        kind: Kind::Switch,
+        value_name: "",
+        help,
+        torch_env: None,
+    }
+}
+
+/// Every flag of the launch form, in `--help` order.
+pub const FLAGS: &[FlagDef] = &[
+    value(
+        "nnodes",
+        "N|MIN:MAX",
+        "Number of nodes, or an elastic range (default 1)",
+    ),
+    value(
+        "nproc-per-node",
+        "N|gpu|cpu|auto",
+        "Workers on this node: a number, one per GPU (`gpu`), one per CPU (`cpu`), or GPUs if any else CPUs (`auto`) (default 1)",
+    ),
+    value("node-rank", "RANK", "Rank of this node (static rendezvous) (default 0)"),
+    value("rdzv-backend", "NAME", "Rendezvous backend: static or c10d (default static)"),
+    value("rdzv-endpoint", "HOST[:PORT]", "Rendezvous endpoint"),
+    value("rdzv-id", "ID", "Job id shared by all nodes (default `none`; random with --standalone)"),
+    value("rdzv-conf", "K=V,...", "Rendezvous settings (join_timeout, last_call_timeout, ...)"),
+    switch("standalone", "Single node with a private store on a free port and a random run id"),
+    value("max-restarts", "N", "Restarts of the local worker group after a failure (default 0)"),
+    value("monitor-interval", "SECS", "Accepted for torchrun compatibility; worker exits are events here"),
+    value("start-method", "METHOD", "Accepted for torchrun compatibility; scripts are always exec'd"),
+    value("role", "NAME", "Role name of the workers (ROLE_NAME, log prefix) (default `default`)"),
+    FlagDef {
+        short: Some('m'),
+        ..switch("module", "Run the entry point as `python -u -m MODULE`")
+    },
+    switch("no-python", "Exec the entry point directly instead of through Python"),
+    switch("run-path", "Not supported: muster never runs training code in its own process"),
+    value("log-dir", "DIR", "Root of the per-attempt, per-rank log files (torchrun's layout)"),
+    FlagDef {
+        short: Some('r'),
+        ..value("redirects", "STD|RANK:STD,...", "Send streams to files instead of the console: 1=stdout 2=stderr 3=both, for all ranks or per local rank")
+    },
+    FlagDef {
+        short: Some('t'),
+        ..value("tee", "STD|RANK:STD,...", "Send streams to files and the console (same format as --redirects)")
+    },
+    value("local-ranks-filter", "R,R,...", "Only these local ranks reach the console (files keep everything)"),
+    FlagDef {
+        torch_env: Some("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        ..value("log-line-prefix-template", "TEMPLATE", "Prefix of every worker line; macros ${hostname} ${rank} ${local_rank} ${role_name} (default `[${hostname}:${rank}] `)")
+    },
+    value("master-addr", "ADDR", "Static rendezvous: address of node 0 (default 127.0.0.1)"),
+    value("master-port", "PORT", "Static rendezvous: port of node 0 (default 29500)"),
+    value("local-addr", "ADDR", "Address this node advertises (MASTER_ADDR when it hosts the store)"),
+    FlagDef {
+        torch_env: Some("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+        ..value("shutdown-timeout", "SECS", "Grace between the stop signal and SIGKILL (default 30)")
+    },
+    value("signals-to-handle", "SIG[:ACTION],...", "Signals the agent handles; ACTION is terminate (default), forward or ignore (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
+    value("log-format", "text|json", "Worker lines as prefixed text or one JSON object per line (default text)"),
+    value("metrics-addr", "ADDR:PORT", "Where the Prometheus endpoint listens"),
+    value("gpu-check", "off|warn|require", "GPU pre-flight before the workers start (default warn)"),
+    value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
+];
+
+/// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    CommandLine,
+    Env(String),
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::CommandLine => f.write_str("command line"),
+            Source::Env(var) => write!(f, "environment variable {var}"),
+        }
+    }
+}
+
+/// A raw value and where it came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawValue {
+    pub value: String,
+    pub source: Source,
+}
+
+/// The result of the raw parse.
+#[derive(Debug, Default)]
+pub struct LowArgs {
+    /// Keyed by the dash spelling of the flag name. Switches hold `"1"` or `"0"`.
+    pub values: BTreeMap<&'static str, RawValue>,
+    pub help: bool,
+    pub version: bool,
+    /// The training script (or module, or program) and its arguments, untouched.
+    pub positional: Vec<OsString>,
+}
+
+/// A raw parse error: always a usage problem, so it maps to the configuration-error exit code.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LowArgsError {
+    #[error("unknown option `{0}` (see `muster --help`)")]
+    Unknown(String),
+    #[error("option `{0}` needs a value")]
+    MissingValue(String),
+    #[error("option `--{0}` takes no value")]
+    UnexpectedValue(String),
+    #[error("option `{0}` is not valid UTF-8")]
+    NotUtf8(String),
+    #[error("{origin}: `{value}` is not a yes/no value for --{flag} (use 1 or 0)")]
+    BadSwitch {
+        flag: &'static str,
+        value: String,
+        origin: Source,
+    },
+}
+
+/// The environment variable names of a flag, in precedence order.
+pub fn env_names(def: &FlagDef) -> Vec<String> {
+    let upper = def.name.to_ascii_uppercase().replace('-', "_");
+    let mut names = vec![format!("MUSTER_{upper}"), format!("PET_{upper}")];
+    if let Some(torch) = def.torch_env {
+        names.push(torch.to_owned());
+    }
+    names
+}
+
+fn find_long(name: &str) -> Option<&'static FlagDef> {
+    let dashed = name.replace('_', "-");
+    FLAGS.iter().find(|f| f.name == dashed)
+}
+
+fn find_short(c: char) -> Option<&'static FlagDef> {
+    FLAGS.iter().find(|f| f.short == Some(c))
+}
+
+fn parse_switch_value(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
+/// Parses `args` (without the program name) and fills in unset flags from `env`.
+///
+/// Precedence: command line, then `MUSTER_<NAME>`, then `PET_<NAME>`, then the legacy torch
+/// variable where torchrun has one; an empty variable is unset.
+pub fn parse(
+    args: &[OsString],
+    env: &dyn Fn(&str) -> Option<OsString>,
+) -> Result<LowArgs, LowArgsError> {
+    let mut low = LowArgs::default();
+    let mut i = 0;
+    while i < args.len() {
+        let arg = &args[i];
+        i += 1;
+        let Some(text) = arg.to_str() else {
+            if arg.to_string_lossy().starts_with('-') {
+                return Err(LowArgsError::NotUtf8(arg.to_string_lossy().into_owned()));
+            }
+            low.positional = args[i - 1..].to_vec();
+            break;
+        };
+        if text == "--" {
+            low.positional = args[i..].to_vec();
+            break;
+        }
+        if let Some(long) = text.strip_prefix("--") {
+            let (name, inline) = match long.split_once('=') {
+                Some((n, v)) => (n, Some(v)),
+                None => (long, None),
+            };
+            match name {
+                "help" => {
+                    low.help = true;
+                    continue;
+                }
+                "version" => {
+                    low.version = true;
+                    continue;
+                }
+                _ => {}
+            }
+            let def = find_long(name).ok_or_else(|| LowArgsError::Unknown(text.to_owned()))?;
+            let value = match (def.kind, inline) {
+                (Kind::Switch, None) => "1".to_owned(),
+                (Kind::Switch, Some(v)) => match parse_switch_value(v) {
+                    Some(b) => if b { "1" } else { "0" }.to_owned(),
+                    None => return Err(LowArgsError::UnexpectedValue(def.name.to_owned())),
+                },
+                (Kind::Value, Some(v)) => v.to_owned(),
+                (Kind::Value, None) => {
+                    let next = args
+                        .get(i)
+                        .ok_or_else(|| LowArgsError::MissingValue(format!("--{name}")))?;
+                    i += 1;
+                    next.to_str()
+                        .ok_or_else(|| LowArgsError::NotUtf8(format!("--{name}")))?
+                        .to_owned()
+                }
+            };
+            low.values.insert(
+                def.name,
+                RawValue {
+                    value,
+                    source: Source::CommandLine,
+                },
+            );
+            continue;
+        }
+        if let Some(shorts) = text.strip_prefix('-').filter(|s| !s.is_empty()) {
+            for (at, c) in shorts.char_indices() {
+                if c == 'h' {
+                    low.help = true;
+                    continue;
+                }
+                let def = find_short(c).ok_or_else(|| LowArgsError::Unknown(format!("-{c}")))?;
+                match def.kind {
+                    Kind::Switch => {
+                        low.values.insert(
+                            def.name,
+                            RawValue {
+                                value: "1".to_owned(),
+                                source: Source::CommandLine,
+                            },
+                        );
+                    }
+                    Kind::Value => {
+                        // `-r3`, `-r=3` or `-r 3`, as argparse accepts.
+                        let rest = &shorts[at + c.len_utf8()..];
+                        let value = if rest.is_empty() {
+                            let next = args
+                                .get(i)
+                                .ok_or_else(|| LowArgsError::MissingValue(format!("-{c}")))?;
+                            i += 1;
+                            next.to_str()
+                                .ok_or_else(|| LowArgsError::NotUtf8(format!("-{c}")))?
+                                .to_owned()
+                        } else {
+                            rest.strip_prefix('=').unwrap_or(rest).to_owned()
+                        };
+                        low.values.insert(
+                            def.name,
+                            RawValue {
+                                value,
+                                source: Source::CommandLine,
+                            },
+                        );
+                        break;
+                    }
+                }
+            }
+            continue;
+        }
+        // The first positional argument is the entry point; argparse's REMAINDER hands it and
+        // everything after it to the script.
+        low.positional = args[i - 1..].to_vec();
+        break;
+    }
+
+    for def in FLAGS {
+        if low.values.contains_key(def.name) {
+            continue;
+        }
+        for var in env_names(def) {
+            let Some(raw) = env(&var) else { continue };
+            let text = raw.to_string_lossy().into_owned();
+            if text.trim().is_empty() {
+                continue;
+            }
+            let source = Source::Env(var);
+            let value = match def.kind {
+                Kind::Value => text,
+                Kind::Switch => match parse_switch_value(&text) {
+                    Some(b) => if b { "1" } else { "0" }.to_owned(),
+                    None => {
+                        return Err(LowArgsError::BadSwitch {
+                            flag: def.name,
+                            value: text,
+                            origin: source,
+                        })
+                    }
+                },
+            };
+            low.values.insert(def.name, RawValue { value, source });
+            break;
+        }
+    }
+    Ok(low)
+}
+
+/// The `--help` text, generated from [`FLAGS`].
+pub fn help_text() -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    out.push_str(
+        "muster: a drop-in replacement for torchrun (supervises the workers like PID 1 should)\n\n\
+         Usage: muster [OPTIONS] <script.py | -m module | --no-python program> [ARGS]...\n\
+         \x20      muster store [OPTIONS]      a standalone TCPStore server\n\n\
+         Options (each also as --name_with_underscores):\n",
+    );
+    for def in FLAGS {
+        let short = def.short.map(|c| format!("-{c}, ")).unwrap_or_default();
+        let long = if def.kind == Kind::Value {
+            format!("--{} <{}>", def.name, def.value_name)
+        } else {
+            format!("--{}", def.name)
+        };
+        let _ = writeln!(out, "  {short}{long}");
+        let _ = writeln!(out, "        {}", def.help);
+        let _ = writeln!(out, "        env: {}", env_names(def).join(", "));
+    }
+    out.push_str(
+        "  -h, --help\n        Print this help\n  --version\n        Print the version\n\n\
+         Precedence: the command line wins, then MUSTER_<NAME>, then PET_<NAME> (what Kubeflow\n\
+         injects), then the legacy torch variable where torchrun reads one, then the default.\n\
+         An empty variable counts as unset. Switches read 1/0, true/false, yes/no, on/off.\n\n\
+         A script ending in .py runs as `$PYTHON_EXEC -u script.py` (else python3, else python on\n\
+         PATH); -m runs `python -u -m module`; --no-python execs the program directly.\n\n\
+         Exit codes: 0 all workers succeeded; 1-127 the root-cause worker's code; 128+N the\n\
+         root-cause worker died of signal N, or the agent was stopped by signal N (0 if every\n\
+         worker still exited cleanly); 202 configuration error; 203 rendezvous timeout;\n\
+         204 unhealthy GPU; 205 store host lost; 206 internal error.\n",
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn os(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    fn no_env(_: &str) -> Option<OsString> {
+        None
+    }
+
+    #[test]
+    fn both_spellings_and_inline_values() {
+        let low = parse(
+            &os(&[
+                "--nproc_per_node=4",
+                "--max-restarts",
+                "2",
+                "--standalone",
+                "t.py",
+                "--lr",
+                "1",
+            ]),
+            &no_env,
+        )
+        .unwrap();
+        assert_eq!(low.values["nproc-per-node"].value, "4");
+        assert_eq!(low.values["max-restarts"].value, "2");
+        assert_eq!(low.values["standalone"].value, "1");
+        assert_eq!(low.positional, os(&["t.py", "--lr", "1"]));
+    }
+
+    #[test]
+    fn options_after_the_script_belong_to_the_script() {
+        let low = parse(&os(&["t.py", "--help", "--nnodes", "3"]), &no_env).unwrap();
+        assert!(!low.help);
+        assert!(!low.values.contains_key("nnodes"));
+        assert_eq!(low.positional.len(), 4);
+    }
+
+    #[test]
+    fn short_flags() {
+        let low = parse(&os(&["-r3", "-t", "1", "-m", "pkg.train"]), &no_env).unwrap();
+        assert_eq!(low.values["redirects"].value, "3");
+        assert_eq!(low.values["tee"].value, "1");
+        assert_eq!(low.values["module"].value, "1");
+        assert_eq!(low.positional, os(&["pkg.train"]));
+    }
+
+    #[test]
+    fn unknown_and_missing() {
+        assert_eq!(
+            parse(&os(&["--bogus", "t.py"]), &no_env).unwrap_err(),
+            LowArgsError::Unknown("--bogus".into())
+        );
+        assert_eq!(
+            parse(&os(&["--nnodes"]), &no_env).unwrap_err(),
+            LowArgsError::MissingValue("--nnodes".into())
+        );
+        assert_eq!(
+            parse(&os(&["-x"]), &no_env).unwrap_err(),
+            LowArgsError::Unknown("-x".into())
+        );
+    }
+
+    #[test]
+    fn env_precedence_and_empty_means_unset() {
+        let env = |name: &str| -> Option<OsString> {
+            match name {
+                "PET_NNODES" => Some("3".into()),
+                "MUSTER_NNODES" => Some("2".into()),
+                "PET_STANDALONE" => Some(String::new().into()),
+                "PET_MAX_RESTARTS" => Some("5".into()),
+                "MUSTER_MAX_RESTARTS" => Some(" ".into()),
+                "PET_NPROC_PER_NODE" => Some("8".into()),
+                "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" => Some("7".into()),
+                _ => None,
+            }
+        };
+        let low = parse(&os(&["--nproc-per-node", "2", "t.py"]), &env).unwrap();
+        assert_eq!(low.values["nnodes"].value, "2");
+        assert_eq!(
+            low.values["nnodes"].source,
+            Source::Env("MUSTER_NNODES".into())
+        );
+        assert!(!low.values.contains_key("standalone"));
+        assert_eq!(low.values["max-restarts"].value, "5");
+        assert_eq!(low.values["nproc-per-node"].value, "2");
+        assert_eq!(low.values["shutdown-timeout"].value, "7");
+    }
+
+    #[test]
+    fn env_switches_are_lenient_but_not_silent() {
+        let env = |name: &str| (name == "PET_STANDALONE").then(|| OsString::from("true"));
+        assert_eq!(parse(&[], &env).unwrap().values["standalone"].value, "1");
+        let env = |name: &str| (name == "PET_STANDALONE").then(|| OsString::from("maybe"));
+        assert!(matches!(
+            parse(&[], &env).unwrap_err(),
+            LowArgsError::BadSwitch { .. }
+        ));
+    }
+
+    #[test]
+    fn help_lists_every_flag_and_the_precedence() {
+        let help = help_text();
+        for def in FLAGS {
+            assert!(help.contains(&format!("--{}", def.name)), "{}", def.name);
+        }
+        assert!(help.contains("MUSTER_<NAME>, then PET_<NAME>"));
+    }
+}

@@ -1,0 +1,106 @@
+//! The torchrun-compatible launch form, `muster [OPTIONS] script.py [ARGS]...`: the raw parse
+//! ([`lowargs`]: flags in both spellings plus the `MUSTER_*`/`PET_*` environment), the validated
+//! configuration ([`hiargs`]), and the edge that runs [`crate::launch`] and turns its outcome into
+//! an exit code.
+
+pub mod hiargs;
+pub mod lowargs;
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::path::Path;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use tracing_subscriber::EnvFilter;
+
+use crate::exit_code::Exit;
+use crate::launch::config::{Config, LogFormat};
+use crate::launch::Launch;
+use crate::logs::{self, LogSink, TracingWriter};
+
+/// Parses the launch form (`args` without the program name) against the real environment.
+pub fn parse(args: &[OsString]) -> Result<Parsed, hiargs::ConfigError> {
+    let env = |name: &str| std::env::var_os(name);
+    let low = lowargs::parse(args, &env).map_err(|e| hiargs::ConfigError(e.to_string()))?;
+    if low.help {
+        return Ok(Parsed::Help);
+    }
+    if low.version {
+        return Ok(Parsed::Version);
+    }
+    let probe = hiargs::Probe {
+        gpu_count: &hiargs::gpu_count,
+        cpu_count: &hiargs::cpu_count,
+        env: &env,
+        is_file: &|p: &Path| p.is_file(),
+    };
+    hiargs::build(&low, &probe).map(|c| Parsed::Launch(Box::new(c)))
+}
+
+/// What the command line asked for.
+#[derive(Debug)]
+pub enum Parsed {
+    Help,
+    Version,
+    Launch(Box<Config>),
+}
+
+/// `muster [OPTIONS] script.py [ARGS]...`; `args` includes the program name.
+pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
+    let config = match parse(args.get(1..).unwrap_or_default()) {
+        Ok(Parsed::Help) => {
+            print!("{}", lowargs::help_text());
+            return Ok(0);
+        }
+        Ok(Parsed::Version) => {
+            println!("muster {}", env!("CARGO_PKG_VERSION"));
+            return Ok(0);
+        }
+        Ok(Parsed::Launch(config)) => *config,
+        Err(e) => return Err(Exit::config(e.0).into()),
+    };
+    // One thread: the workers' parent thread must live as long as they do (PR_SET_PDEATHSIG is
+    // per thread), and an agent that mostly waits needs no more.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(launch(config))
+}
+
+async fn launch(config: Config) -> anyhow::Result<u8> {
+    let writer = logs::start().context("cannot start the log writer")?;
+    init_tracing(config.logs.format, writer.sink());
+    let result = Launch::new(config)
+        .with_log_sink(writer.sink())
+        .run(CancellationToken::new())
+        .await;
+    writer.finish();
+    match result {
+        Ok(outcome) => Ok(outcome.exit_code),
+        Err(e) => {
+            let code = e.exit_code();
+            Err(anyhow::Error::new(Exit::new(code, e.to_string())))
+        }
+    }
+}
+
+/// The agent's own messages go through the console writer, so they never split a worker line.
+fn init_tracing(format: LogFormat, sink: LogSink) {
+    let filter = ["MUSTER_LOG", "RUST_LOG"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .and_then(|spec| EnvFilter::try_new(spec).ok())
+        // The workers' store logs every start and stop at info; that is noise in a launch.
+        .unwrap_or_else(|| EnvFilter::new("info,rendezvous=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(TracingWriter::new(sink))
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false);
+    let _already_set = match format {
+        LogFormat::Text => builder.without_time().try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}

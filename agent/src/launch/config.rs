@@ -1,0 +1,214 @@
+//! The validated configuration of one launch: what [`crate::cli`] produces from torchrun's flags
+//! and what the rest of the agent consumes. Nothing here touches the OS; every field already
+//! holds a checked, typed value.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+/// Default `--shutdown-timeout` (torchrun's).
+pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default `--log-line-prefix-template`: host and global rank, which is what a pod log needs.
+pub const DEFAULT_PREFIX_TEMPLATE: &str = "[${hostname}:${rank}] ";
+/// torchrun's default `--signals-to-handle`, exported as `TORCHELASTIC_SIGNALS_TO_HANDLE`.
+pub const DEFAULT_SIGNALS: &str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
+
+/// `--nnodes`: a fixed count or an elastic range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    pub min: u32,
+    pub max: u32,
+}
+
+/// The program each worker runs, already resolved (interpreter found, script checked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entrypoint {
+    /// What is exec'd: the Python interpreter, or the program itself with `--no-python`.
+    pub program: OsString,
+    /// Its arguments (`-u script.py ARGS...`, `-u -m module ARGS...`, or the program's ARGS).
+    pub args: Vec<OsString>,
+    /// The user's entry point (script, module or program), for messages.
+    pub display: String,
+}
+
+/// A set of standard streams, torchrun's `Std` bitmask (1 = stdout, 2 = stderr).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Streams(pub u8);
+
+impl Streams {
+    pub const NONE: Streams = Streams(0);
+    pub const STDOUT: Streams = Streams(1);
+    pub const STDERR: Streams = Streams(2);
+
+    pub fn contains(self, other: Streams) -> bool {
+        self.0 & other.0 == other.0 && other.0 != 0
+    }
+}
+
+/// `--redirects` / `--tee`: one value for every local rank, or a per-local-rank map.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StreamSpec {
+    pub all: Streams,
+    pub per_rank: BTreeMap<u32, Streams>,
+}
+
+impl StreamSpec {
+    pub fn for_rank(&self, local_rank: u32) -> Streams {
+        self.per_rank.get(&local_rank).copied().unwrap_or(self.all)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.all == Streams::NONE && self.per_rank.values().all(|s| *s == Streams::NONE)
+    }
+}
+
+/// How worker lines are written to the console.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// `<prefix><line>`.
+    #[default]
+    Text,
+    /// One JSON object per line: `ts`, `host`, `rank`, `local_rank`, `stream`, `line`.
+    Json,
+}
+
+/// Everything about worker output.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogConfig {
+    /// Root of the per-attempt, per-rank files; `None` puts the error files in a private
+    /// temporary directory that is removed at exit.
+    pub log_dir: Option<PathBuf>,
+    pub redirects: StreamSpec,
+    pub tee: StreamSpec,
+    /// Only these local ranks reach the console; `None` = all.
+    pub local_ranks_filter: Option<BTreeSet<u32>>,
+    pub prefix_template: String,
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            log_dir: None,
+            redirects: StreamSpec::default(),
+            tee: StreamSpec::default(),
+            local_ranks_filter: None,
+            prefix_template: DEFAULT_PREFIX_TEMPLATE.to_owned(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// What the agent does when it receives a handled signal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SignalAction {
+    /// torchrun's only behaviour: stop the workers with this signal, SIGKILL after
+    /// `--shutdown-timeout`, exit 128+N (or 0 if every worker still exited cleanly).
+    Terminate,
+    /// Pass the signal to every worker's process group and keep running (SLURM's SIGUSR1).
+    Forward,
+    /// Log it and carry on.
+    Ignore,
+}
+
+/// `--signals-to-handle`, parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SignalPolicy {
+    /// The flag's text, exported to workers as `TORCHELASTIC_SIGNALS_TO_HANDLE` (torchrun does).
+    pub raw: String,
+    pub actions: Vec<(Signal, SignalAction)>,
+}
+
+impl Default for SignalPolicy {
+    fn default() -> Self {
+        Self {
+            raw: DEFAULT_SIGNALS.to_owned(),
+            actions: [
+                Signal::SIGTERM,
+                Signal::SIGINT,
+                Signal::SIGHUP,
+                Signal::SIGQUIT,
+            ]
+            .into_iter()
+            .map(|s| (s, SignalAction::Terminate))
+            .collect(),
+        }
+    }
+}
+
+/// `--gpu-check`: stored here; the GPU pre-flight reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuCheck {
+    Off,
+    #[default]
+    Warn,
+    Require,
+}
+
+/// The validated launch configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub nnodes: NodeRange,
+    pub nproc_per_node: u32,
+    pub node_rank: u32,
+    pub rdzv_backend: String,
+    pub rdzv_endpoint: String,
+    /// `--rdzv-id`; a random UUID in standalone mode (torchrun's behaviour).
+    pub run_id: String,
+    pub rdzv_conf: Vec<(String, String)>,
+    /// Effective standalone mode: `--standalone`, or torchrun's silent switch (static backend, no
+    /// endpoint, no master port, one node).
+    pub standalone: bool,
+    pub max_restarts: u32,
+    pub monitor_interval: Duration,
+    pub role: String,
+    pub entrypoint: Entrypoint,
+    pub logs: LogConfig,
+    pub master_addr: Option<String>,
+    pub master_port: Option<u16>,
+    pub local_addr: Option<String>,
+    pub shutdown_timeout: Duration,
+    pub signals: SignalPolicy,
+    pub metrics_addr: Option<SocketAddr>,
+    pub gpu_check: GpuCheck,
+    pub grace_period: Option<Duration>,
+}
+
+impl Config {
+    /// A single-node configuration running `program args...` directly; the starting point for
+    /// tests and for other subcommands that launch workers.
+    pub fn for_program(program: impl Into<OsString>, args: Vec<OsString>, nproc: u32) -> Self {
+        let program = program.into();
+        Self {
+            nnodes: NodeRange { min: 1, max: 1 },
+            nproc_per_node: nproc,
+            node_rank: 0,
+            rdzv_backend: "c10d".to_owned(),
+            rdzv_endpoint: String::new(),
+            run_id: "none".to_owned(),
+            rdzv_conf: Vec::new(),
+            standalone: true,
+            max_restarts: 0,
+            monitor_interval: Duration::from_millis(100),
+            role: "default".to_owned(),
+            entrypoint: Entrypoint {
+                display: program.to_string_lossy().into_owned(),
+                program,
+                args,
+            },
+            logs: LogConfig::default(),
+            master_addr: None,
+            master_port: None,
+            local_addr: None,
+            shutdown_timeout: DEFAULT_SHUTDOWN_TIMEOUT,
+            signals: SignalPolicy::default(),
+            metrics_addr: None,
+            gpu_check: GpuCheck::default(),
+            grace_period: None,
+        }
+    }
+}

@@ -1,0 +1,513 @@
+//! One attempt: start the local worker group with torchrun's environment, supervise it until it
+//! succeeds, fails or is asked to stop, and leave nothing running behind.
+//!
+//! Any worker failing stops the whole local group (the stop signal to every worker's process
+//! group, SIGKILL after `--shutdown-timeout`), as torchrun does; the caller decides whether to
+//! restart. Whatever the outcome, every worker's process group is swept at the end so a worker's
+//! own children do not outlive the attempt.
+
+use std::ffi::OsString;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+use super::config::{Config, Streams};
+use super::observe::{Event, GroupResult, Phase, Publisher};
+use super::reaper::{ExitReport, ExitStatus, Reaper};
+use super::signals::StopRequest;
+use super::{env, summary, Failure, GroupOutcome, LaunchError, RankAssignment};
+use crate::logs::{self, Console, LineTarget, LogSink, PumpConfig};
+
+/// After SIGKILL, how long to wait for the kernel to deliver the exits (a process stuck in
+/// uninterruptible sleep may never die; the agent must still be able to finish).
+const KILL_WAIT: Duration = Duration::from_secs(10);
+/// After the workers are gone, how long their output may take to drain (a grandchild that left
+/// the worker's process group can hold a pipe open forever).
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// How often leftover process groups are checked while they get their grace period.
+const SWEEP_POLL: Duration = Duration::from_millis(20);
+
+/// What every attempt of the local group shares: the configuration and the agent's services.
+#[derive(Clone)]
+pub struct WorkerGroupSpec {
+    pub config: Arc<Config>,
+    /// Short host name, for log prefixes and the failure summary.
+    pub hostname: String,
+    /// `<log_dir>/<run_id>_<random>`: attempts go to `attempt_<n>/<local_rank>/` below it
+    /// (torchrun's layout: `stdout.log`, `stderr.log`, `error.json`).
+    pub run_dir: PathBuf,
+    pub reaper: Reaper,
+    pub logs: LogSink,
+    pub publisher: Publisher,
+    /// Extra variables for every worker, set after torchrun's (e.g. the checkpoint socket).
+    pub extra_env: Vec<(String, OsString)>,
+}
+
+/// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
+/// by an embedding caller): without it they would run on until the agent's thread exits.
+struct KillOnDrop {
+    pgids: Vec<Pid>,
+    armed: bool,
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            for pgid in &self.pgids {
+                let _ = killpg(*pgid, Signal::SIGKILL);
+            }
+        }
+    }
+}
+
+struct Worker {
+    local_rank: u32,
+    rank: u32,
+    pid: Pid,
+    status: Option<ExitStatus>,
+    /// When the agent reaped it.
+    seen: Option<SystemTime>,
+    error_file: PathBuf,
+}
+
+impl WorkerGroupSpec {
+    fn console_target(&self, local_rank: u32, rank: u32, stream: Streams) -> Option<LineTarget> {
+        let logs = &self.config.logs;
+        let redirected = logs.redirects.for_rank(local_rank).contains(stream);
+        let teed = logs.tee.for_rank(local_rank).contains(stream);
+        let shown = logs
+            .local_ranks_filter
+            .as_ref()
+            .is_none_or(|f| f.contains(&local_rank));
+        if !shown || (redirected && !teed) {
+            return None;
+        }
+        let is_out = stream == Streams::STDOUT;
+        Some(LineTarget {
+            console: if is_out {
+                Console::Stdout
+            } else {
+                Console::Stderr
+            },
+            format: logs.format,
+            prefix: logs::render_template(
+                &logs.prefix_template,
+                &self.hostname,
+                rank,
+                local_rank,
+                &self.config.role,
+            ),
+            host: self.hostname.clone(),
+            rank,
+            local_rank,
+            stream: if is_out { "stdout" } else { "stderr" },
+        })
+    }
+
+    fn wants_file(&self, local_rank: u32, stream: Streams) -> bool {
+        let logs = &self.config.logs;
+        logs.redirects.for_rank(local_rank).contains(stream)
+            || logs.tee.for_rank(local_rank).contains(stream)
+    }
+}
+
+/// Runs one attempt of the local worker group to its end.
+pub async fn run_group(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    stop: &StopRequest,
+) -> Result<GroupOutcome, LaunchError> {
+    let config = &spec.config;
+    let restart_count = assignment.restart_count;
+    let attempt_dir = spec.run_dir.join(format!("attempt_{restart_count}"));
+    let (exits_tx, mut exits) = mpsc::unbounded_channel::<ExitReport>();
+    let mut workers: Vec<Worker> = Vec::new();
+    let mut pumps = JoinSet::new();
+    let agent = nix::unistd::getpid();
+    let mut guard = KillOnDrop {
+        pgids: Vec::new(),
+        armed: true,
+    };
+
+    for local_rank in 0..config.nproc_per_node {
+        let rank = assignment.base_global_rank + local_rank;
+        let dir = attempt_dir.join(local_rank.to_string());
+        if let Err(source) = std::fs::create_dir_all(&dir) {
+            stop_workers(
+                &mut workers,
+                &mut exits,
+                Signal::SIGKILL,
+                Duration::ZERO,
+                stop,
+            )
+            .await;
+            return Err(LaunchError::LogDir { path: dir, source });
+        }
+        let error_file = dir.join("error.json");
+        let worker_env = env::worker_env(config, assignment, local_rank, &error_file, &|k| {
+            std::env::var_os(k)
+        });
+        let mut cmd = Command::new(&config.entrypoint.program);
+        cmd.args(&config.entrypoint.args)
+            .envs(worker_env)
+            .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::inherit())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        crate::sys::isolate_worker(&mut cmd, agent);
+        let mut child = match spec
+            .reaper
+            .spawn(&mut cmd, local_rank as usize, exits_tx.clone())
+        {
+            Ok(child) => child,
+            Err(source) => {
+                stop_workers(
+                    &mut workers,
+                    &mut exits,
+                    Signal::SIGKILL,
+                    Duration::ZERO,
+                    stop,
+                )
+                .await;
+                return Err(LaunchError::Spawn {
+                    program: config.entrypoint.program.to_string_lossy().into_owned(),
+                    source,
+                });
+            }
+        };
+        let pid = child.pid;
+        guard.pgids.push(Pid::from_raw(pid as i32));
+        workers.push(Worker {
+            local_rank,
+            rank,
+            pid: Pid::from_raw(pid as i32),
+            status: None,
+            seen: None,
+            error_file,
+        });
+        let streams = [
+            (
+                Streams::STDOUT,
+                child.stdout.take().map(OwnedFd::from),
+                "stdout.log",
+            ),
+            (
+                Streams::STDERR,
+                child.stderr.take().map(OwnedFd::from),
+                "stderr.log",
+            ),
+        ];
+        for (stream, fd, file_name) in streams {
+            let Some(fd) = fd else { continue };
+            match start_pump(spec, local_rank, rank, stream, fd, &dir.join(file_name)) {
+                Ok(pump) => {
+                    pumps.spawn(pump);
+                }
+                Err(e) => {
+                    stop_workers(
+                        &mut workers,
+                        &mut exits,
+                        Signal::SIGKILL,
+                        Duration::ZERO,
+                        stop,
+                    )
+                    .await;
+                    return Err(e);
+                }
+            }
+        }
+        spec.publisher.event(Event::WorkerStarted {
+            restart_count,
+            local_rank,
+            rank,
+            pid,
+        });
+    }
+    drop(exits_tx);
+    spec.publisher.phase(Phase::Running { restart_count });
+    tracing::debug!(
+        "started {} worker(s), attempt {restart_count}",
+        workers.len()
+    );
+
+    let mut failure: Option<Failure> = None;
+    let mut stopped = false;
+    while workers.iter().any(|w| w.status.is_none()) {
+        tokio::select! {
+            biased;
+            report = exits.recv() => {
+                let Some((local_rank, status)) = report else { break };
+                record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                if !status.success() {
+                    // Exits already reaped together with this one are candidates too: the root
+                    // cause is the earliest by the workers' own error-file timestamps.
+                    while let Ok((local_rank, status)) = exits.try_recv() {
+                        record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                    }
+                    failure = root_cause(&workers, &spec.hostname);
+                    break;
+                }
+            }
+            () = stop.requested() => {
+                stopped = true;
+                break;
+            }
+        }
+    }
+
+    if workers.iter().any(|w| w.status.is_none()) {
+        spec.publisher.phase(Phase::Stopping { restart_count });
+        let sig = if stopped {
+            stop.signal()
+        } else {
+            Signal::SIGTERM
+        };
+        if let Some(f) = &failure {
+            tracing::info!(
+                "rank {} failed ({}): stopping the other workers with {sig}",
+                f.rank,
+                f.status
+            );
+        }
+        let mut pending = PendingExits {
+            exits: &mut exits,
+            publisher: &spec.publisher,
+            restart_count,
+        };
+        pending
+            .stop(&mut workers, sig, config.shutdown_timeout, stop)
+            .await;
+    }
+    sweep_groups(&workers, config.shutdown_timeout, stop).await;
+    guard.armed = false;
+    drain(&mut pumps).await;
+
+    let outcome = if let Some(f) = failure {
+        GroupOutcome::Failed(f)
+    } else if stopped {
+        GroupOutcome::Stopped {
+            signal: stop.received_signal(),
+            all_clean: workers
+                .iter()
+                .all(|w| w.status == Some(ExitStatus::Exited(0))),
+        }
+    } else {
+        GroupOutcome::Succeeded
+    };
+    spec.publisher.event(Event::GroupEnded {
+        restart_count,
+        result: match outcome {
+            GroupOutcome::Succeeded => GroupResult::Succeeded,
+            GroupOutcome::Failed(_) => GroupResult::Failed,
+            GroupOutcome::Stopped { .. } => GroupResult::Stopped,
+        },
+    });
+    Ok(outcome)
+}
+
+/// Watches one of a worker's pipes: the console target and, when asked for, the log file.
+fn start_pump(
+    spec: &WorkerGroupSpec,
+    local_rank: u32,
+    rank: u32,
+    stream: Streams,
+    fd: OwnedFd,
+    file_path: &std::path::Path,
+) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
+    let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
+        what: "cannot watch a worker's output pipe",
+        source,
+    })?;
+    let file = if spec.wants_file(local_rank, stream) {
+        let f = std::fs::File::create(file_path).map_err(|source| LaunchError::LogDir {
+            path: file_path.to_owned(),
+            source,
+        })?;
+        Some(Arc::new(f))
+    } else {
+        None
+    };
+    let config = PumpConfig {
+        console: spec.console_target(local_rank, rank, stream),
+        file,
+    };
+    Ok(logs::pump(receiver, config, spec.logs.clone()))
+}
+
+fn record_exit(
+    workers: &mut [Worker],
+    local_rank: usize,
+    status: ExitStatus,
+    restart_count: u32,
+    publisher: &Publisher,
+) {
+    let Some(w) = workers
+        .iter_mut()
+        .find(|w| w.local_rank as usize == local_rank)
+    else {
+        return;
+    };
+    w.status = Some(status);
+    w.seen = w.seen.or_else(|| Some(SystemTime::now()));
+    publisher.event(Event::WorkerExited {
+        restart_count,
+        local_rank: w.local_rank,
+        rank: w.rank,
+        status,
+    });
+}
+
+/// The first failure among the workers that have failed so far: by the timestamp the worker
+/// wrote into its error file (torch's `@record`), else by when the agent saw the exit, as torchrun
+/// orders them.
+fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
+    let mut candidates: Vec<(u64, usize, Failure)> = workers
+        .iter()
+        .enumerate()
+        .filter_map(|(order, w)| {
+            let status = w.status.filter(|s| !s.success())?;
+            let at = w.seen.unwrap_or_else(SystemTime::now);
+            let file = summary::read_error_file(&w.error_file);
+            let seen_secs = at
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            let key = file.as_ref().and_then(|f| f.timestamp).unwrap_or(seen_secs);
+            Some((
+                key,
+                order,
+                Failure {
+                    host: host.to_owned(),
+                    local_rank: w.local_rank,
+                    rank: w.rank,
+                    pid: w.pid.as_raw() as u32,
+                    status,
+                    at,
+                    error_file: w.error_file.clone(),
+                    message: file.map(|f| f.message),
+                },
+            ))
+        })
+        .collect();
+    candidates.sort_by_key(|(key, order, f)| (*key, f.at, *order));
+    candidates.into_iter().next().map(|(_, _, f)| f)
+}
+
+struct PendingExits<'a> {
+    exits: &'a mut mpsc::UnboundedReceiver<ExitReport>,
+    publisher: &'a Publisher,
+    restart_count: u32,
+}
+
+impl PendingExits<'_> {
+    /// Records exits until every worker is gone or `deadline` passes (or kill-now is asked).
+    async fn wait(
+        &mut self,
+        workers: &mut [Worker],
+        deadline: Duration,
+        stop: &StopRequest,
+        honour_kill_now: bool,
+    ) {
+        let sleep = tokio::time::sleep(deadline);
+        tokio::pin!(sleep);
+        while workers.iter().any(|w| w.status.is_none()) {
+            tokio::select! {
+                report = self.exits.recv() => {
+                    let Some((local_rank, status)) = report else { return };
+                    record_exit(workers, local_rank, status, self.restart_count, self.publisher);
+                }
+                () = &mut sleep => return,
+                () = stop.killed_now(), if honour_kill_now => return,
+            }
+        }
+    }
+
+    /// Sends `sig` to every live worker's process group, SIGKILL after `grace`.
+    async fn stop(
+        &mut self,
+        workers: &mut [Worker],
+        sig: Signal,
+        grace: Duration,
+        stop: &StopRequest,
+    ) {
+        for w in workers.iter().filter(|w| w.status.is_none()) {
+            let _ = killpg(w.pid, sig);
+        }
+        self.wait(workers, grace, stop, true).await;
+        let stubborn: Vec<String> = workers
+            .iter()
+            .filter(|w| w.status.is_none())
+            .map(|w| w.rank.to_string())
+            .collect();
+        if stubborn.is_empty() {
+            return;
+        }
+        if sig != Signal::SIGKILL {
+            tracing::warn!(
+                "rank(s) {} still running {:.1}s after {sig}: sending SIGKILL",
+                stubborn.join(","),
+                grace.as_secs_f64()
+            );
+        }
+        for w in workers.iter().filter(|w| w.status.is_none()) {
+            let _ = killpg(w.pid, Signal::SIGKILL);
+        }
+        self.wait(workers, KILL_WAIT, stop, false).await;
+        for w in workers.iter().filter(|w| w.status.is_none()) {
+            tracing::error!("rank {} (pid {}) did not die after SIGKILL", w.rank, w.pid);
+        }
+    }
+}
+
+async fn stop_workers(
+    workers: &mut [Worker],
+    exits: &mut mpsc::UnboundedReceiver<ExitReport>,
+    sig: Signal,
+    grace: Duration,
+    stop: &StopRequest,
+) {
+    let publisher = Publisher::new();
+    let mut pending = PendingExits {
+        exits,
+        publisher: &publisher,
+        restart_count: 0,
+    };
+    pending.stop(workers, sig, grace, stop).await;
+}
+
+/// Stops what is left in the workers' process groups (their own children): SIGTERM, then SIGKILL
+/// after `grace`. Costs nothing when the groups are already empty.
+async fn sweep_groups(workers: &[Worker], grace: Duration, stop: &StopRequest) {
+    let mut left: Vec<Pid> = workers
+        .iter()
+        .filter(|w| killpg(w.pid, Signal::SIGTERM).is_ok())
+        .map(|w| w.pid)
+        .collect();
+    if left.is_empty() {
+        return;
+    }
+    let deadline = tokio::time::Instant::now() + grace;
+    while !left.is_empty() && tokio::time::Instant::now() < deadline && !stop.is_killed_now() {
+        tokio::time::sleep(SWEEP_POLL).await;
+        left.retain(|pgid| killpg(*pgid, None).is_ok());
+    }
+    for pgid in left {
+        let _ = killpg(pgid, Signal::SIGKILL);
+    }
+}
+
+/// Waits for the output pumps to reach end of file, within [`DRAIN_WAIT`].
+async fn drain(pumps: &mut JoinSet<()>) {
+    let all = async { while pumps.join_next().await.is_some() {} };
+    if tokio::time::timeout(DRAIN_WAIT, all).await.is_err() {
+        tracing::debug!("worker output still open after the workers exited; not waiting");
+        pumps.abort_all();
+    }
+}

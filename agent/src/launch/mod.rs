@@ -1,0 +1,704 @@
+//! The launch pipeline: what `muster [OPTIONS] script.py` does after the command line is parsed.
+//!
+//! # Theory of operation
+//! [`run`] (or [`Launch::run`]) starts the agent's services once — the [`reaper`] (child
+//! subreaper; every child is reaped in one place, driven by SIGCHLD), the [`signals`] listeners
+//! and the console writer ([`crate::logs`]) — all before the first worker exists. Then, per
+//! attempt (`restart_count` = 0, 1, ... up to `--max-restarts`):
+//!
+//! 1. **Obtain the assignment**: [`Rendezvous::next_round`] returns a [`Round`]: the
+//!    [`RankAssignment`] (ranks, world size, where the workers' store is, the run id) and, on the
+//!    node that hosts it, the [`HostedStore`]: a fresh store on an ephemeral port for every
+//!    attempt, so a restarted group never reads the dead attempt's keys. [`LocalRendezvous`] does
+//!    this for one node; the multi-node rendezvous plugs in here through
+//!    [`Launch::with_rendezvous`].
+//! 2. **Run the group**: [`run_group`] starts `nproc-per-node` workers with torchrun's
+//!    environment ([`env`]), each in its own session and process group with a parent-death
+//!    signal ([`crate::sys`]), pumps their output, and waits for exits as events.
+//! 3. **Decide**: [`GroupOutcome::Succeeded`] → exit 0; [`GroupOutcome::Failed`] → restart while
+//!    the budget lasts, else exit with the root-cause worker's code (or 128+signal) after a
+//!    [`summary`]; [`GroupOutcome::Stopped`] (a terminate signal or the caller's token) → exit
+//!    128+signal, or 0 when every worker still exited cleanly.
+//!
+//! Observers (metrics, health probes) subscribe with [`Launch::observer`]: a `watch` of the
+//! [`Phase`] and a `broadcast` of [`Event`]s. The preemption work hooks SIGTERM with
+//! [`Launch::on_terminate`]: the hook runs instead of the immediate stop and calls
+//! [`StopRequest::request`] when the checkpoint barrier is done.
+
+pub mod config;
+pub mod env;
+mod group;
+pub mod observe;
+pub mod reaper;
+pub mod signals;
+mod store_host;
+pub mod summary;
+
+use std::ffi::OsString;
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use nix::sys::signal::Signal;
+use tokio_util::sync::CancellationToken;
+
+pub use config::Config;
+pub use group::{run_group, WorkerGroupSpec};
+pub use observe::{Event, Observer, Phase, Publisher};
+pub use reaper::{ExitStatus, Reaper};
+pub use signals::{StopRequest, TerminateHook};
+pub use store_host::HostedStore;
+
+use crate::exit_code;
+use crate::logs::{Console, LogSink};
+
+/// Where this node's workers sit in the job, for one attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankAssignment {
+    /// GROUP_RANK.
+    pub node_rank: u32,
+    /// GROUP_WORLD_SIZE: nodes in this round.
+    pub group_world_size: u32,
+    /// RANK of local rank 0.
+    pub base_global_rank: u32,
+    /// WORLD_SIZE.
+    pub world_size: u32,
+    /// MASTER_ADDR: the workers' store, numerically.
+    pub master_addr: String,
+    pub master_port: u16,
+    /// TORCHELASTIC_RESTART_COUNT.
+    pub restart_count: u32,
+    /// TORCHELASTIC_RUN_ID.
+    pub run_id: String,
+}
+
+/// What one round of the rendezvous hands to the launch loop.
+pub struct Round {
+    pub assignment: RankAssignment,
+    /// The workers' store when this node hosts it; shut down when the attempt ends.
+    pub store: Option<HostedStore>,
+}
+
+/// The first failure of an attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub host: String,
+    pub local_rank: u32,
+    pub rank: u32,
+    pub pid: u32,
+    pub status: ExitStatus,
+    /// When the agent saw the exit.
+    pub at: SystemTime,
+    pub error_file: PathBuf,
+    /// The message of `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if the worker left one.
+    pub message: Option<String>,
+}
+
+/// How an attempt ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GroupOutcome {
+    /// Every worker exited 0.
+    Succeeded,
+    /// A worker failed (the first observed failure); the others were stopped.
+    Failed(Failure),
+    /// A stop was requested: by `signal`, or by the caller's token (`None`). `all_clean`: every
+    /// worker still exited 0.
+    Stopped {
+        signal: Option<Signal>,
+        all_clean: bool,
+    },
+}
+
+impl GroupOutcome {
+    /// The agent's exit code for this outcome (see [`crate::exit_code`]).
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            GroupOutcome::Succeeded
+            | GroupOutcome::Stopped {
+                all_clean: true, ..
+            } => exit_code::SUCCESS,
+            GroupOutcome::Failed(f) => f.status.exit_code(),
+            GroupOutcome::Stopped { signal, .. } => {
+                exit_code::for_signal(signal.unwrap_or(Signal::SIGTERM) as i32)
+            }
+        }
+    }
+}
+
+/// The end of a launch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    pub exit_code: u8,
+    /// How the last attempt ended.
+    pub last: GroupOutcome,
+    /// Attempts made (1 + restarts).
+    pub attempts: u32,
+}
+
+/// Errors of the launch itself (not of the workers).
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error("{0}")]
+    Config(String),
+    #[error("log directory {}: {source}", path.display())]
+    LogDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot start the worker program {program}: {source}")]
+    Spawn {
+        program: String,
+        source: std::io::Error,
+    },
+    #[error("cannot host the workers' store on {ip}: {source}")]
+    Store { ip: IpAddr, source: std::io::Error },
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
+    /// An outcome with its own exit code (rendezvous timeout, unhealthy GPU, ...), for the parts
+    /// that plug into the loop.
+    #[error("{message}")]
+    Coded { code: u8, message: String },
+}
+
+impl LaunchError {
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            LaunchError::Config(_) | LaunchError::LogDir { .. } => exit_code::CONFIG_ERROR,
+            LaunchError::Spawn { source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                ) =>
+            {
+                exit_code::CONFIG_ERROR
+            }
+            LaunchError::Coded { code, .. } => *code,
+            _ => exit_code::INTERNAL_ERROR,
+        }
+    }
+}
+
+impl exit_code::Coded for LaunchError {
+    fn exit_code(&self) -> u8 {
+        LaunchError::exit_code(self)
+    }
+}
+
+/// A boxed future, for the object-safe [`Rendezvous`] trait.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The "obtain assignment" step of every attempt.
+pub trait Rendezvous: Send {
+    /// Joins round `restart_count` and returns the assignment. Should give up promptly when
+    /// `stop` is requested.
+    fn next_round<'a>(
+        &'a mut self,
+        config: &'a Config,
+        restart_count: u32,
+        stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>>;
+}
+
+/// One node, no peers: this agent hosts a fresh store per attempt on its advertised address.
+#[derive(Debug, Default)]
+pub struct LocalRendezvous;
+
+impl LocalRendezvous {
+    /// The address workers reach the store at: `--local-addr` (resolved once, numerically),
+    /// else loopback — on one node nothing else needs to reach it.
+    pub async fn advertised_ip(config: &Config) -> Result<IpAddr, LaunchError> {
+        let Some(addr) = config.local_addr.as_deref().filter(|_| !config.standalone) else {
+            return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        };
+        if let Ok(ip) = addr
+            .trim_matches(|c| c == '[' || c == ']')
+            .parse::<IpAddr>()
+        {
+            return Ok(ip);
+        }
+        let mut found = tokio::net::lookup_host((addr, 0))
+            .await
+            .map_err(|e| LaunchError::Config(format!("--local-addr {addr}: {e}")))?;
+        found
+            .next()
+            .map(|sa| sa.ip())
+            .ok_or_else(|| LaunchError::Config(format!("--local-addr {addr}: no address")))
+    }
+}
+
+impl Rendezvous for LocalRendezvous {
+    fn next_round<'a>(
+        &'a mut self,
+        config: &'a Config,
+        restart_count: u32,
+        _stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>> {
+        Box::pin(async move {
+            let ip = Self::advertised_ip(config).await?;
+            let store = HostedStore::start(ip)
+                .await
+                .map_err(|source| LaunchError::Store { ip, source })?;
+            Ok(Round {
+                assignment: RankAssignment {
+                    node_rank: 0,
+                    group_world_size: 1,
+                    base_global_rank: 0,
+                    world_size: config.nproc_per_node,
+                    master_addr: store.addr().ip().to_string(),
+                    master_port: store.addr().port(),
+                    restart_count,
+                    run_id: config.run_id.clone(),
+                },
+                store: Some(store),
+            })
+        })
+    }
+}
+
+/// A launch being set up: plug in a rendezvous, a terminate hook, observers; then [`Launch::run`].
+pub struct Launch {
+    config: Arc<Config>,
+    rendezvous: Option<Box<dyn Rendezvous>>,
+    terminate_hook: Option<TerminateHook>,
+    publisher: Publisher,
+    logs: Option<LogSink>,
+    extra_env: Vec<(String, OsString)>,
+}
+
+impl Launch {
+    pub fn new(config: Config) -> Self {
+        Self {
+            config: Arc::new(config),
+            rendezvous: None,
+            terminate_hook: None,
+            publisher: Publisher::new(),
+            logs: None,
+            extra_env: Vec::new(),
+        }
+    }
+
+    /// Sets `key=value` in every worker's environment (after torchrun's variables), e.g.
+    /// `MUSTER_CHECKPOINT_SOCKET`.
+    #[must_use]
+    pub fn with_worker_env(mut self, key: impl Into<String>, value: impl Into<OsString>) -> Self {
+        self.extra_env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Replaces the single-node [`LocalRendezvous`].
+    #[must_use]
+    pub fn with_rendezvous(mut self, rendezvous: Box<dyn Rendezvous>) -> Self {
+        self.rendezvous = Some(rendezvous);
+        self
+    }
+
+    /// Runs `hook` instead of stopping at once when a `terminate` signal arrives.
+    #[must_use]
+    pub fn on_terminate(mut self, hook: TerminateHook) -> Self {
+        self.terminate_hook = Some(hook);
+        self
+    }
+
+    /// Writes worker output through an existing console writer (else one is started).
+    #[must_use]
+    pub fn with_log_sink(mut self, sink: LogSink) -> Self {
+        self.logs = Some(sink);
+        self
+    }
+
+    /// A subscription to phases and events; take it before [`Launch::run`].
+    pub fn observer(&self) -> Observer {
+        self.publisher.subscribe()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Runs every attempt to the end. Cancelling `shutdown` stops the workers like SIGTERM.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
+        let Launch {
+            config,
+            rendezvous,
+            terminate_hook,
+            publisher,
+            logs,
+            extra_env,
+        } = self;
+        let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
+            Some(r) => r,
+            None if config.nnodes.max > 1 => {
+                return Err(LaunchError::Config(format!(
+                    "--nnodes {} needs the multi-node rendezvous, which this build lacks",
+                    if config.nnodes.min == config.nnodes.max {
+                        config.nnodes.max.to_string()
+                    } else {
+                        format!("{}:{}", config.nnodes.min, config.nnodes.max)
+                    }
+                )))
+            }
+            None => Box::new(LocalRendezvous),
+        };
+
+        // Services first, so no signal and no child exit can be missed.
+        let reaper = Reaper::start().map_err(|source| LaunchError::Io {
+            what: "cannot watch child processes",
+            source,
+        })?;
+        let stop = StopRequest::new(&shutdown);
+        let _listeners = signals::install(
+            &config.signals,
+            &stop,
+            &reaper,
+            &publisher,
+            terminate_hook.as_ref(),
+        )
+        .map_err(|source| LaunchError::Io {
+            what: "cannot install signal handlers",
+            source,
+        })?;
+        let (sink, writer) = if let Some(sink) = logs {
+            (sink, None)
+        } else {
+            let writer = crate::logs::start().map_err(|source| LaunchError::Io {
+                what: "cannot start the log writer",
+                source,
+            })?;
+            (writer.sink(), Some(writer))
+        };
+        let run_dir = RunDir::create(&config)?;
+        if !(config.logs.redirects.is_empty() && config.logs.tee.is_empty()) {
+            tracing::info!("worker log files under {}", run_dir.path.display());
+        }
+
+        let spec = WorkerGroupSpec {
+            config: config.clone(),
+            hostname: short_hostname(),
+            run_dir: run_dir.path.clone(),
+            reaper,
+            logs: sink.clone(),
+            publisher: publisher.clone(),
+            extra_env,
+        };
+        let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
+        if let Ok(outcome) = &result {
+            if let GroupOutcome::Failed(f) = &outcome.last {
+                let text = match config.logs.format {
+                    config::LogFormat::Text => summary::render(f, outcome.attempts),
+                    config::LogFormat::Json => summary::render_json(f, outcome.attempts),
+                };
+                sink.agent_line(Console::Stderr, text.into_bytes());
+            }
+            publisher.phase(Phase::Finished {
+                exit_code: outcome.exit_code,
+            });
+        }
+        if let Some(writer) = writer {
+            writer.finish();
+        }
+        drop(run_dir);
+        result
+    }
+}
+
+async fn attempts(
+    spec: &WorkerGroupSpec,
+    rendezvous: &mut dyn Rendezvous,
+    stop: &StopRequest,
+) -> Result<Outcome, LaunchError> {
+    let config = &spec.config;
+    let mut restart_count = 0;
+    loop {
+        if stop.is_requested() {
+            let last = GroupOutcome::Stopped {
+                signal: stop.received_signal(),
+                all_clean: false,
+            };
+            return Ok(Outcome {
+                exit_code: last.exit_code(),
+                last,
+                attempts: restart_count,
+            });
+        }
+        spec.publisher.phase(Phase::Rendezvous { restart_count });
+        let round = tokio::select! {
+            round = rendezvous.next_round(config, restart_count, stop) => round?,
+            () = stop.requested() => continue,
+        };
+        let outcome = run_group(spec, &round.assignment, stop).await;
+        if let Some(store) = round.store {
+            store.shutdown().await;
+        }
+        let outcome = outcome?;
+        match &outcome {
+            GroupOutcome::Failed(f)
+                if restart_count < config.max_restarts && !stop.is_requested() =>
+            {
+                restart_count += 1;
+                tracing::warn!(
+                    "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
+                    f.rank,
+                    f.status,
+                    config.max_restarts
+                );
+                spec.publisher.event(Event::Restarting { restart_count });
+            }
+            _ => {
+                return Ok(Outcome {
+                    exit_code: outcome.exit_code(),
+                    last: outcome,
+                    attempts: restart_count + 1,
+                })
+            }
+        }
+    }
+}
+
+/// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory. Without `--log-dir` it lives in a
+/// private temporary directory that is removed when this is dropped, unless files were asked for.
+struct RunDir {
+    path: PathBuf,
+    remove: Option<PathBuf>,
+}
+
+impl RunDir {
+    fn create(config: &Config) -> Result<RunDir, LaunchError> {
+        let suffix: String = (0..8)
+            .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
+            .collect();
+        let (root, remove) = if let Some(dir) = &config.logs.log_dir {
+            (dir.clone(), None)
+        } else {
+            let tmp = std::env::temp_dir().join(format!("muster_{suffix}"));
+            let keep = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
+            (tmp.clone(), (!keep).then_some(tmp))
+        };
+        let path = root.join(format!("{}_{suffix}", config.run_id));
+        std::fs::create_dir_all(&path).map_err(|source| LaunchError::LogDir {
+            path: path.clone(),
+            source,
+        })?;
+        Ok(RunDir { path, remove })
+    }
+}
+
+impl Drop for RunDir {
+    // Also when the launch future is dropped half-way (an embedding caller gave up on it).
+    fn drop(&mut self) {
+        if let Some(dir) = self.remove.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// The host name up to the first dot (what torchrun's `${hostname}` gives).
+pub fn short_hostname() -> String {
+    let name = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    name.split('.').next().unwrap_or(&name).to_owned()
+}
+
+/// Runs a launch with the single-node rendezvous and no hooks.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
+    Launch::new(config).run(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(status: ExitStatus) -> Failure {
+        Failure {
+            host: "h".into(),
+            local_rank: 0,
+            rank: 0,
+            pid: 1,
+            status,
+            at: SystemTime::UNIX_EPOCH,
+            error_file: PathBuf::new(),
+            message: None,
+        }
+    }
+
+    #[test]
+    fn exit_codes_of_outcomes() {
+        assert_eq!(GroupOutcome::Succeeded.exit_code(), 0);
+        assert_eq!(
+            GroupOutcome::Failed(failure(ExitStatus::Exited(3))).exit_code(),
+            3
+        );
+        assert_eq!(
+            GroupOutcome::Failed(failure(ExitStatus::Signaled(Signal::SIGSEGV))).exit_code(),
+            139
+        );
+        let stopped = |signal, all_clean| GroupOutcome::Stopped { signal, all_clean };
+        assert_eq!(stopped(Some(Signal::SIGTERM), false).exit_code(), 143);
+        assert_eq!(stopped(Some(Signal::SIGINT), false).exit_code(), 130);
+        assert_eq!(stopped(None, false).exit_code(), 143);
+        assert_eq!(stopped(Some(Signal::SIGTERM), true).exit_code(), 0);
+    }
+
+    #[test]
+    fn launch_errors_map_to_reserved_codes() {
+        let nf = std::io::Error::from(std::io::ErrorKind::NotFound);
+        let spawn = LaunchError::Spawn {
+            program: "x".into(),
+            source: nf,
+        };
+        assert_eq!(spawn.exit_code(), exit_code::CONFIG_ERROR);
+        assert_eq!(
+            LaunchError::Config("x".into()).exit_code(),
+            exit_code::CONFIG_ERROR
+        );
+        assert_eq!(
+            LaunchError::Coded {
+                code: exit_code::RENDEZVOUS_TIMEOUT,
+                message: "x".into()
+            }
+            .exit_code(),
+            exit_code::RENDEZVOUS_TIMEOUT
+        );
+    }
+
+    fn sh(script: &str, nproc: u32) -> Config {
+        let mut c = Config::for_program("/bin/sh", vec!["-c".into(), script.into()], nproc);
+        // Keep the test output clean: no worker reaches the console.
+        c.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
+        c.shutdown_timeout = std::time::Duration::from_secs(5);
+        c
+    }
+
+    #[tokio::test]
+    async fn a_failure_stops_the_group_and_restarts_it() {
+        let mut config = sh(r#"[ "$RANK" = 1 ] && exit 3; exec sleep 30"#, 3);
+        config.max_restarts = 1;
+        let launch = Launch::new(config);
+        let mut observer = launch.observer();
+        let started = tokio::time::Instant::now();
+        let outcome = launch.run(CancellationToken::new()).await.unwrap();
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+        assert_eq!(outcome.exit_code, 3);
+        assert_eq!(outcome.attempts, 2);
+        let GroupOutcome::Failed(f) = &outcome.last else {
+            panic!("{outcome:?}")
+        };
+        assert_eq!((f.rank, f.status), (1, ExitStatus::Exited(3)));
+        assert_eq!(
+            *observer.phase.borrow_and_update(),
+            Phase::Finished { exit_code: 3 }
+        );
+        let mut events = Vec::new();
+        while let Ok(e) = observer.events.try_recv() {
+            events.push(e);
+        }
+        let started = |n| {
+            events
+                .iter()
+                .filter(|e| matches!(e, Event::WorkerStarted { restart_count, .. } if *restart_count == n))
+                .count()
+        };
+        assert_eq!((started(0), started(1)), (3, 3));
+        assert!(events.contains(&Event::Restarting { restart_count: 1 }));
+        // The two healthy ranks were stopped with SIGTERM.
+        let terminated = events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e,
+                    Event::WorkerExited {
+                        status: ExitStatus::Signaled(Signal::SIGTERM),
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(terminated, 4);
+    }
+
+    #[tokio::test]
+    async fn cancelling_the_token_stops_the_workers() {
+        let shutdown = CancellationToken::new();
+        let launch = Launch::new(sh(r#"[ "$EXTRA" = yes ] && exec sleep 30"#, 2))
+            .with_worker_env("EXTRA", "yes");
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(shutdown.clone()));
+        observer
+            .phase
+            .wait_for(|p| matches!(p, Phase::Running { .. }))
+            .await
+            .unwrap();
+        shutdown.cancel();
+        let outcome = run.await.unwrap().unwrap();
+        assert_eq!(
+            outcome.last,
+            GroupOutcome::Stopped {
+                signal: None,
+                all_clean: false
+            }
+        );
+        assert_eq!(outcome.exit_code, 143);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_launch_kills_its_workers() {
+        let launch = Launch::new(sh("exec sleep 30", 2));
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(CancellationToken::new()));
+        let mut pids = Vec::new();
+        while pids.len() < 2 {
+            if let Ok(Event::WorkerStarted { pid, .. }) = observer.events.recv().await {
+                pids.push(pid);
+            }
+        }
+        run.abort();
+        let _ = run.await;
+        let alive = |pid: u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .map(|r| !r.trim_start().starts_with('Z'))
+                })
+                .unwrap_or(false)
+        };
+        for _ in 0..100 {
+            if !pids.iter().any(|p| alive(*p)) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        panic!("workers {pids:?} outlived the abandoned launch");
+    }
+
+    #[tokio::test]
+    async fn local_rendezvous_hosts_a_fresh_store_per_round() {
+        let config = Config::for_program("/bin/true", vec![], 3);
+        let stop = StopRequest::new(&CancellationToken::new());
+        let mut rdzv = LocalRendezvous;
+        let a = rdzv.next_round(&config, 0, &stop).await.unwrap();
+        let b = rdzv.next_round(&config, 1, &stop).await.unwrap();
+        assert_eq!(a.assignment.master_addr, "127.0.0.1");
+        assert_eq!(a.assignment.world_size, 3);
+        assert_eq!(b.assignment.restart_count, 1);
+        assert_ne!(a.assignment.master_port, b.assignment.master_port);
+        for round in [a, b] {
+            let store = round.store.unwrap();
+            let addr = store.addr();
+            let mut client =
+                rendezvous::store::client::Client::connect(addr, std::time::Duration::from_secs(5))
+                    .await
+                    .unwrap();
+            client.set(b"k", b"v").await.unwrap();
+            store.shutdown().await;
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! What the launch loop tells the outside world: the current [`Phase`] (a `watch`, so a late
+//! subscriber sees the latest value) and a stream of [`Event`]s (a `broadcast`, so a slow
+//! subscriber loses old events instead of slowing the agent). Metrics and health probes subscribe
+//! through [`Observer`] without touching the loop.
+
+use nix::sys::signal::Signal;
+use tokio::sync::{broadcast, watch};
+
+use super::config::SignalAction;
+use super::reaper::ExitStatus;
+
+/// Where the agent is in its life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// Parsing done, services starting.
+    Starting,
+    /// Obtaining the rank assignment (and hosting the store) for attempt `restart_count`.
+    Rendezvous { restart_count: u32 },
+    /// Workers of this attempt are running.
+    Running { restart_count: u32 },
+    /// Workers are being stopped (failure or stop request).
+    Stopping { restart_count: u32 },
+    /// The agent is done; this is its exit code.
+    Finished { exit_code: u8 },
+}
+
+/// How one attempt ended, in short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupResult {
+    Succeeded,
+    Failed,
+    Stopped,
+}
+
+/// Something that happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    WorkerStarted {
+        restart_count: u32,
+        local_rank: u32,
+        rank: u32,
+        pid: u32,
+    },
+    WorkerExited {
+        restart_count: u32,
+        local_rank: u32,
+        rank: u32,
+        status: ExitStatus,
+    },
+    GroupEnded {
+        restart_count: u32,
+        result: GroupResult,
+    },
+    /// The group failed and is being restarted as attempt `restart_count`.
+    Restarting { restart_count: u32 },
+    SignalReceived {
+        signal: Signal,
+        action: SignalAction,
+    },
+}
+
+/// A subscription to the launch loop.
+pub struct Observer {
+    pub phase: watch::Receiver<Phase>,
+    pub events: broadcast::Receiver<Event>,
+}
+
+/// The sending side, owned by the loop; cheap to clone.
+#[derive(Clone)]
+pub struct Publisher {
+    phase: watch::Sender<Phase>,
+    events: broadcast::Sender<Event>,
+}
+
+impl Default for Publisher {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Publisher {
+    pub fn new() -> Self {
+        Self {
+            phase: watch::Sender::new(Phase::Starting),
+            events: broadcast::Sender::new(1024),
+        }
+    }
+
+    pub fn subscribe(&self) -> Observer {
+        Observer {
+            phase: self.phase.subscribe(),
+            events: self.events.subscribe(),
+        }
+    }
+
+    pub fn phase(&self, phase: Phase) {
+        self.phase.send_replace(phase);
+    }
+
+    pub fn event(&self, event: Event) {
+        // No subscribers is normal.
+        let _ = self.events.send(event);
+    }
+}

@@ -1,0 +1,241 @@
+//! The one place where the agent waits for children.
+//!
+//! Every SIGCHLD wakes one task that waits (`WNOHANG`) for each registered worker and reports its
+//! exit through a channel, then reaps the orphans re-parented to the agent (it is a child
+//! subreaper, or PID 1), so no zombie survives. Worker exits are events, never polled.
+//!
+//! Orphans are found in `/proc/self/task/*/children` and recognised by their session: every
+//! worker is a session leader, so its descendants are outside the agent's session, while a child
+//! that other agent code started (`std::process`, `tokio::process`) is inside it and is left to
+//! its owner's `wait`. Without /proc the reaper falls back to `waitpid(-1)`, which would take
+//! such children's statuses too; spawn through [`Reaper::spawn`] to get exits as events anyway.
+//! The pid table is process-wide, so several launches in one process (tests, an in-process dry
+//! run) may each start a reaper: whichever reaps a pid reports it to the launch that spawned it.
+
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex, MutexGuard, PoisonError};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+
+/// How a process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitStatus {
+    Exited(i32),
+    Signaled(Signal),
+}
+
+impl ExitStatus {
+    pub fn success(self) -> bool {
+        self == ExitStatus::Exited(0)
+    }
+
+    /// The shell's convention: the code, or 128 + the signal number.
+    pub fn exit_code(self) -> u8 {
+        match self {
+            ExitStatus::Exited(c) => (c & 0xff) as u8,
+            ExitStatus::Signaled(s) => crate::exit_code::for_signal(s as i32),
+        }
+    }
+}
+
+impl std::fmt::Display for ExitStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExitStatus::Exited(c) => write!(f, "exit code {c}"),
+            ExitStatus::Signaled(s) => write!(f, "signal {} ({})", s.as_str(), *s as i32),
+        }
+    }
+}
+
+/// A process started by [`Reaper::spawn`]: its pid and the pipes asked for. There is no `wait`:
+/// the exit arrives as an [`ExitReport`].
+#[derive(Debug)]
+pub struct Spawned {
+    pub pid: u32,
+    pub stdout: Option<std::process::ChildStdout>,
+    pub stderr: Option<std::process::ChildStderr>,
+}
+
+/// An exit report: the caller's tag for the process, and how it ended.
+pub type ExitReport = (usize, ExitStatus);
+
+struct Entry {
+    tag: usize,
+    tx: mpsc::UnboundedSender<ExitReport>,
+}
+
+/// Every child spawned through a [`Reaper`] that has not been reaped yet.
+static CHILDREN: LazyLock<Mutex<HashMap<Pid, Entry>>> = LazyLock::new(Mutex::default);
+
+/// Handle to the reaper; cheap to clone.
+#[derive(Clone)]
+pub struct Reaper {
+    children: &'static Mutex<HashMap<Pid, Entry>>,
+}
+
+impl Reaper {
+    /// Makes the agent a child subreaper and starts reaping. Must run inside the runtime before
+    /// the first spawn, so no SIGCHLD is missed.
+    pub fn start() -> std::io::Result<Reaper> {
+        // As PID 1 this is implied; elsewhere it makes orphaned grandchildren ours to reap.
+        let _ = nix::sys::prctl::set_child_subreaper(true);
+        let mut sigchld = signal(SignalKind::child())?;
+        let reaper = Reaper {
+            children: &CHILDREN,
+        };
+        let task = reaper.clone();
+        tokio::spawn(async move {
+            loop {
+                task.reap_all();
+                if sigchld.recv().await.is_none() {
+                    break;
+                }
+            }
+        });
+        Ok(reaper)
+    }
+
+    fn lock(&self) -> MutexGuard<'static, HashMap<Pid, Entry>> {
+        self.children.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn reap_all(&self) {
+        // Holding the lock while waiting means a child that exits before [`Reaper::spawn`] has
+        // registered it stays a zombie until the next pass instead of being reaped unknown.
+        let mut children = self.lock();
+        let known: Vec<Pid> = children.keys().copied().collect();
+        for pid in known {
+            if let Some(status) = try_wait(pid) {
+                Self::report(&mut children, pid, status);
+            }
+        }
+        match orphans(&children) {
+            Some(orphans) => {
+                for pid in orphans {
+                    if let Some(status) = try_wait(pid) {
+                        tracing::debug!("reaped orphan {pid} ({status})");
+                    }
+                }
+            }
+            // No /proc: fall back to reaping whatever is waitable.
+            None => loop {
+                match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::Exited(pid, code)) => {
+                        Self::report(&mut children, pid, ExitStatus::Exited(code));
+                    }
+                    Ok(WaitStatus::Signaled(pid, sig, _)) => {
+                        Self::report(&mut children, pid, ExitStatus::Signaled(sig));
+                    }
+                    Err(nix::errno::Errno::EINTR) => {}
+                    _ => break,
+                }
+            },
+        }
+    }
+
+    fn report(children: &mut HashMap<Pid, Entry>, pid: Pid, status: ExitStatus) {
+        if let Some(entry) = children.remove(&pid) {
+            let _ = entry.tx.send((entry.tag, status));
+        } else {
+            tracing::debug!("reaped orphan {pid} ({status})");
+        }
+    }
+
+    /// Spawns `cmd` and reports its exit as `(tag, status)` on `exits`.
+    pub fn spawn(
+        &self,
+        cmd: &mut std::process::Command,
+        tag: usize,
+        exits: mpsc::UnboundedSender<ExitReport>,
+    ) -> std::io::Result<Spawned> {
+        let mut children = self.lock();
+        let mut child = cmd.spawn()?;
+        let pid = child.id();
+        children.insert(Pid::from_raw(pid as i32), Entry { tag, tx: exits });
+        Ok(Spawned {
+            pid,
+            stdout: child.stdout.take(),
+            stderr: child.stderr.take(),
+        })
+    }
+
+    /// Sends `sig` to the process group of every live child spawned here.
+    pub fn signal_all(&self, sig: Signal) {
+        for pid in self.lock().keys() {
+            let _ = killpg(*pid, sig);
+        }
+    }
+}
+
+/// `waitpid(pid, WNOHANG)`: the status if `pid` has ended (and is now reaped).
+fn try_wait(pid: Pid) -> Option<ExitStatus> {
+    loop {
+        return match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(_, code)) => Some(ExitStatus::Exited(code)),
+            Ok(WaitStatus::Signaled(_, sig, _)) => Some(ExitStatus::Signaled(sig)),
+            Err(nix::errno::Errno::EINTR) => continue,
+            _ => None,
+        };
+    }
+}
+
+/// Children of this process that are not registered and are not in the agent's own session:
+/// descendants of workers (each worker is a session leader) re-parented to the agent, or, as
+/// PID 1, any process of the namespace that was orphaned. A child in the agent's session was
+/// started by other code in the agent and is left to whoever waits for it. `None` when /proc
+/// cannot tell.
+fn orphans(known: &HashMap<Pid, Entry>) -> Option<Vec<Pid>> {
+    let own_session = nix::unistd::getsid(None).ok()?;
+    let mut found = Vec::new();
+    // Orphans are re-parented to some thread of the subreaper, so look at every thread.
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Ok(list) = std::fs::read_to_string(task.path().join("children")) else {
+            continue;
+        };
+        for pid in list
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+        {
+            let pid = Pid::from_raw(pid);
+            if known.contains_key(&pid) {
+                continue;
+            }
+            if nix::unistd::getsid(Some(pid)).is_ok_and(|sid| sid != own_session) {
+                found.push(pid);
+            }
+        }
+    }
+    Some(found)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn other_code_keeps_its_own_children() {
+        let reaper = Reaper::start().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut ours = std::process::Command::new("/bin/sh");
+        ours.args(["-c", "exit 7"]);
+        crate::sys::isolate_worker(&mut ours, nix::unistd::getpid());
+        let worker = reaper.spawn(&mut ours, 5, tx).unwrap();
+        assert!(worker.pid > 0);
+        let mut foreign = std::process::Command::new("/bin/sh")
+            .args(["-c", "exit 4"])
+            .spawn()
+            .unwrap();
+        assert_eq!(
+            rx.recv().await,
+            Some((5, ExitStatus::Exited(7))),
+            "the worker's exit is an event"
+        );
+        // Let the reaper see the foreign child's SIGCHLD too; it must leave the status alone.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(foreign.wait().unwrap().code(), Some(4));
+    }
+}

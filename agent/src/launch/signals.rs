@@ -1,0 +1,151 @@
+//! Signals sent to the agent: each handled signal gets the action `--signals-to-handle` gave it.
+//!
+//! - `terminate` (default; torchrun's only behaviour): stop the group with that signal, SIGKILL
+//!   after `--shutdown-timeout`. A second terminate signal while stopping sends SIGKILL at once
+//!   (the impatient Ctrl-C). A [`TerminateHook`] (the preemption work's checkpoint barrier) can
+//!   take over the first one: it then decides when to call [`StopRequest::request`].
+//! - `forward`: pass it to every worker's process group and keep running.
+//! - `ignore`: log it.
+//!
+//! Listeners are installed by [`install`] before the first worker is spawned.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use nix::sys::signal::Signal;
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::config::{SignalAction, SignalPolicy};
+use super::observe::{Event, Publisher};
+use super::reaper::Reaper;
+
+/// A request to stop the worker group: which signal to stop it with, and whether to skip the
+/// grace period. Cheap to clone; the first request wins.
+#[derive(Clone)]
+pub struct StopRequest {
+    token: CancellationToken,
+    kill_now: CancellationToken,
+    signal: Arc<Mutex<Option<Signal>>>,
+}
+
+impl StopRequest {
+    /// A stop request that is also triggered when `parent` is cancelled (with SIGTERM).
+    pub fn new(parent: &CancellationToken) -> Self {
+        Self {
+            token: parent.child_token(),
+            kill_now: CancellationToken::new(),
+            signal: Arc::default(),
+        }
+    }
+
+    /// Asks for the group to be stopped with `sig` (the first request's signal is kept).
+    pub fn request(&self, sig: Signal) {
+        {
+            let mut s = self.signal.lock().unwrap_or_else(PoisonError::into_inner);
+            if s.is_none() && !self.token.is_cancelled() {
+                *s = Some(sig);
+            }
+        }
+        self.token.cancel();
+    }
+
+    pub fn is_requested(&self) -> bool {
+        self.token.is_cancelled()
+    }
+
+    /// Resolves once a stop was requested.
+    pub async fn requested(&self) {
+        self.token.cancelled().await;
+    }
+
+    /// The signal that asked for the stop, if a signal did.
+    pub fn received_signal(&self) -> Option<Signal> {
+        *self.signal.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The signal to stop workers with: the one received, else SIGTERM.
+    pub fn signal(&self) -> Signal {
+        self.received_signal().unwrap_or(Signal::SIGTERM)
+    }
+
+    /// Skips what is left of the grace period.
+    pub fn kill_now(&self) {
+        self.kill_now.cancel();
+    }
+
+    pub fn is_killed_now(&self) -> bool {
+        self.kill_now.is_cancelled()
+    }
+
+    pub async fn killed_now(&self) {
+        self.kill_now.cancelled().await;
+    }
+}
+
+/// Called instead of stopping at once when a `terminate` signal arrives; it must eventually call
+/// [`StopRequest::request`] (after a checkpoint barrier, say).
+pub type TerminateHook = Arc<
+    dyn Fn(Signal, StopRequest) -> Pin<Box<dyn Future<Output = ()> + Send + 'static>> + Send + Sync,
+>;
+
+/// The listener tasks; dropping this removes nothing (signal dispositions stay installed, which
+/// is what PID 1 needs) but stops reacting.
+pub struct Listeners(Vec<JoinHandle<()>>);
+
+impl Drop for Listeners {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Installs a listener for every signal of `policy`.
+pub fn install(
+    policy: &SignalPolicy,
+    stop: &StopRequest,
+    reaper: &Reaper,
+    publisher: &Publisher,
+    hook: Option<&TerminateHook>,
+) -> std::io::Result<Listeners> {
+    let mut tasks = Vec::new();
+    for &(sig, action) in &policy.actions {
+        let mut stream = signal(SignalKind::from_raw(sig as i32))?;
+        let stop = stop.clone();
+        let reaper = reaper.clone();
+        let publisher = publisher.clone();
+        let hook = hook.cloned();
+        tasks.push(tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                publisher.event(Event::SignalReceived {
+                    signal: sig,
+                    action,
+                });
+                match action {
+                    SignalAction::Terminate if stop.is_requested() => {
+                        tracing::warn!("{sig} again while stopping: killing the workers now");
+                        stop.kill_now();
+                    }
+                    SignalAction::Terminate => {
+                        tracing::info!("{sig} received: stopping the workers");
+                        match &hook {
+                            Some(hook) => {
+                                tokio::spawn(hook(sig, stop.clone()));
+                            }
+                            None => stop.request(sig),
+                        }
+                    }
+                    SignalAction::Forward => {
+                        tracing::info!("{sig} received: forwarding it to the workers");
+                        reaper.signal_all(sig);
+                    }
+                    SignalAction::Ignore => tracing::info!("{sig} received: ignored"),
+                }
+            }
+        }));
+    }
+    Ok(Listeners(tasks))
+}

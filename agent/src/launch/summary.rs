@@ -1,0 +1,153 @@
+//! The root-cause report: which worker failed first and why, including the message a worker
+//! wrapped in torch's `@record` left in its `TORCHELASTIC_ERROR_FILE`.
+
+use std::path::Path;
+
+use super::reaper::ExitStatus;
+use super::Failure;
+
+/// What a worker left in its `TORCHELASTIC_ERROR_FILE`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorFile {
+    pub message: String,
+    /// Seconds since the epoch, when the worker recorded the error.
+    pub timestamp: Option<u64>,
+}
+
+/// Reads a torch error file: `{"message": {"message": "...", "extraInfo": {"timestamp": "..."}}}`
+/// (what `@record` writes), or a plain `{"message": "..."}`.
+pub fn read_error_file(path: &Path) -> Option<ErrorFile> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let m = v.get("message")?;
+    let (message, timestamp) = match m {
+        serde_json::Value::String(s) => (s.clone(), None),
+        serde_json::Value::Object(o) => {
+            let ts = o.get("extraInfo").and_then(|e| e.get("timestamp"));
+            let ts = ts.and_then(|t| {
+                t.as_u64()
+                    .or_else(|| t.as_str().and_then(|s| s.trim().parse().ok()))
+            });
+            (o.get("message")?.as_str()?.to_owned(), ts)
+        }
+        _ => return None,
+    };
+    Some(ErrorFile {
+        message: message.trim().to_owned(),
+        timestamp,
+    })
+}
+
+/// The summary lines printed at the end of a failed run.
+pub fn render(failure: &Failure, attempts: u32) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "muster: worker group failed after {attempts} attempt(s); root cause (first observed failure):"
+    );
+    let _ = writeln!(
+        out,
+        "muster:   time: {}  host: {}  rank: {} (local_rank {})  pid: {}",
+        crate::logs::utc_timestamp(failure.at),
+        failure.host,
+        failure.rank,
+        failure.local_rank,
+        failure.pid
+    );
+    let _ = writeln!(out, "muster:   {}", failure.status);
+    match &failure.message {
+        Some(m) => {
+            for line in m.lines() {
+                let _ = writeln!(out, "muster:   error: {line}");
+            }
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "muster:   error: (no error file; decorate the worker's main with \
+                 torch.distributed.elastic.multiprocessing.errors.record to capture it)"
+            );
+        }
+    }
+    out
+}
+
+/// The same report as one JSON object on one line (`--log-format json`).
+pub fn render_json(failure: &Failure, attempts: u32) -> String {
+    let (exit_code, signal) = match failure.status {
+        ExitStatus::Exited(c) => (Some(c), None),
+        ExitStatus::Signaled(s) => (None, Some(s.as_str())),
+    };
+    let obj = serde_json::json!({
+        "ts": crate::logs::utc_timestamp(std::time::SystemTime::now()),
+        "level": "ERROR",
+        "event": "root_cause",
+        "attempts": attempts,
+        "time": crate::logs::utc_timestamp(failure.at),
+        "host": failure.host,
+        "rank": failure.rank,
+        "local_rank": failure.local_rank,
+        "pid": failure.pid,
+        "exit_code": exit_code,
+        "signal": signal,
+        "agent_exit_code": failure.status.exit_code(),
+        "message": failure.message,
+        "error_file": failure.error_file.to_string_lossy(),
+    });
+    format!("{obj}\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::UNIX_EPOCH;
+
+    #[test]
+    fn reads_record_error_files() {
+        let dir = std::env::temp_dir().join(format!("muster-summary-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("error.json");
+        std::fs::write(
+            &f,
+            r#"{"message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": "...", "timestamp": "1"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            read_error_file(&f),
+            Some(ErrorFile {
+                message: "ValueError: boom".into(),
+                timestamp: Some(1)
+            })
+        );
+        std::fs::write(&f, r#"{"message": "plain"}"#).unwrap();
+        assert_eq!(
+            read_error_file(&f).map(|e| e.message).as_deref(),
+            Some("plain")
+        );
+        std::fs::write(&f, "not json").unwrap();
+        assert_eq!(read_error_file(&f), None);
+        assert_eq!(read_error_file(&dir.join("missing")), None);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn summary_names_the_worker_and_the_signal() {
+        let f = Failure {
+            host: "node-0".into(),
+            local_rank: 1,
+            rank: 5,
+            pid: 42,
+            status: ExitStatus::Signaled(nix::sys::signal::Signal::SIGSEGV),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+        };
+        let text = render(&f, 1);
+        assert!(
+            text.contains("host: node-0  rank: 5 (local_rank 1)"),
+            "{text}"
+        );
+        assert!(text.contains("signal SIGSEGV (11)"), "{text}");
+    }
+}

@@ -1,0 +1,217 @@
+//! Worker output: pipes read directly, split into lines, prefixed (or JSON-encoded) and written to
+//! the console by one writer thread, plus torchrun's per-rank log files.
+//!
+//! Why one writer: every line reaches the agent's stdout/stderr in a single `write_all` from a
+//! single thread, so two ranks (or a rank and the agent's own messages) can never interleave
+//! mid-line, whatever the pipe buffer does. The writer is an OS thread, not a task, so a blocked
+//! console (nobody reading the container log pipe) never stalls the agent's event loop: readers
+//! wait on a byte budget ([`MAX_BUFFERED_BYTES`]) instead, which pushes back on the workers just
+//! as a pipe would without a launcher, while signals and exits keep being handled.
+
+mod prefix;
+mod reader;
+
+use std::io::Write;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use tokio::sync::{mpsc, Semaphore};
+
+pub use prefix::{render_template, utc_timestamp};
+pub use reader::{pump, LineTarget, PumpConfig};
+
+/// A line longer than this without a newline is emitted in pieces of this size.
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+/// Worker bytes that may wait for the console writer before readers stop reading their pipes.
+pub const MAX_BUFFERED_BYTES: usize = 4 * 1024 * 1024;
+
+/// Which of the agent's streams a line goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Console {
+    Stdout,
+    Stderr,
+}
+
+enum Msg {
+    /// Bytes that end at a line boundary; `budget` bytes are returned to the semaphore once
+    /// written.
+    Write {
+        console: Console,
+        bytes: Vec<u8>,
+        budget: u32,
+    },
+    /// Raw bytes for a per-rank log file.
+    File {
+        file: Arc<std::fs::File>,
+        bytes: Vec<u8>,
+        budget: u32,
+    },
+    Shutdown,
+}
+
+/// A handle to the console writer; cheap to clone.
+#[derive(Clone)]
+pub struct LogSink {
+    tx: mpsc::UnboundedSender<Msg>,
+    budget: Arc<Semaphore>,
+}
+
+/// The writer thread; [`LogWriter::finish`] drains and stops it.
+pub struct LogWriter {
+    sink: LogSink,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Starts the writer thread.
+pub fn start() -> std::io::Result<LogWriter> {
+    let (tx, mut rx) = mpsc::unbounded_channel::<Msg>();
+    let budget = Arc::new(Semaphore::new(MAX_BUFFERED_BYTES));
+    let thread_budget = budget.clone();
+    let thread = std::thread::Builder::new()
+        .name("muster-log".into())
+        .spawn(move || {
+            let stdout = std::io::stdout();
+            let stderr = std::io::stderr();
+            while let Some(msg) = rx.blocking_recv() {
+                // Errors writing the console (EPIPE when the reader went away) must not stop the
+                // agent from supervising; the bytes are dropped.
+                match msg {
+                    Msg::Write {
+                        console,
+                        bytes,
+                        budget,
+                    } => {
+                        let _ = match console {
+                            Console::Stdout => stdout.lock().write_all(&bytes),
+                            Console::Stderr => stderr.lock().write_all(&bytes),
+                        };
+                        thread_budget.add_permits(budget as usize);
+                    }
+                    Msg::File {
+                        file,
+                        bytes,
+                        budget,
+                    } => {
+                        let _ = (&*file).write_all(&bytes);
+                        thread_budget.add_permits(budget as usize);
+                    }
+                    Msg::Shutdown => break,
+                }
+            }
+            let _ = stdout.lock().flush();
+        })?;
+    Ok(LogWriter {
+        sink: LogSink { tx, budget },
+        thread: Some(thread),
+    })
+}
+
+impl LogWriter {
+    pub fn sink(&self) -> LogSink {
+        self.sink.clone()
+    }
+
+    /// Writes everything queued so far, then stops the thread. Later messages go straight to
+    /// the console (see [`LogSink::agent_line`]).
+    pub fn finish(mut self) {
+        let _ = self.sink.tx.send(Msg::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl LogSink {
+    async fn reserve(&self, len: usize) -> u32 {
+        let n = len.min(MAX_BUFFERED_BYTES) as u32;
+        if let Ok(permit) = self.budget.acquire_many(n).await {
+            permit.forget();
+        }
+        n
+    }
+
+    /// Queues worker bytes (whole lines) for the console, waiting for budget.
+    pub async fn write(&self, console: Console, bytes: Vec<u8>) {
+        let budget = self.reserve(bytes.len()).await;
+        let _ = self.tx.send(Msg::Write {
+            console,
+            bytes,
+            budget,
+        });
+    }
+
+    /// Queues raw worker bytes for a log file, waiting for budget.
+    pub async fn write_file(&self, file: Arc<std::fs::File>, bytes: Vec<u8>) {
+        let budget = self.reserve(bytes.len()).await;
+        let _ = self.tx.send(Msg::File {
+            file,
+            bytes,
+            budget,
+        });
+    }
+
+    /// The agent's own output: never waits (it must not block on a full console), and falls back
+    /// to a direct write once the writer has stopped.
+    pub fn agent_line(&self, console: Console, bytes: Vec<u8>) {
+        if let Err(mpsc::error::SendError(Msg::Write { bytes, .. })) = self.tx.send(Msg::Write {
+            console,
+            bytes,
+            budget: 0,
+        }) {
+            let _ = match console {
+                Console::Stdout => std::io::stdout().lock().write_all(&bytes),
+                Console::Stderr => std::io::stderr().lock().write_all(&bytes),
+            };
+        }
+    }
+}
+
+/// A `tracing` writer that sends each formatted event through the sink as one message, so the
+/// agent's messages obey the same no-interleaving rule as worker lines.
+#[derive(Clone)]
+pub struct TracingWriter {
+    sink: LogSink,
+}
+
+impl TracingWriter {
+    pub fn new(sink: LogSink) -> Self {
+        Self { sink }
+    }
+}
+
+/// One event's bytes, sent when the formatter is done with it.
+pub struct EventBuffer {
+    sink: LogSink,
+    buf: Vec<u8>,
+}
+
+impl Write for EventBuffer {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for EventBuffer {
+    fn drop(&mut self) {
+        if !self.buf.is_empty() {
+            self.sink
+                .agent_line(Console::Stderr, std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for TracingWriter {
+    type Writer = EventBuffer;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        EventBuffer {
+            sink: self.sink.clone(),
+            buf: Vec::with_capacity(256),
+        }
+    }
+}

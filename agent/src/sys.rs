@@ -1,0 +1,37 @@
+//! The agent's only `unsafe`: the code that runs in a freshly forked worker between `fork` and
+//! `exec`.
+//!
+//! It puts the worker in its own session and process group (so a stop signal reaches the
+//! worker's own children too, and a terminal's Ctrl-C reaches only the agent), and asks the kernel
+//! to SIGKILL the worker when the agent dies (`PR_SET_PDEATHSIG`), so no worker outlives a
+//! SIGKILLed agent. Only async-signal-safe system calls run here and nothing allocates: the
+//! agent has other threads, and one of them may have held the allocator's lock at fork time.
+//!
+//! `PR_SET_PDEATHSIG` fires when the *thread* that forked the child exits, not the process. The
+//! agent therefore spawns workers only from its runtime's long-lived thread (the main thread of a
+//! current-thread runtime), never from `spawn_blocking`, whose threads retire when idle.
+#![allow(unsafe_code)]
+
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+
+/// Makes `cmd` start as an isolated worker of the agent whose pid is `agent`.
+pub fn isolate_worker(cmd: &mut Command, agent: Pid) {
+    let hook = move || -> std::io::Result<()> {
+        nix::unistd::setsid()?;
+        nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+        // The agent may have died between fork and prctl; then nobody would ever kill us.
+        if nix::unistd::getppid() != agent {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only makes async-signal-safe system calls (setsid, prctl, getppid) and
+    // does not allocate; the error it may return is built from a raw errno.
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
