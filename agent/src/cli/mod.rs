@@ -72,10 +72,21 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
 async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
     init_tracing(config.logs.format, writer.sink());
-    let result = Launch::new(config)
-        .with_log_sink(writer.sink())
-        .run(CancellationToken::new())
-        .await;
+    let shutdown = CancellationToken::new();
+    let metrics = crate::metrics::Metrics::new();
+    let endpoint =
+        match crate::metrics::agent::start_endpoint(config.metrics_addr, &metrics, &shutdown) {
+            Ok(endpoint) => endpoint,
+            Err(e) => {
+                writer.finish();
+                return Err(Exit::config(e.to_string()).into());
+            }
+        };
+    let launch = Launch::new(config).with_log_sink(writer.sink());
+    let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
+    let result = launch.run(shutdown.clone()).await;
+    shutdown.cancel();
+    drop(endpoint);
     writer.finish();
     match result {
         Ok(outcome) => Ok(outcome.exit_code),

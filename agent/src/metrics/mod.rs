@@ -22,6 +22,7 @@
 //! (local ranks, GPUs), so a pod exports a few hundred series at most. Run ids and host names
 //! appear only in `muster_job_info`.
 
+pub mod agent;
 mod http;
 mod live;
 mod store;

@@ -1,0 +1,329 @@
+//! How the launch loop feeds the metrics, without the loop knowing about Prometheus.
+//!
+//! Three pieces, each plugged in through a seam the launch loop already has:
+//! - [`start_endpoint`]: serves `--metrics-addr` from the agent's start (before any rendezvous),
+//!   on its own thread ([`super::serve_in_thread`]).
+//! - [`instrument`]: starts a task that follows the loop's [`Observer`] (phase `watch`, event `broadcast`)
+//!   and records phases, worker starts and exits, restarts and signals. Its one-second tick is the
+//!   `/healthz` heartbeat: it runs on the agent's own (single-threaded) runtime, so when that
+//!   thread is stuck the heartbeat stops and `/healthz`, answered from the endpoint's thread, says
+//!   so.
+//! - [`Metered`]: wraps the [`Rendezvous`] of every attempt to time its rounds, record their
+//!   outcome, the rank assignment, and attach the statistics of the workers' store.
+
+use std::time::Duration;
+
+use tokio::sync::broadcast::error::RecvError;
+use tokio::task::JoinHandle;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    serve_in_thread, EndpointConfig, Metrics, MetricsAddr, Phase, RestartCause, RoundOutcome,
+    ServeError, Serving, StoreRole, WorkerExit,
+};
+use crate::exit_code;
+use crate::launch::config::{Config, SignalAction};
+use crate::launch::{
+    BoxFuture, Event, ExitStatus, Launch, LaunchError, LocalRendezvous, Observer,
+    Phase as LaunchPhase, Rendezvous, Round, StopRequest,
+};
+
+/// How often the observer proves the agent's runtime is turning.
+const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The endpoint of a launch, and what to say about it once the launch is under way.
+#[derive(Debug)]
+pub struct AgentEndpoint {
+    serving: Option<Serving>,
+    announcement: Option<Announcement>,
+}
+
+/// A line about the endpoint, held back until the launch passed its own setup checks so that a
+/// configuration error stays the only line a failed start prints.
+#[derive(Debug, Clone)]
+enum Announcement {
+    Serving(std::net::SocketAddr),
+    Unavailable(String),
+}
+
+impl Announcement {
+    fn log(&self) {
+        match self {
+            Announcement::Serving(addr) => tracing::info!("metrics on http://{addr}/metrics"),
+            Announcement::Unavailable(why) => tracing::warn!("{why}; running without metrics"),
+        }
+    }
+}
+
+impl AgentEndpoint {
+    /// The address served, if any.
+    pub fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.serving.as_ref().map(Serving::local_addr)
+    }
+}
+
+/// Starts the endpoint. `setting` is `--metrics-addr` as given (`None`: not given).
+///
+/// An address the operator chose that cannot be bound is an error (the caller exits with the
+/// configuration-error code). The *default* port being taken — a model server on 8000, or a
+/// second agent in the same network namespace — only costs the metrics: a warning, and the job
+/// runs.
+pub fn start_endpoint(
+    setting: Option<MetricsAddr>,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) -> Result<AgentEndpoint, ServeError> {
+    let (addr, chosen) = match setting {
+        Some(addr) => (addr, true),
+        None => (MetricsAddr::default(), false),
+    };
+    let Some(addr) = addr.addr() else {
+        return Ok(AgentEndpoint {
+            serving: None,
+            announcement: None,
+        });
+    };
+    match serve_in_thread(addr, metrics.clone(), EndpointConfig::default(), shutdown) {
+        Ok(serving) => Ok(AgentEndpoint {
+            announcement: Some(Announcement::Serving(serving.local_addr())),
+            serving: Some(serving),
+        }),
+        Err(err) if !chosen => Ok(AgentEndpoint {
+            serving: None,
+            announcement: Some(Announcement::Unavailable(err.to_string())),
+        }),
+        Err(err) => Err(err),
+    }
+}
+
+/// Plugs the metrics into `launch`: records its configuration, follows its observer, and (on one
+/// node) meters its rendezvous. A multi-node rendezvous is metered where it is plugged in, by
+/// wrapping it in [`Metered`].
+/// The endpoint's address is printed when the launch first leaves its setup.
+pub fn instrument(
+    launch: Launch,
+    metrics: &Metrics,
+    endpoint: &AgentEndpoint,
+    shutdown: &CancellationToken,
+) -> Launch {
+    metrics.install();
+    record_config(metrics, launch.config());
+    observe(
+        metrics.clone(),
+        launch.observer(),
+        launch.config(),
+        endpoint.announcement.clone(),
+        shutdown.clone(),
+    );
+    if launch.config().nnodes.max > 1 {
+        return launch;
+    }
+    let local = Metered::new(Box::new(LocalRendezvous), metrics.clone(), "single_node");
+    launch.with_rendezvous(Box::new(local))
+}
+
+/// Records what the configuration fixes before the first attempt.
+pub fn record_config(metrics: &Metrics, config: &Config) {
+    metrics.set_run_id(&config.run_id);
+    metrics.set_restarts_remaining(config.max_restarts);
+    metrics.set_grace_period(config.grace_period.unwrap_or(config.shutdown_timeout));
+    metrics.heartbeat();
+}
+
+/// Follows the launch loop until it finishes or `shutdown` is cancelled.
+fn observe(
+    metrics: Metrics,
+    mut observer: Observer,
+    config: &Config,
+    mut announcement: Option<Announcement>,
+    shutdown: CancellationToken,
+) -> JoinHandle<()> {
+    let max_restarts = config.max_restarts;
+    let grace = config.grace_period.unwrap_or(config.shutdown_timeout);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        let mut state = ObserverState::default();
+        // The loop may be past Starting before this task first runs.
+        let mut on_phase = |phase: &LaunchPhase| {
+            if !matches!(phase, LaunchPhase::Starting | LaunchPhase::Finished { .. }) {
+                if let Some(announcement) = announcement.take() {
+                    announcement.log();
+                }
+            }
+            record_phase(&metrics, phase);
+            metrics.heartbeat();
+        };
+        let first = observer.phase.borrow_and_update().clone();
+        on_phase(&first);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = tick.tick() => metrics.heartbeat(),
+                changed = observer.phase.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let phase = observer.phase.borrow_and_update().clone();
+                    on_phase(&phase);
+                }
+                event = observer.events.recv() => match event {
+                    Ok(event) => state.record(&metrics, &event, max_restarts, grace),
+                    // Events only arrive faster than this task runs if the runtime is starved;
+                    // the gauges catch up with the next phase change.
+                    Err(RecvError::Lagged(missed)) => {
+                        tracing::debug!("metrics observer missed {missed} launch events");
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+            }
+        }
+    })
+}
+
+fn record_phase(metrics: &Metrics, phase: &LaunchPhase) {
+    match phase {
+        LaunchPhase::Starting => metrics.set_phase(Phase::Resolving),
+        LaunchPhase::Rendezvous { .. } => metrics.set_phase(Phase::Rendezvous),
+        LaunchPhase::Running { .. } => metrics.set_phase(Phase::Running),
+        LaunchPhase::Stopping { .. } => metrics.set_phase(Phase::Stopping),
+        LaunchPhase::Finished { .. } => {
+            metrics.set_phase(Phase::Stopping);
+            metrics.workers_stopped();
+        }
+    }
+}
+
+#[derive(Default)]
+struct ObserverState {
+    /// The attempt whose workers are being counted.
+    attempt: Option<u32>,
+    /// A terminate signal already started the grace countdown.
+    stopping: bool,
+}
+
+impl ObserverState {
+    fn record(&mut self, metrics: &Metrics, event: &Event, max_restarts: u32, grace: Duration) {
+        match event {
+            Event::WorkerStarted { restart_count, .. } => {
+                if self.attempt == Some(*restart_count) {
+                    metrics.worker_started();
+                } else {
+                    self.attempt = Some(*restart_count);
+                    metrics.workers_started(1);
+                }
+            }
+            Event::WorkerExited { status, .. } => metrics.worker_exited(match status {
+                ExitStatus::Exited(code) => WorkerExit::Code(*code),
+                ExitStatus::Signaled(signal) => WorkerExit::Signal(*signal as i32),
+            }),
+            Event::GroupEnded { .. } => metrics.workers_stopped(),
+            Event::Restarting { restart_count } => {
+                metrics.restarted(RestartCause::WorkerFailure);
+                metrics.set_restarts_remaining(max_restarts.saturating_sub(*restart_count));
+            }
+            Event::SignalReceived { signal, action } => {
+                metrics.signal_received(*signal as i32);
+                if *action == SignalAction::Terminate && !self.stopping {
+                    self.stopping = true;
+                    metrics.grace_deadline(Instant::now() + grace);
+                }
+            }
+        }
+    }
+}
+
+/// A [`Rendezvous`] that records every round it runs.
+pub struct Metered {
+    inner: Box<dyn Rendezvous>,
+    metrics: Metrics,
+    /// The `reason` label of a completed round.
+    completed_reason: &'static str,
+}
+
+impl Metered {
+    /// `completed_reason` names how a round of `inner` completes (`single_node`, `gang_formed`).
+    pub fn new(
+        inner: Box<dyn Rendezvous>,
+        metrics: Metrics,
+        completed_reason: &'static str,
+    ) -> Self {
+        Self {
+            inner,
+            metrics,
+            completed_reason,
+        }
+    }
+}
+
+/// Records a round that was abandoned (its future dropped: the agent is stopping).
+struct RoundGuard<'a> {
+    metrics: &'a Metrics,
+    started: Instant,
+    finished: bool,
+}
+
+impl Drop for RoundGuard<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.metrics.rendezvous_round_finished(
+                RoundOutcome::Cancelled,
+                "stopped",
+                self.started.elapsed(),
+            );
+        }
+    }
+}
+
+impl Rendezvous for Metered {
+    fn next_round<'a>(
+        &'a mut self,
+        config: &'a Config,
+        restart_count: u32,
+        stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>> {
+        Box::pin(async move {
+            let mut guard = RoundGuard {
+                metrics: &self.metrics,
+                started: Instant::now(),
+                finished: false,
+            };
+            let result = self.inner.next_round(config, restart_count, stop).await;
+            guard.finished = true;
+            let elapsed = guard.started.elapsed();
+            let metrics = &self.metrics;
+            match &result {
+                Ok(round) => {
+                    let a = &round.assignment;
+                    metrics.rendezvous_nodes(a.group_world_size, a.group_world_size);
+                    metrics.set_assignment(
+                        a.node_rank,
+                        a.group_world_size,
+                        a.world_size,
+                        config.nproc_per_node,
+                    );
+                    if let Some(store) = &round.store {
+                        metrics.attach_store(StoreRole::Workers, store.stats());
+                    }
+                    metrics.rendezvous_round_finished(
+                        RoundOutcome::Completed,
+                        self.completed_reason,
+                        elapsed,
+                    );
+                }
+                Err(err) if err.exit_code() == exit_code::RENDEZVOUS_TIMEOUT => {
+                    metrics.rendezvous_round_finished(
+                        RoundOutcome::Timeout,
+                        "join_timeout",
+                        elapsed,
+                    );
+                }
+                Err(_) => {
+                    metrics.rendezvous_round_finished(RoundOutcome::Failed, "error", elapsed);
+                }
+            }
+            result
+        })
+    }
+}
