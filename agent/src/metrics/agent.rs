@@ -327,3 +327,91 @@ impl Rendezvous for Metered {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(text: &str, series: &str) -> Option<f64> {
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[tokio::test]
+    async fn a_launch_with_a_failure_and_a_restart_is_recorded() {
+        let mut config = Config::for_program(
+            "/bin/sh",
+            vec![
+                "-c".into(),
+                r#"[ "$RANK" = 1 ] && exit 3; exec sleep 30"#.into(),
+            ],
+            2,
+        );
+        config.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
+        config.shutdown_timeout = Duration::from_secs(5);
+        config.max_restarts = 1;
+        config.run_id = "job-7".to_owned();
+        let metrics = Metrics::new();
+        let shutdown = CancellationToken::new();
+        let endpoint =
+            start_endpoint(Some("127.0.0.1:0".parse().unwrap()), &metrics, &shutdown).unwrap();
+        assert!(endpoint.local_addr().is_some());
+        let launch = instrument(Launch::new(config), &metrics, &endpoint, &shutdown);
+        let outcome = tokio::time::timeout(Duration::from_secs(20), launch.run(shutdown.clone()))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(outcome.exit_code, 3);
+        // Let the observer drain the last events.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = String::from_utf8(metrics.encode()).unwrap();
+        let v = |series: &str| value(&text, series);
+        assert_eq!(v("muster_world_size"), Some(2.0));
+        assert_eq!(v("muster_local_world_size"), Some(2.0));
+        assert_eq!(v("muster_group_world_size"), Some(1.0));
+        assert_eq!(v(r#"muster_job_info{run_id="job-7"}"#), Some(1.0));
+        assert_eq!(
+            v(r#"muster_restarts_total{cause="worker_failure"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v("muster_restarts_remaining"), Some(0.0));
+        assert_eq!(
+            v(r#"muster_worker_exits_total{code="3",signal="none"}"#),
+            Some(2.0)
+        );
+        assert_eq!(
+            v(r#"muster_worker_exits_total{code="143",signal="SIGTERM"}"#),
+            Some(2.0)
+        );
+        assert_eq!(
+            v(r#"muster_rendezvous_rounds_total{outcome="completed"}"#),
+            Some(2.0)
+        );
+        assert_eq!(
+            v(r#"muster_rendezvous_last_round{outcome="completed",reason="single_node"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v("muster_rendezvous_duration_seconds_count"), Some(2.0));
+        assert_eq!(v("muster_local_workers_running"), Some(0.0));
+        assert_eq!(v(r#"muster_agent_phase{phase="stopping"}"#), Some(1.0));
+        // Two attempts, two fresh workers' stores: the counters add up across them.
+        assert!(
+            v(r#"muster_store_connections_accepted_total{store="workers"}"#).is_some(),
+            "{text}"
+        );
+        shutdown.cancel();
+    }
+
+    #[tokio::test]
+    async fn an_explicit_address_in_use_is_an_error_and_the_default_only_a_warning() {
+        let metrics = Metrics::new();
+        let shutdown = CancellationToken::new();
+        let first =
+            start_endpoint(Some("127.0.0.1:0".parse().unwrap()), &metrics, &shutdown).unwrap();
+        let taken = MetricsAddr::at(first.local_addr().unwrap());
+        assert!(start_endpoint(Some(taken), &metrics, &shutdown).is_err());
+        let off = start_endpoint(Some("none".parse().unwrap()), &metrics, &shutdown).unwrap();
+        assert!(off.local_addr().is_none() && off.announcement.is_none());
+        shutdown.cancel();
+    }
+}
