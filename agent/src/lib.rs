@@ -14,6 +14,9 @@
 //! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
 //! - [`logs`]: worker output: prefixed or JSON lines, per-rank files, one console writer.
 //! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
+//! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
+//! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
+//! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
@@ -21,11 +24,14 @@
 pub mod checkpoint;
 pub mod cli;
 pub mod commands;
+pub mod discovery;
+pub mod dry_run;
 pub mod exit_code;
 pub mod launch;
 pub mod logging;
 pub mod logs;
 pub mod metrics;
+pub mod node;
 pub mod signals;
 pub mod store_cmd;
 pub mod sys;

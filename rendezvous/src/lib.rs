@@ -6,8 +6,11 @@
 //! - [`store::state`]: keys, counters, queues and waiters, with no I/O and no async, so every
 //!   semantic edge case is unit-tested directly.
 //! - [`store::server`]: the tokio server around them: accept loop, admission limit, shutdown.
+//! - [`rdzv`]: muster's own gang rendezvous over the store: join rounds, heartbeats, the
+//!   generation counter that restarts every node together, the exit barrier.
 //! - [`store::client`]: a client for the same protocol with a timeout on every read (torch's own
 //!   client blocks forever on a silent server). The agents use it to rendezvous.
 #![forbid(unsafe_code)]
 
+pub mod rdzv;
 pub mod store;

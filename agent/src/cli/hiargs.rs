@@ -468,6 +468,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         nnodes,
         nproc_per_node,
         node_rank,
+        node_rank_given: get(low, "node-rank").is_some_and(|r| !r.value.trim().is_empty()),
         rdzv_backend,
         rdzv_endpoint,
         run_id,

@@ -82,7 +82,16 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
                 return Err(Exit::config(e.to_string()).into());
             }
         };
-    let launch = Launch::new(config).with_log_sink(writer.sink());
+    let mut launch = Launch::new(config).with_log_sink(writer.sink());
+    if crate::node::is_multi_node(launch.config()) {
+        match crate::node::GangRendezvous::new(launch.config(), false) {
+            Ok(r) => launch = launch.with_rendezvous(crate::metrics::agent::metered(r, &metrics)),
+            Err(e) => {
+                writer.finish();
+                return Err(anyhow::Error::new(Exit::new(e.exit_code(), e.to_string())));
+            }
+        }
+    }
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
     let result = launch.run(shutdown.clone()).await;
     shutdown.cancel();

@@ -154,6 +154,9 @@ pub struct Config {
     pub nnodes: NodeRange,
     pub nproc_per_node: u32,
     pub node_rank: u32,
+    /// Whether `--node-rank`/`PET_NODE_RANK` was given (else the multi-node rendezvous looks for
+    /// the Job index or the host name's ordinal).
+    pub node_rank_given: bool,
     pub rdzv_backend: String,
     pub rdzv_endpoint: String,
     /// `--rdzv-id`; a random UUID in standalone mode (torchrun's behaviour).
@@ -187,6 +190,7 @@ impl Config {
             nnodes: NodeRange { min: 1, max: 1 },
             nproc_per_node: nproc,
             node_rank: 0,
+            node_rank_given: false,
             rdzv_backend: "c10d".to_owned(),
             rdzv_endpoint: String::new(),
             run_id: "none".to_owned(),

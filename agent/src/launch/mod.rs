@@ -203,6 +203,31 @@ pub trait Rendezvous: Send {
         restart_count: u32,
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Round, LaunchError>>;
+
+    /// Resolves when the group must stop because the gang re-forms (another node failed, died
+    /// or joined). Must be cancel-safe: it is dropped when the group ends first.
+    fn watch(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::pending())
+    }
+
+    /// Decides what follows an attempt; `None` keeps the local policy (restart while
+    /// `--max-restarts` lasts). The multi-node rendezvous restarts every node together here.
+    fn after_group<'a>(
+        &'a mut self,
+        _outcome: &'a GroupOutcome,
+        _stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// What the rendezvous decided after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterGroup {
+    /// Start another attempt (the rendezvous counts restarts itself).
+    Restart,
+    /// End the launch with this exit code.
+    Finish(u8),
 }
 
 /// One node, no peers: this agent hosts a fresh store per attempt on its advertised address.
@@ -431,11 +456,37 @@ async fn attempts(
             round = rendezvous.next_round(config, restart_count, stop) => round?,
             () = stop.requested() => continue,
         };
-        let outcome = run_group(spec, &round.assignment, stop).await;
+        let attempt_stop = stop.child();
+        let outcome = {
+            let group = run_group(spec, &round.assignment, &attempt_stop);
+            tokio::pin!(group);
+            tokio::select! {
+                outcome = &mut group => outcome,
+                () = rendezvous.watch() => {
+                    attempt_stop.request(Signal::SIGTERM);
+                    group.await
+                }
+            }
+        };
         if let Some(store) = round.store {
             store.shutdown().await;
         }
         let outcome = outcome?;
+        match rendezvous.after_group(&outcome, stop).await? {
+            Some(AfterGroup::Restart) => {
+                restart_count += 1;
+                spec.publisher.event(Event::Restarting { restart_count });
+                continue;
+            }
+            Some(AfterGroup::Finish(exit_code)) => {
+                return Ok(Outcome {
+                    exit_code,
+                    last: outcome,
+                    attempts: restart_count + 1,
+                })
+            }
+            None => {}
+        }
         match &outcome {
             GroupOutcome::Failed(f)
                 if restart_count < config.max_restarts && !stop.is_requested() =>

@@ -29,6 +29,8 @@ pub struct StopRequest {
     token: CancellationToken,
     kill_now: CancellationToken,
     signal: Arc<Mutex<Option<Signal>>>,
+    /// For a [`StopRequest::child`]: the parent's signal, which wins over the child's own.
+    parent_signal: Option<Arc<Mutex<Option<Signal>>>>,
 }
 
 impl StopRequest {
@@ -38,6 +40,19 @@ impl StopRequest {
             token: parent.child_token(),
             kill_now: CancellationToken::new(),
             signal: Arc::default(),
+            parent_signal: None,
+        }
+    }
+
+    /// A request for one attempt: requested with this one, or on its own (the multi-node
+    /// rendezvous stops the group when the gang must re-form) without touching this one.
+    #[must_use]
+    pub fn child(&self) -> Self {
+        Self {
+            token: self.token.child_token(),
+            kill_now: self.kill_now.clone(),
+            signal: Arc::default(),
+            parent_signal: Some(Arc::clone(&self.signal)),
         }
     }
 
@@ -63,7 +78,11 @@ impl StopRequest {
 
     /// The signal that asked for the stop, if a signal did.
     pub fn received_signal(&self) -> Option<Signal> {
-        *self.signal.lock().unwrap_or_else(PoisonError::into_inner)
+        let parent = self
+            .parent_signal
+            .as_ref()
+            .and_then(|p| *p.lock().unwrap_or_else(PoisonError::into_inner));
+        parent.or(*self.signal.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The signal to stop workers with: the one received, else SIGTERM.

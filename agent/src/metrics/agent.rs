@@ -25,8 +25,8 @@ use super::{
 use crate::exit_code;
 use crate::launch::config::{Config, SignalAction};
 use crate::launch::{
-    BoxFuture, Event, ExitStatus, Launch, LaunchError, LocalRendezvous, Observer,
-    Phase as LaunchPhase, Rendezvous, Round, StopRequest,
+    AfterGroup, BoxFuture, Event, ExitStatus, GroupOutcome, Launch, LaunchError, LocalRendezvous,
+    Observer, Phase as LaunchPhase, Rendezvous, Round, StopRequest,
 };
 
 /// How often the observer proves the agent's runtime is turning.
@@ -98,8 +98,8 @@ pub fn start_endpoint(
 }
 
 /// Plugs the metrics into `launch`: records its configuration, follows its observer, and (on one
-/// node) meters its rendezvous. A multi-node rendezvous is metered where it is plugged in, by
-/// wrapping it in [`Metered`].
+/// node) meters its rendezvous. A multi-node rendezvous is metered where it is plugged in, with
+/// [`metered`].
 /// The endpoint's address is printed when the launch first leaves its setup.
 pub fn instrument(
     launch: Launch,
@@ -116,7 +116,7 @@ pub fn instrument(
         endpoint.announcement.clone(),
         shutdown.clone(),
     );
-    if launch.config().nnodes.max > 1 {
+    if crate::node::is_multi_node(launch.config()) {
         return launch;
     }
     let local = Metered::new(Box::new(LocalRendezvous), metrics.clone(), "single_node");
@@ -201,6 +201,8 @@ struct ObserverState {
     attempt: Option<u32>,
     /// A terminate signal already started the grace countdown.
     stopping: bool,
+    /// Restarts that consumed the `--max-restarts` budget.
+    counted_restarts: u32,
 }
 
 impl ObserverState {
@@ -219,9 +221,15 @@ impl ObserverState {
                 ExitStatus::Signaled(signal) => WorkerExit::Signal(*signal as i32),
             }),
             Event::GroupEnded { .. } => metrics.workers_stopped(),
-            Event::Restarting { restart_count } => {
-                metrics.restarted(RestartCause::WorkerFailure);
-                metrics.set_restarts_remaining(max_restarts.saturating_sub(*restart_count));
+            Event::Restarting { .. } => {
+                let cause = metrics
+                    .take_restart_cause()
+                    .unwrap_or(RestartCause::WorkerFailure);
+                metrics.restarted(cause);
+                if cause != RestartCause::MembershipChange {
+                    self.counted_restarts += 1;
+                }
+                metrics.set_restarts_remaining(max_restarts.saturating_sub(self.counted_restarts));
             }
             Event::SignalReceived { signal, action } => {
                 metrics.signal_received(*signal as i32);
@@ -234,7 +242,16 @@ impl ObserverState {
     }
 }
 
-/// A [`Rendezvous`] that records every round it runs.
+/// The multi-node rendezvous, metered.
+pub fn metered(rendezvous: impl Rendezvous + 'static, metrics: &Metrics) -> Box<dyn Rendezvous> {
+    Box::new(Metered::new(
+        Box::new(rendezvous),
+        metrics.clone(),
+        "gang_formed",
+    ))
+}
+
+/// A [`Rendezvous`] that records every round it runs, and why the gang restarts.
 pub struct Metered {
     inner: Box<dyn Rendezvous>,
     metrics: Metrics,
@@ -284,6 +301,10 @@ impl Rendezvous for Metered {
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Round, LaunchError>> {
         Box::pin(async move {
+            // Until the round completes, the nodes of the last round count as joined (the
+            // rendezvous does not report its progress to the agent).
+            self.metrics
+                .rendezvous_nodes(config.nnodes.max, self.metrics.nodes_joined());
             let mut guard = RoundGuard {
                 metrics: &self.metrics,
                 started: Instant::now(),
@@ -325,6 +346,57 @@ impl Rendezvous for Metered {
             }
             result
         })
+    }
+
+    fn watch(&mut self) -> BoxFuture<'_, ()> {
+        self.inner.watch()
+    }
+
+    fn after_group<'a>(
+        &'a mut self,
+        outcome: &'a GroupOutcome,
+        stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
+        Box::pin(async move {
+            let decision = self.inner.after_group(outcome, stop).await;
+            if let Ok(Some(AfterGroup::Restart)) = &decision {
+                // A local failure restarts the gang from here; otherwise another node's failure
+                // (or a membership change, which the inner rendezvous does not tell apart here)
+                // made the gang re-form.
+                self.metrics
+                    .next_restart_cause(if matches!(outcome, GroupOutcome::Failed(_)) {
+                        RestartCause::WorkerFailure
+                    } else {
+                        RestartCause::PeerFailure
+                    });
+            }
+            decision
+        })
+    }
+}
+
+/// `discovery::resolve` started looking up the rendezvous host.
+pub fn dns_started() {
+    if let Some(metrics) = super::installed() {
+        metrics.set_phase(Phase::Resolving);
+    }
+}
+
+/// One lookup failed; `kind` as `discovery` describes it.
+pub fn dns_failed(kind: &str) {
+    if let Some(metrics) = super::installed() {
+        metrics.dns_attempt(super::DnsResult::of_failure(kind));
+    }
+}
+
+/// The host resolved `elapsed` after the first lookup (`ok`), or the deadline passed.
+pub fn dns_finished(ok: bool, elapsed: Duration) {
+    if let Some(metrics) = super::installed() {
+        if ok {
+            metrics.dns_attempt(super::DnsResult::Ok);
+            metrics.set_phase(Phase::Rendezvous);
+        }
+        metrics.dns_resolution_finished(elapsed);
     }
 }
 

@@ -128,6 +128,16 @@ pub enum DnsResult {
 }
 
 impl DnsResult {
+    /// The result for a failure described the way `discovery` logs it ("NXDOMAIN", "no answer",
+    /// "timeout", "refused", or the resolver's message).
+    pub fn of_failure(kind: &str) -> DnsResult {
+        match kind {
+            "NXDOMAIN" | "no answer" => DnsResult::NxDomain,
+            "timeout" => DnsResult::Timeout,
+            _ => DnsResult::Error,
+        }
+    }
+
     const ALL: [DnsResult; 4] = [
         DnsResult::Ok,
         DnsResult::NxDomain,
@@ -373,6 +383,7 @@ struct Inner {
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
+    restart_cause: Mutex<Option<RestartCause>>,
 
     job_info: IntGaugeVec,
     dns_attempts: IntCounterVec,
@@ -642,6 +653,7 @@ impl Metrics {
             live,
             store,
             checkpoint_tx: Mutex::new(None),
+            restart_cause: Mutex::new(None),
             registry: defs.registry,
             names: defs.names,
         };
@@ -744,6 +756,11 @@ impl Metrics {
         self.inner
             .nodes_waiting
             .set(i64::from(expected.saturating_sub(joined)));
+    }
+
+    /// Nodes that joined the current (or last) round.
+    pub fn nodes_joined(&self) -> u32 {
+        u32::try_from(self.inner.nodes_joined.get()).unwrap_or(0)
     }
 
     /// A rendezvous round ended. `reason` is a short fixed phrase from the deciding code
@@ -870,6 +887,26 @@ impl Metrics {
             .restarts
             .with_label_values(&[cause.as_str()])
             .inc();
+    }
+
+    /// Says why the restart the launch loop is about to announce happens (the loop's own event
+    /// does not know: a gang restart after another node's failure looks like a local one). Taken
+    /// by [`take_restart_cause`](Self::take_restart_cause); the default is a local worker failure.
+    pub fn next_restart_cause(&self, cause: RestartCause) {
+        *self
+            .inner
+            .restart_cause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(cause);
+    }
+
+    /// The cause set by [`next_restart_cause`](Self::next_restart_cause), once.
+    pub fn take_restart_cause(&self) -> Option<RestartCause> {
+        self.inner
+            .restart_cause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
     }
 
     /// Restarts left in the budget.

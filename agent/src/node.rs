@@ -1,0 +1,461 @@
+//! The multi-node driver: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch
+//! loop's seam ([`crate::launch::Rendezvous`]).
+//!
+//! On the first round it works out who this node is (node rank from `--node-rank`, the Job
+//! index or the host name's ordinal), resolves and reaches the endpoint ([`crate::discovery`]),
+//! and — on node 0 — hosts the rendezvous store on the endpoint's port for the agent's life.
+//! Per attempt node 0 also hosts a fresh workers' store whose address goes out with the round.
+//! While workers run, a watcher heartbeats and watches the generation; when the gang must
+//! re-form, the group is stopped and every node re-joins. After the group: success → exit
+//! barrier; failure → bump the generation (a counted restart, or the fatal end everyone shares).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use rendezvous::rdzv::{
+    self, identity, BarrierOutcome, BumpKind, Event, RdzvError, Registration, StoreKv,
+};
+use rendezvous::store::server::{self, Server};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::discovery;
+use crate::exit_code;
+use crate::launch::{
+    AfterGroup, BoxFuture, Config, GroupOutcome, HostedStore, LaunchError, RankAssignment, Round,
+    StopRequest,
+};
+
+/// Whether this launch needs the multi-node rendezvous.
+pub fn is_multi_node(config: &Config) -> bool {
+    !config.standalone && config.nnodes.max > 1
+}
+
+struct Running {
+    assignment: rdzv::Assignment,
+    stop: CancellationToken,
+    fired: CancellationToken,
+    task: JoinHandle<Event>,
+}
+
+/// [`crate::launch::Rendezvous`] for many nodes.
+pub struct GangRendezvous {
+    cfg: rdzv::Config,
+    endpoint: discovery::Endpoint,
+    local_addr: Option<String>,
+    allow_loopback: bool,
+    claimed_rank: Option<u32>,
+    rank_source: identity::Source,
+    local_world_size: u32,
+    /// Set after the first round's discovery.
+    rdzv: Option<rdzv::Rendezvous<StoreKv>>,
+    advertised: Option<IpAddr>,
+    /// Node 0's rendezvous store, kept for the agent's life.
+    hosted: Option<(CancellationToken, JoinHandle<()>)>,
+    running: Option<Running>,
+    /// The GPU pre-flight verdict to publish with the registration (opaque JSON).
+    gpu_verdict: serde_json::Value,
+}
+
+impl GangRendezvous {
+    /// Checks the configuration; nothing touches the network yet. `allow_loopback`: the local
+    /// dry run may advertise 127.0.0.1.
+    pub fn new(config: &Config, allow_loopback: bool) -> Result<Self, LaunchError> {
+        let cfg_err = |e: &dyn std::fmt::Display| LaunchError::Config(e.to_string());
+        let mut cfg = rdzv::Config::new(&config.run_id, config.nnodes.min, config.nnodes.max);
+        cfg.max_restarts = config.max_restarts;
+        let conf: String = config
+            .rdzv_conf
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        cfg.apply_conf(&conf).map_err(|e| cfg_err(&e))?;
+        let endpoint_text = if config.rdzv_endpoint.trim().is_empty() {
+            format!(
+                "{}:{}",
+                config.master_addr.as_deref().unwrap_or("127.0.0.1"),
+                config.master_port.unwrap_or(29500)
+            )
+        } else {
+            config.rdzv_endpoint.clone()
+        };
+        let endpoint = discovery::parse_endpoint(&endpoint_text).map_err(|e| cfg_err(&e))?;
+        let flag = config.node_rank_given.then(|| config.node_rank.to_string());
+        let index = std::env::var("JOB_COMPLETION_INDEX").ok();
+        let (claimed_rank, rank_source) =
+            identity::node_rank(flag.as_deref(), index.as_deref(), &hostname())
+                .map_err(|e| cfg_err(&e))?;
+        if let Some(rank) = claimed_rank.filter(|r| *r >= config.nnodes.max) {
+            return Err(LaunchError::Config(format!(
+                "node rank {rank} (from {rank_source}) is outside --nnodes {}:{}",
+                config.nnodes.min, config.nnodes.max
+            )));
+        }
+        Ok(Self {
+            cfg,
+            endpoint,
+            local_addr: config.local_addr.clone(),
+            allow_loopback,
+            claimed_rank,
+            rank_source,
+            local_world_size: config.nproc_per_node,
+            rdzv: None,
+            advertised: None,
+            hosted: None,
+            running: None,
+            gpu_verdict: serde_json::Value::Null,
+        })
+    }
+
+    /// Publishes this node's GPU pre-flight verdict in its registration (every later round).
+    pub fn set_gpu_verdict(&mut self, verdict: serde_json::Value) {
+        if let Some(r) = self.rdzv.as_mut() {
+            r.registration_mut().gpu = verdict.clone();
+        }
+        self.gpu_verdict = verdict;
+    }
+
+    /// Discovery, and on node 0 the rendezvous store. Returns the joined rendezvous.
+    async fn start(&mut self) -> Result<(), LaunchError> {
+        let deadline = Instant::now() + self.cfg.join_timeout;
+        let advertised =
+            discovery::advertised_addr(self.local_addr.as_deref(), self.allow_loopback)
+                .await
+                .map_err(|e| LaunchError::Config(e.to_string()))?;
+        // Resolved once and reused below; a node without a rank needs it to know if it hosts.
+        let mut endpoint_ips = None;
+        let is_host = if let Some(rank) = self.claimed_rank {
+            rank == 0
+        } else {
+            let ips = discovery::resolve(&self.endpoint.host, deadline)
+                .await
+                .map_err(|e| timeout_error(&e))?;
+            let mine = discovery::interface_addrs();
+            let hosts = ips
+                .iter()
+                .any(|ip| mine.contains(ip) && (!ip.is_loopback() || advertised.is_loopback()));
+            endpoint_ips = Some(ips);
+            hosts
+        };
+        info!(
+            "node rank {} (from {}), advertising {advertised}; {} the rendezvous store at {}",
+            self.claimed_rank
+                .map_or_else(|| "?".to_owned(), |r| r.to_string()),
+            self.rank_source,
+            if is_host { "hosting" } else { "joining" },
+            self.endpoint
+        );
+        let op_timeout = self.cfg.heartbeat_timeout;
+        let hosted = if is_host {
+            match self.host_store(advertised, op_timeout).await {
+                Ok(kv) => Some(kv),
+                // Without a rank the host guess came from addresses; like torchrun, fall back
+                // to being a client when another agent already holds the port.
+                Err(e) if self.claimed_rank.is_none() => {
+                    info!("not hosting the rendezvous store ({e}); joining it instead");
+                    None
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let is_host = hosted.is_some();
+        let kv = if let Some(kv) = hosted {
+            kv
+        } else {
+            let ips = match endpoint_ips {
+                Some(ips) => ips,
+                None => discovery::resolve(&self.endpoint.host, deadline)
+                    .await
+                    .map_err(|e| timeout_error(&e))?,
+            };
+            discovery::connect(&self.endpoint, &ips, deadline, op_timeout)
+                .await
+                .map_err(|e| timeout_error(&e))?
+        };
+        let reg = Registration {
+            agent_id: format!(
+                "{}-{}-{:08x}",
+                hostname(),
+                std::process::id(),
+                rand::random::<u32>()
+            ),
+            node_rank: if is_host { Some(0) } else { self.claimed_rank },
+            addr: advertised.to_string(),
+            host: hostname(),
+            local_world_size: self.local_world_size,
+            coordinator: is_host,
+            gpu: self.gpu_verdict.clone(),
+        };
+        self.advertised = Some(advertised);
+        self.rdzv = Some(rdzv::Rendezvous::new(kv, self.cfg.clone(), reg));
+        Ok(())
+    }
+
+    async fn round(&mut self) -> Result<Round, LaunchError> {
+        if self.rdzv.is_none() {
+            self.start().await?;
+        }
+        let advertised = self
+            .advertised
+            .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        let Some(rdzv) = self.rdzv.as_mut() else {
+            return Err(LaunchError::Coded {
+                code: exit_code::INTERNAL_ERROR,
+                message: "rendezvous not started".into(),
+            });
+        };
+        let store = if rdzv.is_coordinator() {
+            Some(
+                HostedStore::start(advertised)
+                    .await
+                    .map_err(|source| LaunchError::Store {
+                        ip: advertised,
+                        source,
+                    })?,
+            )
+        } else {
+            None
+        };
+        let port = store.as_ref().map_or(0, |s| s.addr().port());
+        let joined = match rdzv.next_round(port).await {
+            Ok(j) => j,
+            Err(e) => {
+                if let Some(s) = store {
+                    s.shutdown().await;
+                }
+                return Err(rdzv_error(&e));
+            }
+        };
+        let a = joined.assignment;
+        info!(
+            "round {}: node {} is group rank {} of {}, global ranks {}..{} of {} (restarts used {})",
+            a.generation,
+            a.node_rank,
+            a.group_rank,
+            a.group_world_size,
+            a.base_global_rank,
+            a.base_global_rank + a.local_world_size,
+            a.world_size,
+            a.restart_count
+        );
+        let watch_kv = rdzv
+            .kv()
+            .reconnect()
+            .await
+            .map_err(|e| LaunchError::Coded {
+                code: exit_code::STORE_HOST_LOST,
+                message: format!("lost the store host (node 0): {e}"),
+            })?;
+        let stop = CancellationToken::new();
+        let fired = CancellationToken::new();
+        let task = tokio::spawn(rdzv.watcher(watch_kv, &a).run(stop.clone(), fired.clone()));
+        let assignment = RankAssignment {
+            node_rank: a.group_rank,
+            group_world_size: a.group_world_size,
+            base_global_rank: a.base_global_rank,
+            world_size: a.world_size,
+            master_addr: a.master_addr.clone(),
+            master_port: a.master_port,
+            restart_count: a.restart_count,
+            run_id: self.cfg.run_id.clone(),
+        };
+        self.running = Some(Running {
+            assignment: a,
+            stop,
+            fired,
+            task,
+        });
+        Ok(Round { assignment, store })
+    }
+
+    async fn after(
+        &mut self,
+        outcome: &GroupOutcome,
+        stop: &StopRequest,
+    ) -> Result<AfterGroup, LaunchError> {
+        let Some(running) = self.running.take() else {
+            return Ok(AfterGroup::Finish(outcome.exit_code()));
+        };
+        let Some(rdzv) = self.rdzv.as_mut() else {
+            return Ok(AfterGroup::Finish(outcome.exit_code()));
+        };
+        if stop.is_requested() && !running.fired.is_cancelled() {
+            running.stop.cancel();
+            let _ = running.task.await;
+            return Ok(AfterGroup::Finish(outcome.exit_code()));
+        }
+        if !running.fired.is_cancelled() {
+            match outcome {
+                GroupOutcome::Succeeded => {
+                    let barrier = rdzv
+                        .exit_barrier(&running.assignment, &running.fired)
+                        .await
+                        .map_err(|e| rdzv_error(&e))?;
+                    if barrier != BarrierOutcome::Interrupted {
+                        running.stop.cancel();
+                        let _ = running.task.await;
+                        info!("every node finished");
+                        return Ok(AfterGroup::Finish(exit_code::SUCCESS));
+                    }
+                }
+                GroupOutcome::Failed(f) => {
+                    running.stop.cancel();
+                    let _ = running.task.await;
+                    let code = f.status.exit_code();
+                    let what = format!(
+                        "rank {} (local rank {}) failed: {}",
+                        f.rank, f.local_rank, f.status
+                    );
+                    let rec = rdzv
+                        .report_failure(code, &what)
+                        .await
+                        .map_err(|e| rdzv_error(&e))?;
+                    return Ok(match rec.kind {
+                        BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
+                        _ => AfterGroup::Restart,
+                    });
+                }
+                GroupOutcome::Stopped { .. } => {
+                    running.stop.cancel();
+                    let _ = running.task.await;
+                    return Ok(AfterGroup::Finish(outcome.exit_code()));
+                }
+            }
+        }
+        // The gang re-forms: see why.
+        match running.task.await {
+            Ok(Event::Generation(rec)) if rec.kind == BumpKind::Fatal => {
+                warn!("the job failed on another node: {}", rec.reason);
+                Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(1)))
+            }
+            Ok(Event::Generation(rec)) => {
+                warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
+                Ok(AfterGroup::Restart)
+            }
+            Ok(Event::StoreLost(why)) => Err(LaunchError::Coded {
+                code: exit_code::STORE_HOST_LOST,
+                message: format!("lost the store host (node 0): {why}"),
+            }),
+            Ok(Event::Stopped) | Err(_) => Ok(AfterGroup::Finish(outcome.exit_code())),
+        }
+    }
+}
+
+impl GangRendezvous {
+    /// Binds the rendezvous store on the endpoint's port (all interfaces, or loopback in the
+    /// dry run) and connects to it.
+    async fn host_store(
+        &mut self,
+        advertised: IpAddr,
+        op_timeout: Duration,
+    ) -> Result<StoreKv, LaunchError> {
+        let bind_ip = if advertised.is_loopback() {
+            advertised
+        } else if advertised.is_ipv6() {
+            IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
+        } else {
+            IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+        };
+        let addr = SocketAddr::new(bind_ip, self.endpoint.port);
+        let server = Server::bind(addr, server::Config::default())
+            .await
+            .map_err(|e| {
+                LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
+            })?;
+        let local = server.local_addr();
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let task = tokio::spawn(async move {
+            if let Err(e) = server.run(token).await {
+                warn!("rendezvous store stopped: {e}");
+            }
+        });
+        self.hosted = Some((stop, task));
+        let ip = if local.ip().is_unspecified() {
+            advertised
+        } else {
+            local.ip()
+        };
+        StoreKv::connect(
+            SocketAddr::new(ip, local.port()),
+            Duration::from_secs(5),
+            op_timeout,
+        )
+        .await
+        .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))
+    }
+}
+
+impl Drop for GangRendezvous {
+    fn drop(&mut self) {
+        if let Some((stop, _)) = &self.hosted {
+            stop.cancel();
+        }
+        if let Some(r) = &self.running {
+            r.stop.cancel();
+        }
+    }
+}
+
+impl crate::launch::Rendezvous for GangRendezvous {
+    fn next_round<'a>(
+        &'a mut self,
+        _config: &'a Config,
+        _restart_count: u32,
+        _stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>> {
+        Box::pin(self.round())
+    }
+
+    fn watch(&mut self) -> BoxFuture<'_, ()> {
+        let fired = self.running.as_ref().map(|r| r.fired.clone());
+        Box::pin(async move {
+            match fired {
+                Some(f) => f.cancelled().await,
+                None => std::future::pending().await,
+            }
+        })
+    }
+
+    fn after_group<'a>(
+        &'a mut self,
+        outcome: &'a GroupOutcome,
+        stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
+        Box::pin(async move { self.after(outcome, stop).await.map(Some) })
+    }
+}
+
+fn rdzv_error(e: &RdzvError) -> LaunchError {
+    let code = match e {
+        RdzvError::Timeout(_) => exit_code::RENDEZVOUS_TIMEOUT,
+        RdzvError::StoreLost(_) => exit_code::STORE_HOST_LOST,
+        RdzvError::Rejected(_) => exit_code::CONFIG_ERROR,
+        RdzvError::Fatal { exit_code, .. } => *exit_code,
+        RdzvError::Malformed { .. } | RdzvError::Encode(_) => exit_code::INTERNAL_ERROR,
+    };
+    LaunchError::Coded {
+        code,
+        message: e.to_string(),
+    }
+}
+
+fn timeout_error(e: &discovery::DiscoveryError) -> LaunchError {
+    LaunchError::Coded {
+        code: exit_code::RENDEZVOUS_TIMEOUT,
+        message: format!("rendezvous timed out: {e}"),
+    }
+}
+
+/// The full host name (identity and messages).
+pub fn hostname() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned())
+}

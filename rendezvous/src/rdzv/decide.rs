@@ -1,0 +1,609 @@
+//! Every rendezvous decision as a pure function of `(now, state, config)` that returns the
+//! decision and a human-readable reason (torchft's `quorum_compute` shape). The driver logs the
+//! reason; the tests here build states by hand and need no sockets and no sleeps.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+use tokio::time::Instant;
+
+use super::{Assignment, BumpKind, Config, GenRecord, Registration};
+
+/// At most this many missing node ranks are listed in one message; the rest are counted.
+const MAX_LISTED: usize = 16;
+
+/// One registration the coordinator has read, with the time it first saw it.
+#[derive(Debug, Clone)]
+pub struct Arrival {
+    pub slot: u64,
+    pub reg: Registration,
+    pub seen_at: Instant,
+}
+
+/// What the coordinator knows about an open round.
+#[derive(Debug, Clone)]
+pub struct RoundState {
+    pub gen: u64,
+    /// When the round opened (the join deadline counts from here).
+    pub started: Instant,
+    /// In slot order.
+    pub arrivals: Vec<Arrival>,
+    /// Node rank → "host (addr)" from earlier rounds, to name who did not come back.
+    pub known_hosts: BTreeMap<u32, String>,
+}
+
+/// Who is in, who waits, who is turned away. Indices point into `RoundState::arrivals`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// (node rank, arrival index), sorted by node rank.
+    pub members: Vec<(u32, usize)>,
+    pub spares: Vec<usize>,
+    pub rejected: Vec<(usize, String)>,
+}
+
+/// Gives every arrival its node rank: claimed ranks first (a second claim of the same rank is
+/// rejected, first come first served), then arrivals without identity take the lowest free
+/// ranks in arrival order; whoever does not fit under `max_nodes` is a spare. Ranks never come
+/// from sorting host names.
+pub fn resolve_members(arrivals: &[Arrival], max_nodes: u32) -> Membership {
+    let mut out = Membership::default();
+    let mut taken: BTreeMap<u32, usize> = BTreeMap::new();
+    // The coordinator's claim first: MASTER_ADDR is its address, so it must be node 0.
+    let claims = arrivals
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| a.reg.coordinator)
+        .chain(
+            arrivals
+                .iter()
+                .enumerate()
+                .filter(|(_, a)| !a.reg.coordinator),
+        );
+    for (i, a) in claims {
+        let Some(rank) = a.reg.node_rank else {
+            continue;
+        };
+        if rank >= max_nodes {
+            out.rejected.push((
+                i,
+                format!("node rank {rank} is outside --nnodes (at most {max_nodes} nodes)"),
+            ));
+        } else if let Some(&first) = taken.get(&rank) {
+            let holder = &arrivals[first].reg;
+            out.rejected.push((
+                i,
+                format!(
+                    "node rank {rank} is already taken by {} ({}) in this round",
+                    holder.host, holder.addr
+                ),
+            ));
+        } else {
+            taken.insert(rank, i);
+        }
+    }
+    let mut free = (0..max_nodes)
+        .filter(|r| !taken.contains_key(r))
+        .collect::<Vec<_>>();
+    free.reverse();
+    for (i, a) in arrivals.iter().enumerate() {
+        if a.reg.node_rank.is_some() {
+            continue;
+        }
+        match free.pop() {
+            Some(rank) => {
+                taken.insert(rank, i);
+            }
+            None => out.spares.push(i),
+        }
+    }
+    out.members = taken.into_iter().collect();
+    out
+}
+
+/// The coordinator's verdict on an open round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RoundDecision {
+    Wait,
+    Complete(Membership),
+    /// Fewer than `min_nodes` by the join deadline; the message names the missing ranks.
+    Timeout(String),
+}
+
+/// A round completes when `max_nodes` are in, or when at least `min_nodes` are in and the
+/// last-call window (counted from the moment the `min_nodes`-th member arrived) has passed. It
+/// times out when the join deadline passes with fewer than `min_nodes`.
+pub fn decide_round(now: Instant, state: &RoundState, cfg: &Config) -> (RoundDecision, String) {
+    let membership = resolve_members(&state.arrivals, cfg.max_nodes);
+    let n = membership.members.len() as u32;
+    if n >= cfg.max_nodes {
+        let reason = format!("round {} complete: all {n} nodes joined", state.gen);
+        return (RoundDecision::Complete(membership), reason);
+    }
+    if n >= cfg.min_nodes {
+        let mut arrived: Vec<Instant> = membership
+            .members
+            .iter()
+            .map(|&(_, i)| state.arrivals[i].seen_at)
+            .collect();
+        arrived.sort();
+        let min_reached = arrived[cfg.min_nodes as usize - 1];
+        let last_call_ends = min_reached + cfg.last_call_timeout;
+        if now >= last_call_ends {
+            let reason = format!(
+                "round {} complete: {n} of at most {} nodes joined and the last call ({:.1}s) ended; missing {}",
+                state.gen,
+                cfg.max_nodes,
+                cfg.last_call_timeout.as_secs_f64(),
+                describe_missing(&membership, state, cfg)
+            );
+            return (RoundDecision::Complete(membership), reason);
+        }
+        let reason = format!(
+            "round {}: {n} nodes joined (min {}, max {}); last call ends in {:.1}s",
+            state.gen,
+            cfg.min_nodes,
+            cfg.max_nodes,
+            (last_call_ends - now).as_secs_f64()
+        );
+        return (RoundDecision::Wait, reason);
+    }
+    let deadline = state.started + cfg.join_timeout;
+    if now >= deadline {
+        let message = format!(
+            "{n} of {} required nodes joined round {} within {:.1}s; never arrived: {}",
+            cfg.min_nodes,
+            state.gen,
+            cfg.join_timeout.as_secs_f64(),
+            describe_missing(&membership, state, cfg)
+        );
+        return (RoundDecision::Timeout(message.clone()), message);
+    }
+    let reason = format!(
+        "round {}: waiting for {} more node(s) ({n} joined, need {}); missing {}; deadline in {:.1}s",
+        state.gen,
+        cfg.min_nodes - n,
+        cfg.min_nodes,
+        describe_missing(&membership, state, cfg),
+        (deadline - now).as_secs_f64()
+    );
+    (RoundDecision::Wait, reason)
+}
+
+/// "node ranks 1 (worker-1, 10.0.0.2), 3" — the ranks below `max_nodes` nobody holds.
+fn describe_missing(membership: &Membership, state: &RoundState, cfg: &Config) -> String {
+    let present: BTreeSet<u32> = membership.members.iter().map(|&(r, _)| r).collect();
+    let missing: Vec<u32> = (0..cfg.max_nodes)
+        .filter(|r| !present.contains(r))
+        .collect();
+    if missing.is_empty() {
+        return "none".into();
+    }
+    let mut out = String::from(if missing.len() == 1 {
+        "node rank "
+    } else {
+        "node ranks "
+    });
+    for (i, rank) in missing.iter().take(MAX_LISTED).enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        let _ = write!(out, "{rank}");
+        if let Some(host) = state.known_hosts.get(rank) {
+            let _ = write!(out, " ({host})");
+        }
+    }
+    if missing.len() > MAX_LISTED {
+        let _ = write!(out, " and {} more", missing.len() - MAX_LISTED);
+    }
+    out
+}
+
+/// Global ranks are contiguous by node rank: member k (sorted by node rank) starts where member
+/// k-1's local ranks end.
+pub fn assign(
+    state: &RoundState,
+    membership: &Membership,
+    restarts: u32,
+    master: (&str, u16),
+) -> Vec<(u64, Assignment)> {
+    let world_size: u32 = membership
+        .members
+        .iter()
+        .map(|&(_, i)| state.arrivals[i].reg.local_world_size)
+        .sum();
+    let members: Vec<(u32, String)> = membership
+        .members
+        .iter()
+        .map(|&(r, i)| (r, state.arrivals[i].reg.agent_id.clone()))
+        .collect();
+    let mut base = 0;
+    membership
+        .members
+        .iter()
+        .enumerate()
+        .map(|(group_rank, &(node_rank, i))| {
+            let a = &state.arrivals[i];
+            let out = Assignment {
+                generation: state.gen,
+                node_rank,
+                group_rank: group_rank as u32,
+                group_world_size: membership.members.len() as u32,
+                base_global_rank: base,
+                local_world_size: a.reg.local_world_size,
+                world_size,
+                master_addr: master.0.to_owned(),
+                master_port: master.1,
+                restart_count: restarts,
+                members: members.clone(),
+            };
+            base += a.reg.local_world_size;
+            (a.slot, out)
+        })
+        .collect()
+}
+
+/// What the coordinator last saw of one member's heartbeat counter.
+#[derive(Debug, Clone)]
+pub struct Beat {
+    pub node_rank: u32,
+    pub who: String,
+    pub last_value: Vec<u8>,
+    /// When `last_value` was first seen (by the coordinator's clock).
+    pub changed_at: Instant,
+}
+
+/// Members whose counter has not moved for the heartbeat timeout. Only the observer's clock is
+/// used, so clock skew between machines cannot kill anyone.
+pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, String) {
+    let dead: Vec<&Beat> = beats
+        .iter()
+        .filter(|b| now.saturating_duration_since(b.changed_at) >= cfg.heartbeat_timeout)
+        .collect();
+    if dead.is_empty() {
+        return (
+            Vec::new(),
+            format!("all {} watched nodes alive", beats.len()),
+        );
+    }
+    let names: Vec<String> = dead
+        .iter()
+        .map(|b| {
+            format!(
+                "node {} ({}) silent for {:.1}s",
+                b.node_rank,
+                b.who,
+                now.saturating_duration_since(b.changed_at).as_secs_f64()
+            )
+        })
+        .collect();
+    (
+        dead.iter().map(|b| b.node_rank).collect(),
+        format!(
+            "{} (heartbeat timeout {:.1}s)",
+            names.join(", "),
+            cfg.heartbeat_timeout.as_secs_f64()
+        ),
+    )
+}
+
+/// Whether nodes that registered while a round runs justify a new round: yes when there is room
+/// (fewer than `max_nodes` members) or when a newcomer claims a member's node rank (Kubernetes
+/// restarted that pod, so the member we think is running is gone). Otherwise they are spares.
+pub fn decide_newcomers(
+    members: &[u32],
+    newcomers: &[Registration],
+    cfg: &Config,
+) -> (bool, String) {
+    if newcomers.is_empty() {
+        return (false, "no newcomers".into());
+    }
+    if let Some(reg) = newcomers
+        .iter()
+        .find(|r| r.node_rank.is_some_and(|n| members.contains(&n)))
+    {
+        let rank = reg.node_rank.unwrap_or_default();
+        return (
+            true,
+            format!(
+                "node rank {rank} re-joined from {} ({}): its previous agent is gone",
+                reg.host, reg.addr
+            ),
+        );
+    }
+    if (members.len() as u32) < cfg.max_nodes {
+        let hosts: Vec<&str> = newcomers.iter().map(|r| r.host.as_str()).collect();
+        return (
+            true,
+            format!(
+                "{} node(s) waiting ({}) and the gang has {} of at most {}: scaling up",
+                newcomers.len(),
+                hosts.join(", "),
+                members.len(),
+                cfg.max_nodes
+            ),
+        );
+    }
+    (
+        false,
+        format!(
+            "{} node(s) waiting as spares: the gang is full ({} nodes)",
+            newcomers.len(),
+            cfg.max_nodes
+        ),
+    )
+}
+
+/// The next generation after a worker failure on `node_rank`: a counted restart while the
+/// budget lasts, else the fatal end of the job carrying the root cause's exit code.
+pub fn decide_failure(
+    current: &GenRecord,
+    node_rank: u32,
+    exit_code: u8,
+    what: &str,
+    cfg: &Config,
+) -> (GenRecord, String) {
+    if current.restarts < cfg.max_restarts {
+        let restarts = current.restarts + 1;
+        let reason = format!(
+            "node {node_rank}: {what}; restarting the gang (restart {restarts} of {})",
+            cfg.max_restarts
+        );
+        let rec = GenRecord {
+            gen: current.gen + 1,
+            restarts,
+            kind: BumpKind::Failure,
+            by: Some(node_rank),
+            reason: reason.clone(),
+            exit_code: None,
+        };
+        return (rec, reason);
+    }
+    let reason = format!(
+        "node {node_rank}: {what}; no restarts left ({} used of {})",
+        current.restarts, cfg.max_restarts
+    );
+    let rec = GenRecord {
+        gen: current.gen + 1,
+        restarts: current.restarts,
+        kind: BumpKind::Fatal,
+        by: Some(node_rank),
+        reason: reason.clone(),
+        exit_code: Some(exit_code),
+    };
+    (rec, reason)
+}
+
+/// The next generation after a membership change (free).
+pub fn membership_bump(current: &GenRecord, by: u32, reason: String) -> GenRecord {
+    GenRecord {
+        gen: current.gen + 1,
+        restarts: current.restarts,
+        kind: BumpKind::Membership,
+        by: Some(by),
+        reason,
+        exit_code: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn cfg(min: u32, max: u32) -> Config {
+        let mut c = Config::new("t", min, max);
+        c.join_timeout = Duration::from_secs(60);
+        c.last_call_timeout = Duration::from_secs(5);
+        c.heartbeat_timeout = Duration::from_secs(3);
+        c.max_restarts = 1;
+        c
+    }
+
+    fn reg(rank: Option<u32>, host: &str) -> Registration {
+        Registration {
+            agent_id: format!("id-{host}"),
+            node_rank: rank,
+            addr: format!("10.0.0.{}", host.len()),
+            host: host.into(),
+            local_world_size: 2,
+            coordinator: false,
+            gpu: serde_json::Value::Null,
+        }
+    }
+
+    fn state(t0: Instant, regs: &[(Option<u32>, &str, u64)]) -> RoundState {
+        RoundState {
+            gen: 4,
+            started: t0,
+            arrivals: regs
+                .iter()
+                .enumerate()
+                .map(|(i, &(rank, host, at))| Arrival {
+                    slot: i as u64 + 1,
+                    reg: reg(rank, host),
+                    seen_at: t0 + Duration::from_secs(at),
+                })
+                .collect(),
+            known_hosts: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn claimed_ranks_win_and_anonymous_nodes_fill_the_gaps_in_arrival_order() {
+        let t0 = Instant::now();
+        let s = state(
+            t0,
+            &[
+                (None, "a", 0),
+                (Some(0), "w0", 0),
+                (None, "b", 0),
+                (Some(2), "w2", 0),
+            ],
+        );
+        let m = resolve_members(&s.arrivals, 4);
+        assert_eq!(m.members, vec![(0, 1), (1, 0), (2, 3), (3, 2)]);
+        assert!(m.spares.is_empty() && m.rejected.is_empty());
+    }
+
+    #[test]
+    fn ranks_follow_the_ordinal_not_the_host_name_order() {
+        let t0 = Instant::now();
+        let s = state(
+            t0,
+            &[(Some(10), "job-worker-10", 0), (Some(2), "job-worker-2", 0)],
+        );
+        let m = resolve_members(&s.arrivals, 11);
+        assert_eq!(m.members, vec![(2, 1), (10, 0)]);
+        let a = assign(&s, &m, 0, ("10.0.0.1", 1234));
+        assert_eq!(a[0].1.node_rank, 2);
+        assert_eq!(a[0].1.base_global_rank, 0);
+        assert_eq!(a[1].1.node_rank, 10);
+        assert_eq!(a[1].1.group_rank, 1);
+        assert_eq!(a[1].1.base_global_rank, 2);
+    }
+
+    #[test]
+    fn a_second_claim_of_a_rank_is_rejected_and_extra_anonymous_nodes_are_spares() {
+        let t0 = Instant::now();
+        let s = state(
+            t0,
+            &[
+                (Some(1), "x", 0),
+                (Some(1), "y", 0),
+                (None, "p", 0),
+                (None, "q", 0),
+                (Some(7), "z", 0),
+            ],
+        );
+        let m = resolve_members(&s.arrivals, 2);
+        assert_eq!(m.members, vec![(0, 2), (1, 0)]);
+        assert_eq!(m.spares, vec![3]);
+        assert_eq!(m.rejected.len(), 2);
+        assert!(
+            m.rejected[0].1.contains("already taken by x"),
+            "{:?}",
+            m.rejected
+        );
+        assert!(
+            m.rejected[1].1.contains("outside --nnodes"),
+            "{:?}",
+            m.rejected
+        );
+    }
+
+    #[test]
+    fn a_full_round_completes_at_once() {
+        let t0 = Instant::now();
+        let s = state(t0, &[(Some(0), "a", 0), (Some(1), "b", 1)]);
+        let (d, why) = decide_round(t0 + Duration::from_secs(1), &s, &cfg(2, 2));
+        assert!(matches!(d, RoundDecision::Complete(ref m) if m.members.len() == 2));
+        assert!(why.contains("all 2 nodes joined"), "{why}");
+    }
+
+    #[test]
+    fn min_nodes_wait_for_the_last_call_counted_from_the_min_th_arrival() {
+        let t0 = Instant::now();
+        let s = state(t0, &[(Some(0), "a", 0), (Some(1), "b", 10)]);
+        let c = cfg(2, 3);
+        let (d, why) = decide_round(t0 + Duration::from_secs(14), &s, &c);
+        assert_eq!(d, RoundDecision::Wait);
+        assert!(why.contains("last call ends in 1.0s"), "{why}");
+        let (d, why) = decide_round(t0 + Duration::from_secs(15), &s, &c);
+        assert!(matches!(d, RoundDecision::Complete(ref m) if m.members.len() == 2));
+        assert!(
+            why.contains("last call") && why.contains("missing node rank 2"),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn the_timeout_names_the_missing_ranks_and_their_last_known_hosts() {
+        let t0 = Instant::now();
+        let mut s = state(t0, &[(Some(0), "a", 0), (Some(2), "c", 0)]);
+        s.known_hosts.insert(1, "worker-1 (10.0.0.9)".into());
+        let c = cfg(4, 4);
+        let (d, why) = decide_round(t0 + Duration::from_secs(59), &s, &c);
+        assert_eq!(d, RoundDecision::Wait);
+        assert!(why.contains("waiting for 2 more"), "{why}");
+        let (d, _) = decide_round(t0 + Duration::from_secs(60), &s, &c);
+        let RoundDecision::Timeout(msg) = d else {
+            panic!("expected a timeout")
+        };
+        assert!(
+            msg.contains("never arrived: node ranks 1 (worker-1 (10.0.0.9)), 3"),
+            "{msg}"
+        );
+        assert!(msg.starts_with("2 of 4 required nodes"), "{msg}");
+    }
+
+    #[test]
+    fn long_missing_lists_are_cut() {
+        let t0 = Instant::now();
+        let s = state(t0, &[]);
+        let (d, _) = decide_round(t0 + Duration::from_secs(61), &s, &cfg(40, 40));
+        let RoundDecision::Timeout(msg) = d else {
+            panic!("expected a timeout")
+        };
+        assert!(
+            msg.contains("0, 1, 2") && msg.ends_with("and 24 more"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn silence_for_the_heartbeat_timeout_is_death_by_the_observers_clock() {
+        let t0 = Instant::now();
+        let beats = vec![
+            Beat {
+                node_rank: 1,
+                who: "w1".into(),
+                last_value: b"5".to_vec(),
+                changed_at: t0,
+            },
+            Beat {
+                node_rank: 2,
+                who: "w2".into(),
+                last_value: b"9".to_vec(),
+                changed_at: t0 + Duration::from_secs(2),
+            },
+        ];
+        let c = cfg(1, 3);
+        let (dead, _) = find_dead(t0 + Duration::from_millis(2999), &beats, &c);
+        assert!(dead.is_empty());
+        let (dead, why) = find_dead(t0 + Duration::from_secs(3), &beats, &c);
+        assert_eq!(dead, vec![1]);
+        assert!(why.contains("node 1 (w1) silent for 3.0s"), "{why}");
+    }
+
+    #[test]
+    fn newcomers_restart_the_gang_when_there_is_room_or_they_replace_a_member() {
+        let c = cfg(2, 3);
+        let (bump, why) = decide_newcomers(&[0, 1], &[reg(None, "n")], &c);
+        assert!(bump && why.contains("scaling up"), "{why}");
+        let (bump, why) = decide_newcomers(&[0, 1, 2], &[reg(None, "n")], &c);
+        assert!(!bump && why.contains("spares"), "{why}");
+        let (bump, why) = decide_newcomers(&[0, 1, 2], &[reg(Some(1), "w1b")], &c);
+        assert!(bump && why.contains("node rank 1 re-joined"), "{why}");
+        assert!(!decide_newcomers(&[0], &[], &c).0);
+    }
+
+    #[test]
+    fn failures_consume_restarts_until_the_budget_is_spent() {
+        let c = cfg(1, 1);
+        let (next, why) = decide_failure(&GenRecord::first(), 2, 3, "rank 5 exited with 3", &c);
+        assert_eq!(
+            (next.gen, next.restarts, next.kind),
+            (1, 1, BumpKind::Failure)
+        );
+        assert!(why.contains("restart 1 of 1"), "{why}");
+        let (last, why) = decide_failure(&next, 0, 3, "rank 0 exited with 3", &c);
+        assert_eq!(
+            (last.gen, last.kind, last.exit_code),
+            (2, BumpKind::Fatal, Some(3))
+        );
+        assert!(why.contains("no restarts left"), "{why}");
+        let m = membership_bump(&next, 0, "scale".into());
+        assert_eq!((m.gen, m.restarts, m.kind), (2, 1, BumpKind::Membership));
+    }
+}

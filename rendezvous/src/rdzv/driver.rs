@@ -1,0 +1,1027 @@
+//! The rendezvous drivers: thin async loops around the pure decisions in [`super::decide`].
+//!
+//! - [`Rendezvous::next_round`]: join the current generation; on node 0 also coordinate it.
+//! - [`Watcher::run`]: while workers run, heartbeat and watch the generation; on node 0 also
+//!   watch the members' heartbeats and newcomers, bumping the generation when needed.
+//! - [`Rendezvous::report_failure`]: bump after a local worker failure (counted restart or
+//!   fatal end).
+//! - [`Rendezvous::exit_barrier`]: leave together after success.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::time::{sleep, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::decide::{self, Arrival, Beat, RoundDecision, RoundState};
+use super::keys::Keys;
+use super::kv::{Kv, KvError};
+use super::{Answer, Assignment, BumpKind, Config, GenRecord, RdzvError, Registration};
+
+/// How often a waiting coordinator repeats its progress line.
+const PROGRESS_EVERY: Duration = Duration::from_secs(5);
+
+/// What ended a [`Watcher`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// The generation moved on (bumped by anyone, including this node's coordinator logic).
+    Generation(GenRecord),
+    /// The store (node 0) stopped answering for the heartbeat timeout.
+    StoreLost(String),
+    /// Asked to stop.
+    Stopped,
+}
+
+/// The result of a completed round for this node.
+#[derive(Debug, Clone)]
+pub struct Joined {
+    pub assignment: Assignment,
+    pub record: GenRecord,
+}
+
+/// How the exit barrier ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BarrierOutcome {
+    /// Everyone arrived.
+    Done,
+    /// The exit barrier timeout passed; leaving anyway (success on this node).
+    TimedOut,
+    /// `interrupt` fired while waiting (the generation moved on).
+    Interrupted,
+}
+
+/// One agent's view of the rendezvous.
+pub struct Rendezvous<K: Kv> {
+    kv: K,
+    cfg: Config,
+    keys: Keys,
+    reg: Registration,
+    /// Node hosts, from earlier rounds: named in timeout messages.
+    known_hosts: BTreeMap<u32, String>,
+    /// The generation of the last completed round, and how many of its slots got an answer
+    /// (the coordinator supersedes the others when a new round opens).
+    last_round: Option<(u64, u64)>,
+    /// Raw bytes of `gen` when the last round completed; a bump is a COMPARE_SET from these.
+    gen_raw: Vec<u8>,
+    record: GenRecord,
+}
+
+impl<K: Kv> Rendezvous<K> {
+    /// `reg.coordinator` decides whether this agent coordinates (it must be node rank 0).
+    pub fn new(kv: K, cfg: Config, reg: Registration) -> Self {
+        Self {
+            keys: Keys::new(&cfg.run_id),
+            kv,
+            cfg,
+            reg,
+            known_hosts: BTreeMap::new(),
+            last_round: None,
+            gen_raw: Vec::new(),
+            record: GenRecord::first(),
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The store connection, for callers that need a second one (the watcher's).
+    pub fn kv(&self) -> &K {
+        &self.kv
+    }
+
+    pub fn registration_mut(&mut self) -> &mut Registration {
+        &mut self.reg
+    }
+
+    pub fn is_coordinator(&self) -> bool {
+        self.reg.coordinator
+    }
+
+    /// Joins the current generation and returns this node's place in it. On node 0 this also
+    /// runs the round: `master_port` is the port of the fresh worker store it serves for this
+    /// round (MASTER_PORT); the others ignore it.
+    pub async fn next_round(&mut self, master_port: u16) -> Result<Joined, RdzvError> {
+        let joined = if self.reg.coordinator {
+            self.coordinate(master_port).await?
+        } else {
+            self.join().await?
+        };
+        // An agent that got its rank by arrival keeps it in later rounds.
+        self.reg.node_rank = Some(joined.assignment.node_rank);
+        Ok(joined)
+    }
+
+    async fn read_gen(&mut self) -> Result<(Vec<u8>, GenRecord), RdzvError> {
+        let key = self.keys.gen();
+        let raw = self.kv.get(&key).await.map_err(lost)?;
+        if raw.is_empty() {
+            return Ok((raw, GenRecord::first()));
+        }
+        let rec = parse_json(&key, &raw)?;
+        Ok((raw, rec))
+    }
+
+    /// A non-coordinator's join: 5 store operations when nothing goes wrong
+    /// (GET gen, ADD slots, SET slot, WAIT answer, GET answer).
+    async fn join(&mut self) -> Result<Joined, RdzvError> {
+        // The coordinator's own deadline comes first, so its message (naming the missing ranks)
+        // normally wins; this one only fires when node 0 itself is missing or stuck.
+        let deadline = Instant::now() + self.cfg.join_timeout + self.cfg.keep_alive_interval * 2;
+        'rounds: loop {
+            let (raw, rec) = self.read_gen().await?;
+            check_fatal(&rec)?;
+            let gen = rec.gen;
+            let slot = self.kv.add(&self.keys.slots(gen), 1).await.map_err(lost)? as u64;
+            let body = serde_json::to_vec(&self.reg).map_err(internal)?;
+            self.kv
+                .set(&self.keys.slot(gen, slot), &body)
+                .await
+                .map_err(lost)?;
+            debug!(gen, slot, "registered");
+            let answer_key = self.keys.assign(gen, slot);
+            loop {
+                let wait = self.cfg.keep_alive_interval.min(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1)),
+                );
+                match self.kv.wait(std::slice::from_ref(&answer_key), wait).await {
+                    Ok(()) => {}
+                    Err(KvError::WaitTimeout) => {
+                        let (_, now_rec) = self.read_gen().await?;
+                        if now_rec.gen != gen {
+                            debug!(gen, new = now_rec.gen, "generation moved on while waiting");
+                            continue 'rounds;
+                        }
+                        if Instant::now() >= deadline {
+                            return Err(RdzvError::Timeout(format!(
+                                "node 0 did not complete round {gen} within {:.1}s (joined as slot {slot})",
+                                self.cfg.join_timeout.as_secs_f64()
+                            )));
+                        }
+                        continue;
+                    }
+                    Err(KvError::Unavailable(e)) => return Err(RdzvError::StoreLost(e)),
+                }
+                let value = self.kv.get(&answer_key).await.map_err(lost)?;
+                match parse_json::<Answer>(&answer_key, &value)? {
+                    Answer::Member(assignment) => {
+                        self.remember_round(gen, 0, raw, rec.clone(), &assignment);
+                        return Ok(Joined {
+                            assignment,
+                            record: rec,
+                        });
+                    }
+                    Answer::Superseded => continue 'rounds,
+                    Answer::Spare => {
+                        info!(
+                            gen,
+                            "the gang is full; waiting as a spare for the next round"
+                        );
+                        self.wait_for_new_generation(gen, deadline).await?;
+                        continue 'rounds;
+                    }
+                    Answer::Rejected { reason } => return Err(RdzvError::Rejected(reason)),
+                    Answer::Timeout { message } => {
+                        // Tell node 0 we read it, so it can take the store down.
+                        let _ = self.kv.add(&self.keys.acks(gen), 1).await;
+                        return Err(RdzvError::Timeout(message));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn wait_for_new_generation(
+        &mut self,
+        gen: u64,
+        deadline: Instant,
+    ) -> Result<(), RdzvError> {
+        let hb = self.keys.heartbeat(&self.reg.agent_id);
+        let mut beat: u64 = 0;
+        loop {
+            beat += 1;
+            self.kv
+                .set(&hb, beat.to_string().as_bytes())
+                .await
+                .map_err(lost)?;
+            let (_, rec) = self.read_gen().await?;
+            if rec.gen != gen {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(RdzvError::Timeout(format!(
+                    "waited {:.1}s as a spare and no new round opened",
+                    self.cfg.join_timeout.as_secs_f64()
+                )));
+            }
+            sleep(self.cfg.keep_alive_interval).await;
+        }
+    }
+
+    fn remember_round(
+        &mut self,
+        gen: u64,
+        answered: u64,
+        raw: Vec<u8>,
+        rec: GenRecord,
+        a: &Assignment,
+    ) {
+        self.last_round = Some((gen, answered));
+        self.gen_raw = raw;
+        self.record = rec;
+        debug!(gen, node_rank = a.node_rank, "joined");
+    }
+
+    /// Node 0's side: open the round, read registrations as they come, decide, answer.
+    async fn coordinate(&mut self, master_port: u16) -> Result<Joined, RdzvError> {
+        let gen_key = self.keys.gen();
+        let (raw, rec) = {
+            let (raw, rec) = self.read_gen().await?;
+            if raw.is_empty() {
+                let first = serde_json::to_vec(&GenRecord::first()).map_err(internal)?;
+                let now = self
+                    .kv
+                    .compare_set(&gen_key, b"", &first)
+                    .await
+                    .map_err(lost)?;
+                let rec = parse_json(&gen_key, &now)?;
+                (now, rec)
+            } else {
+                (raw, rec)
+            }
+        };
+        check_fatal(&rec)?;
+        let gen = rec.gen;
+        if let Some((old, answered)) = self.last_round {
+            if old != gen {
+                self.supersede(old, answered).await?;
+            }
+        }
+        let slot = self.kv.add(&self.keys.slots(gen), 1).await.map_err(lost)? as u64;
+        let body = serde_json::to_vec(&self.reg).map_err(internal)?;
+        self.kv
+            .set(&self.keys.slot(gen, slot), &body)
+            .await
+            .map_err(lost)?;
+
+        let mut state = RoundState {
+            gen,
+            started: Instant::now(),
+            arrivals: Vec::new(),
+            known_hosts: self.known_hosts.clone(),
+        };
+        let mut seen: u64 = 0;
+        let mut last_reason = String::new();
+        let mut last_progress = Instant::now();
+        info!(
+            gen,
+            restarts = rec.restarts,
+            "round {gen} open: {}",
+            rec.reason
+        );
+        loop {
+            let count = self.kv.add(&self.keys.slots(gen), 0).await.map_err(lost)? as u64;
+            if count > seen {
+                let keys: Vec<Vec<u8>> =
+                    (seen + 1..=count).map(|i| self.keys.slot(gen, i)).collect();
+                let values = self.kv.multi_get(&keys).await.map_err(lost)?;
+                let now = Instant::now();
+                for (key, value) in keys.iter().zip(values) {
+                    // Slot taken but not yet written: read it again next tick.
+                    if value.is_empty() {
+                        break;
+                    }
+                    seen += 1;
+                    match serde_json::from_slice::<Registration>(&value) {
+                        Ok(reg) => state.arrivals.push(Arrival {
+                            slot: seen,
+                            reg,
+                            seen_at: now,
+                        }),
+                        Err(e) => warn!(
+                            key = %String::from_utf8_lossy(key),
+                            "ignoring an unreadable registration: {e}"
+                        ),
+                    }
+                }
+            }
+            let now = Instant::now();
+            let (decision, reason) = decide::decide_round(now, &state, &self.cfg);
+            match decision {
+                RoundDecision::Wait => {
+                    if reason != last_reason && now.duration_since(last_progress) >= PROGRESS_EVERY
+                    {
+                        info!("{reason}");
+                        last_progress = now;
+                    }
+                    last_reason = reason;
+                    sleep(self.cfg.poll_interval).await;
+                }
+                RoundDecision::Complete(m) => {
+                    info!("{reason}");
+                    let assignments =
+                        decide::assign(&state, &m, rec.restarts, (&self.reg.addr, master_port));
+                    let mut pairs = Vec::with_capacity(state.arrivals.len());
+                    let mut mine = None;
+                    for (slot_no, a) in &assignments {
+                        if *slot_no == slot {
+                            mine = Some(a.clone());
+                        }
+                        pairs.push(self.answer(gen, *slot_no, &Answer::Member(a.clone()))?);
+                    }
+                    for &i in &m.spares {
+                        pairs.push(self.answer(gen, state.arrivals[i].slot, &Answer::Spare)?);
+                    }
+                    for (i, why) in &m.rejected {
+                        let answer = Answer::Rejected {
+                            reason: why.clone(),
+                        };
+                        pairs.push(self.answer(gen, state.arrivals[*i].slot, &answer)?);
+                    }
+                    self.kv.multi_set(&pairs).await.map_err(lost)?;
+                    for &(rank, i) in &m.members {
+                        let r = &state.arrivals[i].reg;
+                        self.known_hosts
+                            .insert(rank, format!("{}, {}", r.host, r.addr));
+                    }
+                    let Some(assignment) = mine else {
+                        let why = m
+                            .rejected
+                            .iter()
+                            .find(|(i, _)| state.arrivals[*i].slot == slot)
+                            .map_or_else(
+                                || "node 0 is not a member of its own round".into(),
+                                |(_, w)| w.clone(),
+                            );
+                        return Err(RdzvError::Rejected(why));
+                    };
+                    self.remember_round(gen, seen, raw, rec.clone(), &assignment);
+                    return Ok(Joined {
+                        assignment,
+                        record: rec,
+                    });
+                }
+                RoundDecision::Timeout(message) => {
+                    warn!("{reason}");
+                    let answer = Answer::Timeout {
+                        message: message.clone(),
+                    };
+                    let pairs = state
+                        .arrivals
+                        .iter()
+                        .filter(|a| a.slot != slot)
+                        .map(|a| self.answer(gen, a.slot, &answer))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let others = pairs.len() as i64;
+                    self.kv.multi_set(&pairs).await.map_err(lost)?;
+                    self.linger(&self.keys.acks(gen), others).await;
+                    return Err(RdzvError::Timeout(message));
+                }
+            }
+        }
+    }
+
+    fn answer(
+        &self,
+        gen: u64,
+        slot: u64,
+        answer: &Answer,
+    ) -> Result<(Vec<u8>, Vec<u8>), RdzvError> {
+        Ok((
+            self.keys.assign(gen, slot),
+            serde_json::to_vec(answer).map_err(internal)?,
+        ))
+    }
+
+    /// Wakes agents still waiting on an old round's slots: their round will never complete.
+    async fn supersede(&mut self, old: u64, answered: u64) -> Result<(), RdzvError> {
+        let count = self.kv.add(&self.keys.slots(old), 0).await.map_err(lost)? as u64;
+        if count <= answered {
+            return Ok(());
+        }
+        let pairs = (answered + 1..=count)
+            .map(|slot| self.answer(old, slot, &Answer::Superseded))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.kv.multi_set(&pairs).await.map_err(lost)
+    }
+
+    /// Node 0 keeps the store up until `expected` agents counted themselves out on `key`, or a
+    /// couple of keep-alive intervals passed.
+    async fn linger(&mut self, key: &[u8], expected: i64) {
+        let until = Instant::now() + self.cfg.keep_alive_interval * 2;
+        while Instant::now() < until {
+            match self.kv.add(key, 0).await {
+                Ok(n) if n >= expected => return,
+                Ok(_) => sleep(self.cfg.poll_interval).await,
+                Err(_) => return,
+            }
+        }
+        debug!("not every agent confirmed before node 0 leaves");
+    }
+
+    /// After a local worker failure: bump the generation (a counted restart, or the fatal end
+    /// when the budget is spent). Returns the generation that now holds — ours, or a concurrent
+    /// bump by someone else (then ours is not counted: the gang restarts once).
+    pub async fn report_failure(
+        &mut self,
+        exit_code: u8,
+        what: &str,
+    ) -> Result<GenRecord, RdzvError> {
+        let node = self.reg.node_rank.unwrap_or_default();
+        let current = self.record.clone();
+        let (next, reason) = decide::decide_failure(&current, node, exit_code, what, &self.cfg);
+        let won = self.bump(&next).await?;
+        if won == next {
+            warn!("{reason}");
+        }
+        Ok(won)
+    }
+
+    async fn bump(&mut self, next: &GenRecord) -> Result<GenRecord, RdzvError> {
+        bump(&mut self.kv, &self.keys, &self.gen_raw, next).await
+    }
+
+    /// Waits until every member's workers succeeded. `interrupt` fires when the watcher saw
+    /// the generation move on (someone failed after we finished): the caller re-joins.
+    pub async fn exit_barrier(
+        &mut self,
+        a: &Assignment,
+        interrupt: &CancellationToken,
+    ) -> Result<BarrierOutcome, RdzvError> {
+        let gen = a.generation;
+        let n = self.kv.add(&self.keys.done(gen), 1).await.map_err(lost)?;
+        if n >= i64::from(a.group_world_size) {
+            self.kv
+                .set(&self.keys.done_all(gen), b"1")
+                .await
+                .map_err(lost)?;
+        }
+        let deadline = Instant::now() + self.cfg.exit_barrier_timeout;
+        let key = self.keys.done_all(gen);
+        let outcome = loop {
+            let wait = self.cfg.poll_interval.max(Duration::from_millis(100));
+            match self.kv.wait(std::slice::from_ref(&key), wait).await {
+                Ok(()) => break BarrierOutcome::Done,
+                Err(KvError::WaitTimeout) => {
+                    if interrupt.is_cancelled() {
+                        return Ok(BarrierOutcome::Interrupted);
+                    }
+                    if Instant::now() >= deadline {
+                        warn!(
+                            "exit barrier: not every node finished within {:.1}s; leaving",
+                            self.cfg.exit_barrier_timeout.as_secs_f64()
+                        );
+                        break BarrierOutcome::TimedOut;
+                    }
+                }
+                Err(KvError::Unavailable(e)) => return Err(RdzvError::StoreLost(e)),
+            }
+        };
+        if self.reg.coordinator {
+            let others = i64::from(a.group_world_size) - 1;
+            self.linger(&self.keys.left(gen), others).await;
+        } else {
+            let _ = self.kv.add(&self.keys.left(gen), 1).await;
+        }
+        Ok(outcome)
+    }
+
+    /// A watcher for the round just joined, on its own store connection `kv`.
+    pub fn watcher<W: Kv>(&self, kv: W, a: &Assignment) -> Watcher<W> {
+        Watcher {
+            kv,
+            cfg: self.cfg.clone(),
+            keys: self.keys.clone(),
+            agent_id: self.reg.agent_id.clone(),
+            node_rank: a.node_rank,
+            coordinator: self.reg.coordinator,
+            gen: a.generation,
+            gen_raw: self.gen_raw.clone(),
+            members: a.members.clone(),
+            answered: self.last_round.map_or(0, |(_, n)| n),
+        }
+    }
+}
+
+/// COMPARE_SET `gen` from `expected_raw` to `next`; returns whatever generation holds after.
+async fn bump<K: Kv>(
+    kv: &mut K,
+    keys: &Keys,
+    expected_raw: &[u8],
+    next: &GenRecord,
+) -> Result<GenRecord, RdzvError> {
+    let key = keys.gen();
+    let body = serde_json::to_vec(next).map_err(internal)?;
+    let now = kv
+        .compare_set(&key, expected_raw, &body)
+        .await
+        .map_err(lost)?;
+    parse_json(&key, &now)
+}
+
+/// Watches one running round; see [`Watcher::run`].
+pub struct Watcher<K: Kv> {
+    kv: K,
+    cfg: Config,
+    keys: Keys,
+    agent_id: String,
+    node_rank: u32,
+    coordinator: bool,
+    gen: u64,
+    gen_raw: Vec<u8>,
+    members: Vec<(u32, String)>,
+    answered: u64,
+}
+
+impl<K: Kv> Watcher<K> {
+    /// Every keep-alive interval: heartbeat, read the generation; on node 0 also judge the
+    /// members' heartbeats and look for newcomers. Returns at the first event; `stop` is only
+    /// looked at between ticks, so a store operation is never cut in half. `fired` is cancelled
+    /// just before an event is returned, so the caller can stop its workers at once.
+    pub async fn run(mut self, stop: CancellationToken, fired: CancellationToken) -> Event {
+        let event = self.watch(&stop).await;
+        if event != Event::Stopped {
+            fired.cancel();
+        }
+        event
+    }
+
+    async fn watch(&mut self, stop: &CancellationToken) -> Event {
+        let hb_key = self.keys.heartbeat(&self.agent_id);
+        let gen_key = self.keys.gen();
+        let started = Instant::now();
+        let mut beats: Vec<Beat> = self
+            .members
+            .iter()
+            .filter(|(r, _)| *r != self.node_rank)
+            .map(|(r, id)| Beat {
+                node_rank: *r,
+                who: id.clone(),
+                last_value: Vec::new(),
+                changed_at: started,
+            })
+            .collect();
+        let mut last_ok = Instant::now();
+        let mut seq: u64 = 0;
+        let mut seen_slots = self.answered;
+        loop {
+            let tick: Result<Option<Event>, KvError> = async {
+                seq += 1;
+                if !self.coordinator {
+                    self.kv.set(&hb_key, seq.to_string().as_bytes()).await?;
+                }
+                let raw = self.kv.get(&gen_key).await?;
+                if raw != self.gen_raw {
+                    return Ok(Some(match parse_json::<GenRecord>(&gen_key, &raw) {
+                        Ok(rec) => Event::Generation(rec),
+                        Err(e) => Event::StoreLost(e.to_string()),
+                    }));
+                }
+                if self.coordinator {
+                    return self.coordinate_tick(&mut beats, &mut seen_slots).await;
+                }
+                Ok(None)
+            }
+            .await;
+            match tick {
+                Ok(Some(event)) => return event,
+                Ok(None) => last_ok = Instant::now(),
+                Err(e) => {
+                    let silent = Instant::now().saturating_duration_since(last_ok);
+                    warn!(
+                        "store did not answer ({e}); silent for {:.1}s",
+                        silent.as_secs_f64()
+                    );
+                    if silent >= self.cfg.heartbeat_timeout {
+                        return Event::StoreLost(format!(
+                            "no answer for {:.1}s (heartbeat timeout {:.1}s): {e}",
+                            silent.as_secs_f64(),
+                            self.cfg.heartbeat_timeout.as_secs_f64()
+                        ));
+                    }
+                }
+            }
+            tokio::select! {
+                () = stop.cancelled() => return Event::Stopped,
+                () = sleep(self.cfg.keep_alive_interval) => {}
+            }
+        }
+    }
+
+    async fn coordinate_tick(
+        &mut self,
+        beats: &mut [Beat],
+        seen_slots: &mut u64,
+    ) -> Result<Option<Event>, KvError> {
+        if !beats.is_empty() {
+            let keys: Vec<Vec<u8>> = beats.iter().map(|b| self.keys.heartbeat(&b.who)).collect();
+            let values = self.kv.multi_get(&keys).await?;
+            let now = Instant::now();
+            for (beat, value) in beats.iter_mut().zip(values) {
+                if value != beat.last_value {
+                    beat.last_value = value;
+                    beat.changed_at = now;
+                }
+            }
+            let (dead, reason) = decide::find_dead(now, beats, &self.cfg);
+            if !dead.is_empty() {
+                return self.bump_membership(format!("lost {reason}")).await;
+            }
+        }
+        let count = self.kv.add(&self.keys.slots(self.gen), 0).await? as u64;
+        if count > *seen_slots {
+            let keys: Vec<Vec<u8>> = (*seen_slots + 1..=count)
+                .map(|i| self.keys.slot(self.gen, i))
+                .collect();
+            let values = self.kv.multi_get(&keys).await?;
+            let newcomers: Vec<Registration> = values
+                .iter()
+                .take_while(|v| !v.is_empty())
+                .filter_map(|v| serde_json::from_slice(v).ok())
+                .collect();
+            let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
+            let (restart, reason) = decide::decide_newcomers(&members, &newcomers, &self.cfg);
+            if restart {
+                return self.bump_membership(reason).await;
+            }
+            // Spares stay registered; tell them once and stop re-reading them.
+            let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
+            if readable > 0 {
+                info!("{reason}");
+                let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
+                let pairs: Vec<(Vec<u8>, Vec<u8>)> = (*seen_slots + 1..=*seen_slots + readable)
+                    .map(|i| (self.keys.assign(self.gen, i), spare.clone()))
+                    .collect();
+                self.kv.multi_set(&pairs).await?;
+                *seen_slots += readable;
+            }
+        }
+        Ok(None)
+    }
+
+    async fn bump_membership(&mut self, reason: String) -> Result<Option<Event>, KvError> {
+        let current: GenRecord = match serde_json::from_slice(&self.gen_raw) {
+            Ok(rec) => rec,
+            Err(e) => {
+                return Ok(Some(Event::StoreLost(format!(
+                    "unreadable generation: {e}"
+                ))))
+            }
+        };
+        let next = decide::membership_bump(&current, self.node_rank, reason.clone());
+        match bump(&mut self.kv, &self.keys, &self.gen_raw, &next).await {
+            Ok(rec) => {
+                if rec == next {
+                    warn!("{reason}; starting round {}", next.gen);
+                }
+                Ok(Some(Event::Generation(rec)))
+            }
+            Err(RdzvError::StoreLost(e)) => Err(KvError::Unavailable(e)),
+            Err(e) => Ok(Some(Event::StoreLost(e.to_string()))),
+        }
+    }
+}
+
+fn check_fatal(rec: &GenRecord) -> Result<(), RdzvError> {
+    if rec.kind == BumpKind::Fatal {
+        return Err(RdzvError::Fatal {
+            exit_code: rec.exit_code.unwrap_or(1),
+            reason: rec.reason.clone(),
+        });
+    }
+    Ok(())
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Result<T, RdzvError> {
+    serde_json::from_slice(value).map_err(|e| RdzvError::Malformed {
+        key: String::from_utf8_lossy(key).into_owned(),
+        detail: e.to_string(),
+    })
+}
+
+fn lost(e: KvError) -> RdzvError {
+    match e {
+        KvError::Unavailable(detail) => RdzvError::StoreLost(detail),
+        KvError::WaitTimeout => RdzvError::StoreLost("a store operation timed out".into()),
+    }
+}
+
+fn internal(e: serde_json::Error) -> RdzvError {
+    RdzvError::Encode(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::kv::mem::MemKv;
+    use super::*;
+
+    fn cfg(min: u32, max: u32) -> Config {
+        let mut c = Config::new("job", min, max);
+        c.join_timeout = Duration::from_secs(30);
+        c.last_call_timeout = Duration::from_secs(2);
+        c.keep_alive_interval = Duration::from_millis(500);
+        c.heartbeat_timeout = Duration::from_secs(2);
+        c.max_restarts = 1;
+        c
+    }
+
+    fn agent(kv: &MemKv, c: &Config, rank: Option<u32>, lws: u32) -> Rendezvous<MemKv> {
+        let id = rank.map_or_else(|| "anon".to_owned(), |r| format!("a{r}"));
+        Rendezvous::new(
+            kv.connect(),
+            c.clone(),
+            Registration {
+                agent_id: id.clone(),
+                node_rank: rank,
+                addr: format!("10.0.0.{}", rank.unwrap_or(99)),
+                host: format!("host-{id}"),
+                local_world_size: lws,
+                coordinator: rank == Some(0),
+                gpu: serde_json::Value::Null,
+            },
+        )
+    }
+
+    async fn form(kv: &MemKv, agents: Vec<Rendezvous<MemKv>>) -> Vec<(Rendezvous<MemKv>, Joined)> {
+        let _ = kv;
+        let tasks: Vec<_> = agents
+            .into_iter()
+            .map(|mut a| {
+                tokio::spawn(async move {
+                    let j = a.next_round(4242).await;
+                    (a, j)
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            let (a, j) = t.await.expect("task");
+            out.push((a, j.expect("joined")));
+        }
+        out
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_round_assigns_contiguous_ranks_by_node_rank() {
+        let kv = MemKv::default();
+        let c = cfg(3, 3);
+        let formed = form(
+            &kv,
+            vec![
+                agent(&kv, &c, Some(2), 4),
+                agent(&kv, &c, Some(0), 2),
+                agent(&kv, &c, None, 1),
+            ],
+        )
+        .await;
+        let [(_, j2), (_, j0), (r_anon, j_anon)] = &formed[..] else {
+            panic!("three agents")
+        };
+        assert_eq!(
+            (j0.assignment.node_rank, j0.assignment.base_global_rank),
+            (0, 0)
+        );
+        let anon = &j_anon.assignment;
+        assert_eq!(
+            (anon.node_rank, anon.group_rank, anon.base_global_rank),
+            (1, 1, 2)
+        );
+        assert_eq!(
+            r_anon.reg.node_rank,
+            Some(1),
+            "an arrival-order rank sticks"
+        );
+        let a = &j2.assignment;
+        assert_eq!((a.node_rank, a.base_global_rank, a.world_size), (2, 3, 7));
+        assert_eq!((a.master_addr.as_str(), a.master_port), ("10.0.0.0", 4242));
+        assert_eq!(a.group_world_size, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn every_joining_agent_costs_five_store_ops_whatever_the_gang_size() {
+        for n in [4_u32, 64] {
+            let kv = MemKv::default();
+            let c = cfg(n, n);
+            let agents: Vec<_> = (0..n).map(|r| agent(&kv, &c, Some(r), 1)).collect();
+            let formed = form(&kv, agents).await;
+            for (a, _) in &formed[1..] {
+                assert_eq!(
+                    a.kv.own_ops(),
+                    5,
+                    "GET gen, ADD slot, SET slot, WAIT, GET answer"
+                );
+            }
+            // The coordinator: per poll one ADD and at most one MULTI_GET, plus a constant.
+            let coordinator = formed[0].0.kv.own_ops();
+            assert!(
+                coordinator < 40,
+                "coordinator used {coordinator} ops for {n} agents"
+            );
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_join_timeout_names_the_ranks_that_never_arrived() {
+        let kv = MemKv::default();
+        let mut c = cfg(3, 3);
+        c.join_timeout = Duration::from_secs(5);
+        let mut a0 = agent(&kv, &c, Some(0), 1);
+        let mut a1 = agent(&kv, &c, Some(1), 1);
+        let t0 = tokio::spawn(async move { a0.next_round(1).await });
+        let t1 = tokio::spawn(async move { a1.next_round(1).await });
+        let started = Instant::now();
+        let e0 = t0.await.expect("task").expect_err("timeout");
+        let e1 = t1.await.expect("task").expect_err("timeout");
+        assert!(Instant::now() - started >= Duration::from_secs(5));
+        for e in [e0, e1] {
+            let RdzvError::Timeout(msg) = e else {
+                panic!("{e:?}")
+            };
+            assert!(msg.contains("never arrived: node rank 2"), "{msg}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_member_is_dead_after_the_heartbeat_timeout_and_it_costs_no_restart() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
+        )
+        .await;
+        let (r0, j0) = formed.remove(0);
+        // Node 1 never starts its watcher: it is dead.
+        let w = r0.watcher(kv.clone(), &j0.assignment);
+        let fired = CancellationToken::new();
+        let started = Instant::now();
+        let ev = w.run(CancellationToken::new(), fired.clone()).await;
+        let took = Instant::now() - started;
+        assert!(fired.is_cancelled());
+        let Event::Generation(rec) = ev else {
+            panic!("{ev:?}")
+        };
+        assert_eq!(
+            (rec.gen, rec.kind, rec.restarts),
+            (1, BumpKind::Membership, 0)
+        );
+        assert!(rec.reason.contains("node 1 (a1) silent"), "{}", rec.reason);
+        assert!(
+            took >= c.heartbeat_timeout && took <= c.heartbeat_timeout + c.keep_alive_interval * 2,
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_live_member_keeps_the_round_and_a_failure_restarts_everyone_until_the_budget_ends() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
+        )
+        .await;
+        let (mut r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let stop = CancellationToken::new();
+        let w0 = tokio::spawn(
+            r0.watcher(kv.clone(), &j0.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        let w1 = tokio::spawn(
+            r1.watcher(kv.clone(), &j1.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        tokio::time::sleep(c.heartbeat_timeout * 3).await;
+        assert!(
+            !w0.is_finished() && !w1.is_finished(),
+            "healthy members must not be declared dead"
+        );
+        let rec = r1
+            .report_failure(3, "local rank 0 exited with 3")
+            .await
+            .expect("bump");
+        assert_eq!((rec.gen, rec.kind, rec.restarts), (1, BumpKind::Failure, 1));
+        let ev0 = w0.await.expect("task");
+        assert_eq!(ev0, Event::Generation(rec.clone()));
+        stop.cancel();
+        let _ = w1.await;
+        let formed = form(&kv, vec![r0, r1]).await;
+        assert!(formed
+            .iter()
+            .all(|(_, j)| j.assignment.restart_count == 1 && j.assignment.generation == 1));
+        let mut agents: Vec<_> = formed.into_iter().map(|(a, _)| a).collect();
+        let rec = agents[0]
+            .report_failure(3, "local rank 1 exited with 3")
+            .await
+            .expect("bump");
+        assert_eq!((rec.kind, rec.exit_code), (BumpKind::Fatal, Some(3)));
+        let err = agents[1].next_round(0).await.expect_err("fatal");
+        assert!(
+            matches!(err, RdzvError::Fatal { exit_code: 3, .. }),
+            "{err:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn losing_the_store_is_reported_within_the_heartbeat_timeout() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
+        )
+        .await;
+        let (r1, j1) = formed.pop().expect("node 1");
+        let w = tokio::spawn(
+            r1.watcher(kv.clone(), &j1.assignment)
+                .run(CancellationToken::new(), CancellationToken::new()),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let lost_at = Instant::now();
+        kv.take_down();
+        let ev = w.await.expect("task");
+        assert!(matches!(ev, Event::StoreLost(_)), "{ev:?}");
+        assert!(Instant::now() - lost_at <= c.heartbeat_timeout + c.keep_alive_interval * 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn min_nodes_start_after_the_last_call_and_a_late_node_scales_up_for_free() {
+        let kv = MemKv::default();
+        let c = cfg(2, 3);
+        let started = Instant::now();
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
+        )
+        .await;
+        assert!(Instant::now() - started >= c.last_call_timeout);
+        assert_eq!(formed[0].1.assignment.world_size, 2);
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let stop = CancellationToken::new();
+        let w0 = tokio::spawn(
+            r0.watcher(kv.clone(), &j0.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        let w1 = tokio::spawn(
+            r1.watcher(kv.clone(), &j1.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        let mut late = agent(&kv, &c, Some(2), 1);
+        let late_task = tokio::spawn(async move {
+            let j = late.next_round(0).await;
+            (late, j)
+        });
+        let Event::Generation(rec) = w0.await.expect("task") else {
+            panic!("expected a bump")
+        };
+        assert_eq!(
+            (rec.gen, rec.kind, rec.restarts),
+            (1, BumpKind::Membership, 0)
+        );
+        assert!(rec.reason.contains("scaling up"), "{}", rec.reason);
+        assert!(matches!(w1.await.expect("task"), Event::Generation(_)));
+        let (r0, r1) = (r0, r1);
+        let mut formed = form(&kv, vec![r0, r1]).await;
+        let (_, late_joined) = late_task.await.expect("task");
+        let late_joined = late_joined.expect("late node joins");
+        assert_eq!(late_joined.assignment.world_size, 3);
+        assert_eq!(late_joined.assignment.base_global_rank, 2);
+        assert_eq!(formed.remove(0).1.assignment.restart_count, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_exit_barrier_waits_for_the_last_finisher() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
+        )
+        .await;
+        let (mut r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let mut r0 = r0;
+        let early = tokio::spawn(async move {
+            let out = r0
+                .exit_barrier(&j0.assignment, &CancellationToken::new())
+                .await;
+            (out, Instant::now())
+        });
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(!early.is_finished());
+        let finished = Instant::now();
+        let late = r1
+            .exit_barrier(&j1.assignment, &CancellationToken::new())
+            .await
+            .expect("barrier");
+        assert_eq!(late, BarrierOutcome::Done);
+        let (out, at) = early.await.expect("task");
+        assert_eq!(out.expect("barrier"), BarrierOutcome::Done);
+        assert!(at >= finished);
+    }
+}

@@ -1,0 +1,175 @@
+//! [`Kv`] over the TCPStore client. A connection that failed (timeout, reset) may hold half a
+//! reply, so it is dropped and the next operation reconnects: the heartbeat loop can then tell
+//! "the store host is gone" (every reconnect fails for the heartbeat timeout) from one slow read.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use super::kv::{Kv, KvError};
+use crate::store::client::{Client, ClientError};
+
+/// A reconnecting store connection.
+pub struct StoreKv {
+    addr: SocketAddr,
+    op_timeout: Duration,
+    client: Option<Client>,
+}
+
+impl StoreKv {
+    /// Connects now (retrying refused connections until `connect_timeout`).
+    pub async fn connect(
+        addr: SocketAddr,
+        connect_timeout: Duration,
+        op_timeout: Duration,
+    ) -> Result<Self, ClientError> {
+        let mut client = Client::connect(addr, connect_timeout).await?;
+        client.set_timeout(op_timeout);
+        Ok(Self {
+            addr,
+            op_timeout,
+            client: Some(client),
+        })
+    }
+
+    /// Another connection to the same store.
+    pub async fn reconnect(&self) -> Result<Self, ClientError> {
+        Self::connect(self.addr, self.op_timeout, self.op_timeout).await
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    async fn client(&mut self) -> Result<&mut Client, KvError> {
+        if self.client.is_none() {
+            let mut c = Client::connect(self.addr, self.op_timeout)
+                .await
+                .map_err(|e| KvError::Unavailable(e.to_string()))?;
+            c.set_timeout(self.op_timeout);
+            self.client = Some(c);
+        }
+        self.client
+            .as_mut()
+            .ok_or_else(|| KvError::Unavailable("not connected".into()))
+    }
+
+    fn fail(&mut self, e: ClientError) -> KvError {
+        match e {
+            ClientError::WaitTimeout { .. } => KvError::WaitTimeout,
+            other => {
+                self.client = None;
+                KvError::Unavailable(other.to_string())
+            }
+        }
+    }
+}
+
+fn refs(keys: &[Vec<u8>]) -> Vec<&[u8]> {
+    keys.iter().map(Vec::as_slice).collect()
+}
+
+impl Kv for StoreKv {
+    async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+        let r = self.client().await?.get(key).await;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+        let r = self.client().await?.set(key, value).await;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
+        let r = self.client().await?.add(key, delta).await;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn compare_set(
+        &mut self,
+        key: &[u8],
+        expected: &[u8],
+        desired: &[u8],
+    ) -> Result<Vec<u8>, KvError> {
+        let r = self
+            .client()
+            .await?
+            .compare_set(key, expected, desired)
+            .await;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
+        let keys = refs(keys);
+        let r = self.client().await?.multi_get(&keys).await;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+        let pairs: Vec<(&[u8], &[u8])> = pairs
+            .iter()
+            .map(|(k, v)| (k.as_slice(), v.as_slice()))
+            .collect();
+        let r = self.client().await?.multi_set(&pairs).await;
+        r.map_err(|e| self.fail(e))
+    }
+
+    async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
+        let keys = refs(keys);
+        let r = self.client().await?.wait(&keys, timeout).await;
+        r.map_err(|e| self.fail(e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_util::sync::CancellationToken;
+
+    use super::super::{Config, Registration};
+    use super::*;
+    use crate::rdzv::Rendezvous;
+    use crate::store::server::{self, Server};
+
+    #[tokio::test]
+    async fn three_agents_form_a_gang_over_a_real_store() {
+        let server = Server::bind(
+            "127.0.0.1:0".parse().expect("addr"),
+            server::Config::default(),
+        )
+        .await
+        .expect("bind");
+        let addr = server.local_addr();
+        let shutdown = CancellationToken::new();
+        let serving = tokio::spawn(server.run(shutdown.clone()));
+        let mut cfg = Config::new("t", 3, 3);
+        cfg.join_timeout = Duration::from_secs(10);
+        let mut tasks = Vec::new();
+        for rank in [2_u32, 0, 1] {
+            let cfg = cfg.clone();
+            tasks.push(tokio::spawn(async move {
+                let kv = StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
+                    .await
+                    .expect("connect");
+                let reg = Registration {
+                    agent_id: format!("a{rank}"),
+                    node_rank: Some(rank),
+                    addr: "127.0.0.1".into(),
+                    host: format!("w-{rank}"),
+                    local_world_size: 2,
+                    coordinator: rank == 0,
+                    gpu: serde_json::Value::Null,
+                };
+                Rendezvous::new(kv, cfg, reg).next_round(5555).await
+            }));
+        }
+        let mut bases = Vec::new();
+        for t in tasks {
+            let j = t.await.expect("task").expect("joined");
+            assert_eq!(j.assignment.world_size, 6);
+            bases.push((j.assignment.node_rank, j.assignment.base_global_rank));
+        }
+        bases.sort_unstable();
+        assert_eq!(bases, vec![(0, 0), (1, 2), (2, 4)]);
+        shutdown.cancel();
+        let _ = serving.await;
+    }
+}
