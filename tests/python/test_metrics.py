@@ -187,13 +187,10 @@ class Prometheus:
     """A real Prometheus server scraping `target` every 250 ms, on loopback, in `tmp`."""
 
     def __init__(self, tmp, target):
+        self.target = target
         self.port = free_port()
         config = tmp / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n"
-            "scrape_configs:\n  - job_name: muster\n    static_configs:\n"
-            f"      - targets: ['{target[0]}:{target[1]}']\n        labels: {{pod: agent-0}}\n"
-        )
+        config.write_text(self._config())
         self.log = open(tmp / "prometheus.log", "w")
         self.proc = subprocess.Popen(
             [
@@ -207,6 +204,12 @@ class Prometheus:
             stderr=subprocess.STDOUT,
         )
         wait_until(self._ready, 60, what="Prometheus to be ready")
+
+    def _config(self):
+        host, port = self.target
+        return ("global:\n  scrape_interval: 250ms\n  scrape_timeout: 200ms\n"
+                "scrape_configs:\n  - job_name: muster\n    static_configs:\n"
+                f"      - targets: ['{host}:{port}']\n        labels: {{pod: agent-0}}\n")
 
     def _ready(self):
         if self.proc.poll() is not None:
@@ -422,3 +425,176 @@ def test_scraping_at_100_per_second_does_not_slow_supervision(tmp_path):
           f"with ~100 scrapes/s {b:.3f} s ({scrapes} scrapes)")
     assert scrapes >= 150, "the scraper did not keep up its rate"
     assert b < q * 1.2 + 0.1, (quiet, busy)
+
+
+# ---- two nodes -------------------------------------------------------------------------------
+
+# Short rendezvous timings for loopback (the multinode suite uses the same).
+RDZV_CONF = "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=1.5"
+
+GANG_WORKER = r"""
+import os, sys, time
+from pathlib import Path
+
+ctl = Path(os.environ["CTL"])
+rank = int(os.environ["RANK"])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+
+def wait_for(name, limit=120):
+    deadline = time.monotonic() + limit
+    while not (ctl / name).exists():
+        if time.monotonic() > deadline:
+            sys.exit(70)
+        time.sleep(0.05)
+
+if attempt == 0:
+    (ctl / f"up-{rank}").touch()
+    if rank == 0:
+        wait_for("fail")
+        sys.exit(3)
+    wait_for("never")
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(1)
+dist.all_reduce(t)
+assert t.item() == dist.get_world_size(), t
+(ctl / f"reduced-{rank}").touch()
+wait_for("finish")
+dist.destroy_process_group()
+"""
+
+
+class DryRun:
+    """`muster dry-run`: N agents on loopback, each printing its own metrics address."""
+
+    LINE = re.compile(r"\[node (\d+)\].*metrics on http://([0-9.]+):(\d+)/metrics")
+
+    def __init__(self, nnodes, args, env):
+        full_env = dict(os.environ, PYTHON_EXEC=torch_python(), **env)
+        self.proc = subprocess.Popen(
+            [muster_bin(), "dry-run", "--nnodes", str(nnodes), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
+        )
+        self.lines, self.addrs = [], {}
+        self._readers = [threading.Thread(target=self._read, args=(s,), daemon=True)
+                         for s in (self.proc.stdout, self.proc.stderr)]
+        for reader in self._readers:
+            reader.start()
+        wait_until(lambda: len(self.addrs) == nnodes or self.proc.poll() is not None, 60,
+                   what="every agent's metrics address")
+        assert len(self.addrs) == nnodes, self.output()
+
+    def _read(self, stream):
+        for line in stream:
+            self.lines.append(line)
+            if match := self.LINE.search(line):
+                self.addrs[int(match.group(1))] = (match.group(2), int(match.group(3)))
+
+    def output(self):
+        return "".join(self.lines)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+
+
+class MultiTargetPrometheus(Prometheus):
+    def __init__(self, tmp, targets):
+        self.targets = targets
+        super().__init__(tmp, None)
+
+    def _config(self):
+        lines = ["global:", "  scrape_interval: 250ms", "  scrape_timeout: 200ms",
+                 "scrape_configs:", "  - job_name: muster", "    static_configs:"]
+        for node, (host, port) in sorted(self.targets.items()):
+            lines += [f"      - targets: ['{host}:{port}']", f"        labels: {{pod: node-{node}}}"]
+        return "\n".join(lines) + "\n"
+
+
+def test_prometheus_scrapes_a_two_node_dry_run_through_a_gang_restart(tmp_path):
+    ctl = tmp_path / "ctl"
+    ctl.mkdir()
+    script = tmp_path / "worker.py"
+    script.write_text(GANG_WORKER)
+    job = DryRun(2, ["--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "3",
+                     "--rdzv-conf", RDZV_CONF, str(script)], env={"CTL": str(ctl)})
+    prom = None
+    try:
+        for addr in job.addrs.values():
+            wait_until(lambda: http_get(addr, "/readyz")[0] == 200, 60, what="/readyz")
+        prom = MultiTargetPrometheus(tmp_path, job.addrs)
+        prom.wait_for('count(up{job="muster"} == 1)', 2)
+        prom.wait_for('sum(muster_local_workers_running)', 4)
+        assert prom.scalar("max(muster_world_size)") == 4
+        assert prom.scalar("min(muster_world_size)") == 4
+        assert prom.scalar("max(muster_group_world_size)") == 2
+        assert prom.scalar('muster_node_rank{pod="node-1"}') == 1
+        assert prom.scalar("sum(muster_restarts_total)") == 0
+        assert prom.scalar('sum(muster_store_connections{store="rendezvous"})') >= 1
+
+        (ctl / "fail").touch()
+        wait_until(lambda: all((ctl / f"reduced-{r}").exists() for r in range(4)), 120,
+                   what="the restarted gang to all-reduce")
+        prom.wait_for('muster_restarts_total{pod="node-0", cause="worker_failure"}', 1)
+        prom.wait_for('muster_restarts_total{pod="node-1", cause="peer_failure"}', 1)
+        assert prom.scalar('sum(changes(muster_restarts_total{cause!="membership_change"}[5m]))') == 2
+        assert prom.scalar("max(muster_restarts_remaining)") == 0
+        prom.wait_for("min(muster_rendezvous_duration_seconds_count)", 2)
+        assert prom.scalar('sum(muster_rendezvous_rounds_total{outcome="completed"})') == 4
+        assert prom.scalar('sum(muster_worker_exits_total{code="3"})') == 1
+        assert prom.scalar("max(muster_world_size)") == 4
+        assert prom.scalar('sum(muster_store_operations_total{store="workers"})') > 0
+
+        (ctl / "finish").touch()
+        assert job.proc.wait(timeout=60) == 0, job.output()
+    finally:
+        if prom:
+            prom.stop()
+        job.stop()
+
+
+def test_readyz_waits_for_the_missing_node(tmp_path):
+    port = free_port()
+    script = tmp_path / "wait.py"
+    script.write_text("import os, time\n"
+                      "while not os.path.exists(os.environ['FINISH']): time.sleep(0.05)\n")
+    finish = tmp_path / "finish"
+    common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "readyz",
+              "--local-addr", "127.0.0.1", "--rdzv-conf", RDZV_CONF, str(script)]
+    env = {"FINISH": str(finish)}
+    late = Agent(["--node-rank", "1", *common], env=env)
+    first = None
+    try:
+        # Node 1 is up, node 0 (the store host) is not: waiting, not ready, but alive.
+        time.sleep(1)
+        status, _, reason = late.get("/readyz")
+        assert status == 503 and reason.startswith("not ready: phase "), reason
+        assert late.get("/healthz")[0] == 200
+        body = late.get("/metrics")[2]
+        assert value(body, "muster_agent_phase", phase="running") == 0
+        assert value(body, "muster_rendezvous_nodes_waiting") > 0
+
+        first = Agent(["--node-rank", "0", *common], env=env)
+        for agent in (first, late):
+            wait_until(lambda: agent.get("/readyz")[0] == 200, 60, what="/readyz after the gang formed")
+            body = agent.get("/metrics")[2]
+            assert value(body, "muster_world_size") == 2
+            assert value(body, "muster_rendezvous_nodes_waiting") == 0
+            assert value(body, "muster_rendezvous_last_round", outcome="completed") == 1
+        finish.touch()
+        assert first.proc.wait(timeout=60) == 0, first.output()
+        assert late.proc.wait(timeout=60) == 0, late.output()
+    finally:
+        finish.touch()
+        for agent in (first, late):
+            if agent:
+                agent.stop()

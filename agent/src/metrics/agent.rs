@@ -375,6 +375,13 @@ impl Rendezvous for Metered {
     }
 }
 
+/// Node 0 started hosting the gang's rendezvous store.
+pub fn rendezvous_store_started(stats: std::sync::Arc<rendezvous::store::server::Stats>) {
+    if let Some(metrics) = super::installed() {
+        metrics.attach_store(StoreRole::Rendezvous, stats);
+    }
+}
+
 /// `discovery::resolve` started looking up the rendezvous host.
 pub fn dns_started() {
     if let Some(metrics) = super::installed() {
