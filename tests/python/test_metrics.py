@@ -158,6 +158,17 @@ def http_get(addr, path, timeout=5):
     return status, headers, body.decode()
 
 
+def http_post(addr, path, timeout=5):
+    with socket.create_connection(addr, timeout=timeout) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                     "Connection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), head.decode(), body.decode()
+
+
 def samples(text):
     """{(name, frozenset(labels)): value} from the text exposition."""
     out = {}
@@ -342,6 +353,12 @@ def test_promtool_accepts_the_metrics_of_a_fresh_agent(tmp_path):
         assert result.returncode == 0, result.stdout + result.stderr
         assert value(body, "muster_build_info", protocol="c10d-tcpstore-2.15") == 1
         assert value(body, "muster_agent_phase", phase="running") == 1
+        # An operator's checkpoint request reaches the barrier; this script has no helper, so the
+        # barrier falls back to stopping the workers, and the agent ends.
+        status, _, reply = http_post(agent.addr, "/checkpoint")
+        assert (status, reply) == (202, "checkpoint requested\n")
+        agent.proc.wait(timeout=60)
+        assert "checkpoint" in agent.output(), agent.output()
     finally:
         assert agent.stop() is not None
 

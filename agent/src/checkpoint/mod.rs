@@ -11,6 +11,7 @@
 //! verdict, the workers are told, and the previous committed checkpoint stays the restart point.
 
 pub mod barrier;
+pub mod controller;
 pub mod local;
 
 use std::collections::BTreeSet;

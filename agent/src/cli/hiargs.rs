@@ -237,12 +237,17 @@ pub fn parse_signals(text: &str) -> Result<SignalPolicy, String> {
         };
         let sig = parse_signal_name(name)?;
         let action = match action.map(|a| a.trim().to_ascii_lowercase()) {
-            None => SignalAction::Terminate,
+            None => SignalAction::default_for(sig),
             Some(a) => match a.as_str() {
                 "terminate" => SignalAction::Terminate,
                 "forward" => SignalAction::Forward,
                 "ignore" => SignalAction::Ignore,
-                _ => return Err(format!("`{a}` is not terminate, forward or ignore")),
+                "checkpoint" => SignalAction::Checkpoint,
+                _ => {
+                    return Err(format!(
+                        "`{a}` is not terminate, checkpoint, forward or ignore"
+                    ))
+                }
             },
         };
         policy.actions.retain(|(s, _)| *s != sig);
@@ -417,6 +422,14 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let shutdown_timeout =
         parse_duration(low, "shutdown-timeout")?.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT);
     let grace_period = parse_duration(low, "grace-period")?;
+    let preempted_exit_code = match get(low, "preempted-exit-code") {
+        None => 0,
+        Some(raw) => raw
+            .value
+            .trim()
+            .parse::<u8>()
+            .map_err(|_| bad(raw, "preempted-exit-code", "expected an exit code 0-255"))?,
+    };
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
 
     let redirects = match get(low, "redirects") {
@@ -494,6 +507,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         metrics_addr,
         gpu_check,
         grace_period,
+        preempted_exit_code,
     })
 }
 

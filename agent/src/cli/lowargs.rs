@@ -105,11 +105,12 @@ pub const FLAGS: &[FlagDef] = &[
         torch_env: Some("TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
         ..value("shutdown-timeout", "SECS", "Grace between the stop signal and SIGKILL (default 30)")
     },
-    value("signals-to-handle", "SIG[:ACTION],...", "Signals the agent handles; ACTION is terminate (default), forward or ignore (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
+    value("signals-to-handle", "SIG[:ACTION],...", "Signals the agent handles; ACTION is checkpoint (SIGTERM's default: a gang-wide checkpoint barrier, then stop), terminate (the others' default), forward or ignore (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
     value("log-format", "text|json", "Worker lines as prefixed text or one JSON object per line (default text)"),
     value("metrics-addr", "ADDR:PORT", "Where the Prometheus endpoint listens"),
     value("gpu-check", "off|warn|require", "GPU pre-flight before the workers start (default warn)"),
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
+    value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

@@ -14,6 +14,7 @@ use anyhow::Context;
 use tokio_util::sync::CancellationToken;
 use tracing_subscriber::EnvFilter;
 
+use crate::checkpoint::{self, controller::Preemption};
 use crate::exit_code::Exit;
 use crate::launch::config::{Config, LogFormat};
 use crate::launch::Launch;
@@ -92,13 +93,25 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
+    let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
+        .context("cannot set up the checkpoint barrier")?;
+    launch = launch
+        .with_worker_env(
+            checkpoint::local::SOCKET_ENV,
+            preemption.socket().as_os_str(),
+        )
+        .with_worker_env("PYTHONPATH", preemption.python_path())
+        .on_terminate(preemption.terminate_hook());
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
-    let result = launch.run(shutdown.clone()).await;
-    shutdown.cancel();
+    let run = launch.run(shutdown.clone());
+    let result = crate::metrics::agent::serve_checkpoint_requests(&metrics, run, |reason| {
+        preemption.trigger(reason)
+    })
+    .await;
     drop(endpoint);
     writer.finish();
     match result {
-        Ok(outcome) => Ok(outcome.exit_code),
+        Ok(outcome) => Ok(preemption.exit_code(outcome.exit_code)),
         Err(e) => {
             let code = e.exit_code();
             Err(anyhow::Error::new(Exit::new(code, e.to_string())))

@@ -112,6 +112,20 @@ pub enum SignalAction {
     Forward,
     /// Log it and carry on.
     Ignore,
+    /// Ask the whole gang for a checkpoint barrier, then stop (the default for SIGTERM: it is
+    /// what Kubernetes sends on preemption and eviction). Without a barrier, as `Terminate`.
+    Checkpoint,
+}
+
+impl SignalAction {
+    /// The action of a handled signal listed without one.
+    pub fn default_for(signal: Signal) -> SignalAction {
+        if signal == Signal::SIGTERM {
+            SignalAction::Checkpoint
+        } else {
+            SignalAction::Terminate
+        }
+    }
 }
 
 /// `--signals-to-handle`, parsed.
@@ -133,7 +147,7 @@ impl Default for SignalPolicy {
                 Signal::SIGQUIT,
             ]
             .into_iter()
-            .map(|s| (s, SignalAction::Terminate))
+            .map(|s| (s, SignalAction::default_for(s)))
             .collect(),
         }
     }
@@ -179,6 +193,8 @@ pub struct Config {
     pub metrics_addr: Option<crate::metrics::MetricsAddr>,
     pub gpu_check: GpuCheck,
     pub grace_period: Option<Duration>,
+    /// Exit code after a committed preemption checkpoint.
+    pub preempted_exit_code: u8,
 }
 
 impl Config {
@@ -213,6 +229,7 @@ impl Config {
             metrics_addr: None,
             gpu_check: GpuCheck::default(),
             grace_period: None,
+            preempted_exit_code: 0,
         }
     }
 }

@@ -456,6 +456,9 @@ async fn attempts(
             round = rendezvous.next_round(config, restart_count, stop) => round?,
             () = stop.requested() => continue,
         };
+        spec.publisher.event(Event::AttemptStarted {
+            assignment: round.assignment.clone(),
+        });
         let attempt_stop = stop.child();
         let outcome = {
             let group = run_group(spec, &round.assignment, &attempt_stop);

@@ -8,6 +8,7 @@ use tokio::sync::{broadcast, watch};
 
 use super::config::SignalAction;
 use super::reaper::ExitStatus;
+use super::RankAssignment;
 
 /// Where the agent is in its life.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,6 +36,9 @@ pub enum GroupResult {
 /// Something that happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
+    /// The rendezvous placed this node for attempt `assignment.restart_count`; its workers are
+    /// about to start.
+    AttemptStarted { assignment: RankAssignment },
     WorkerStarted {
         restart_count: u32,
         local_rank: u32,

@@ -1,9 +1,10 @@
 //! Signals sent to the agent: each handled signal gets the action `--signals-to-handle` gave it.
 //!
-//! - `terminate` (default; torchrun's only behaviour): stop the group with that signal, SIGKILL
-//!   after `--shutdown-timeout`. A second terminate signal while stopping sends SIGKILL at once
-//!   (the impatient Ctrl-C). A [`TerminateHook`] (the preemption work's checkpoint barrier) can
-//!   take over the first one: it then decides when to call [`StopRequest::request`].
+//! - `terminate` (torchrun's only behaviour; the default except for SIGTERM): stop the group with
+//!   that signal, SIGKILL after `--shutdown-timeout`. A second stop signal while stopping sends
+//!   SIGKILL at once (the impatient Ctrl-C).
+//! - `checkpoint` (SIGTERM's default): a [`TerminateHook`] (the preemption checkpoint barrier)
+//!   takes over; it decides when to call [`StopRequest::request`]. Without a hook, as `terminate`.
 //! - `forward`: pass it to every worker's process group and keep running.
 //! - `ignore`: log it.
 //!
@@ -144,18 +145,18 @@ pub fn install(
                     action,
                 });
                 match action {
-                    SignalAction::Terminate if stop.is_requested() => {
+                    SignalAction::Terminate | SignalAction::Checkpoint if stop.is_requested() => {
                         tracing::warn!("{sig} again while stopping: killing the workers now");
                         stop.kill_now();
                     }
-                    SignalAction::Terminate => {
-                        tracing::info!("{sig} received: stopping the workers");
-                        match &hook {
-                            Some(hook) => {
-                                tokio::spawn(hook(sig, stop.clone()));
-                            }
-                            None => stop.request(sig),
+                    SignalAction::Checkpoint if hook.is_some() => {
+                        if let Some(hook) = &hook {
+                            tokio::spawn(hook(sig, stop.clone()));
                         }
+                    }
+                    SignalAction::Terminate | SignalAction::Checkpoint => {
+                        tracing::info!("{sig} received: stopping the workers");
+                        stop.request(sig);
                     }
                     SignalAction::Forward => {
                         tracing::info!("{sig} received: forwarding it to the workers");

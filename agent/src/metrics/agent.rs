@@ -140,6 +140,7 @@ fn observe(
     shutdown: CancellationToken,
 ) -> JoinHandle<()> {
     let max_restarts = config.max_restarts;
+    let local_world_size = config.nproc_per_node;
     let grace = config.grace_period.unwrap_or(config.shutdown_timeout);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
@@ -169,6 +170,12 @@ fn observe(
                     on_phase(&phase);
                 }
                 event = observer.events.recv() => match event {
+                    Ok(Event::AttemptStarted { assignment: a }) => metrics.set_assignment(
+                        a.node_rank,
+                        a.group_world_size,
+                        a.world_size,
+                        local_world_size,
+                    ),
                     Ok(event) => state.record(&metrics, &event, max_restarts, grace),
                     // Events only arrive faster than this task runs if the runtime is starved;
                     // the gauges catch up with the next phase change.
@@ -231,9 +238,16 @@ impl ObserverState {
                 }
                 metrics.set_restarts_remaining(max_restarts.saturating_sub(self.counted_restarts));
             }
+            // Recorded by the observer loop itself (it knows the local world size).
+            Event::AttemptStarted { .. } => {}
             Event::SignalReceived { signal, action } => {
                 metrics.signal_received(*signal as i32);
-                if *action == SignalAction::Terminate && !self.stopping {
+                if *action == SignalAction::Checkpoint {
+                    metrics.checkpoint_requested(super::CheckpointTrigger::Signal);
+                }
+                if matches!(action, SignalAction::Terminate | SignalAction::Checkpoint)
+                    && !self.stopping
+                {
                     self.stopping = true;
                     metrics.grace_deadline(Instant::now() + grace);
                 }
@@ -372,6 +386,64 @@ impl Rendezvous for Metered {
             }
             decision
         })
+    }
+}
+
+/// Runs `run` (the launch) while handing every `POST /checkpoint` to `trigger` (the checkpoint
+/// barrier's operator entry; false when it is gone). From here on the endpoint answers 202.
+pub async fn serve_checkpoint_requests<F: std::future::Future>(
+    metrics: &Metrics,
+    run: F,
+    trigger: impl Fn(&str) -> bool,
+) -> F::Output {
+    let mut requests = metrics.checkpoint_requests();
+    tokio::pin!(run);
+    loop {
+        tokio::select! {
+            output = &mut run => return output,
+            Some(request) = requests.recv() => {
+                if !trigger("checkpoint requested over HTTP (POST /checkpoint)") {
+                    tracing::warn!("POST /checkpoint: the checkpoint barrier is gone");
+                }
+                tracing::debug!("checkpoint request from {:?}", request.trigger);
+            }
+        }
+    }
+}
+
+/// A local rank reported its step through the checkpoint helper.
+pub fn worker_step(local_rank: u32, step: u64) {
+    if let Some(metrics) = super::installed() {
+        metrics.worker_step(local_rank, step);
+    }
+}
+
+/// The checkpoint barrier started on this node (`from_peer`: another node asked for it).
+pub fn checkpoint_started(from_peer: bool) {
+    if let Some(metrics) = super::installed() {
+        if from_peer {
+            metrics.checkpoint_requested(super::CheckpointTrigger::Peer);
+        }
+        metrics.set_phase(Phase::Checkpointing);
+        metrics.set_checkpoint_phase(super::CheckpointPhase::Agreeing);
+    }
+}
+
+/// The checkpoint barrier reached its verdict `elapsed` after it started here.
+pub fn checkpoint_ended(outcome: &crate::checkpoint::Outcome, elapsed: Duration) {
+    use crate::checkpoint::Outcome;
+    let Some(metrics) = super::installed() else {
+        return;
+    };
+    match outcome {
+        Outcome::Committed { step } => {
+            metrics.checkpoint_finished(super::CheckpointOutcome::Committed, elapsed, Some(*step));
+        }
+        Outcome::Aborted { .. } => {
+            metrics.checkpoint_finished(super::CheckpointOutcome::Aborted, elapsed, None);
+        }
+        // No barrier ran (the scripts lack the helper): not a checkpoint.
+        Outcome::Unsupported { .. } => metrics.set_checkpoint_phase(super::CheckpointPhase::Idle),
     }
 }
 

@@ -1,0 +1,424 @@
+//! Ties the checkpoint barrier to a running launch.
+//!
+//! The controller is one task beside the launch loop. It learns each attempt's ranks and store
+//! from the loop's events, watches that store for a checkpoint request from any node, and
+//! publishes one when this node is asked for it — by SIGTERM (through the launch's terminate
+//! hook) or by an operator (`POST /checkpoint`, through [`Preemption::trigger`]). When a request
+//! stands it runs the barrier ([`super::run`]) and then ends the attempt:
+//!
+//! | verdict | what happens to the workers | agent exit code |
+//! |---|---|---|
+//! | committed | they stop by themselves (the helper told them); stragglers get SIGTERM at the deadline | `--preempted-exit-code` (0 by default) |
+//! | aborted | SIGTERM now, SIGKILL after `--shutdown-timeout` | 201 |
+//! | unsupported (no helper) | SIGTERM now, on every node at once | 0 if they all exit cleanly, else 143 |
+//!
+//! Whatever goes wrong on the way (no store reachable, no attempt running yet) degrades to the
+//! plain stop torchrun would do: the hook must never leave a signalled agent running.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::sync::{broadcast, mpsc};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::barrier::Request;
+use super::local::LocalChannel;
+use super::{Outcome, Settings, DEFAULT_NOTIFY_LATENCY};
+use crate::exit_code;
+use crate::launch::{Config, Event, Observer, RankAssignment, StopRequest, TerminateHook};
+
+/// Kept back from the grace period for stopping and reaping after the deadline: the barrier's
+/// deadline is `grace − margin`, so the agent exits before Kubernetes' SIGKILL.
+const MIN_SAFETY_MARGIN: Duration = Duration::from_secs(1);
+const MAX_SAFETY_MARGIN: Duration = Duration::from_secs(5);
+
+/// Where a checkpoint request came from.
+#[derive(Debug, Clone)]
+pub struct Trigger {
+    pub reason: String,
+    /// The signal that asked (None: an operator's request).
+    pub signal: Option<Signal>,
+}
+
+struct Local {
+    trigger: Trigger,
+    deadline: Instant,
+    stop: Option<StopRequest>,
+}
+
+/// The worker-side helper, shipped inside the binary and put on the workers' `PYTHONPATH`.
+const PYTHON_HELPER: &str = include_str!("../../../python/muster_checkpoint.py");
+
+/// Handle to the running controller.
+pub struct Preemption {
+    dir: PathBuf,
+    socket: PathBuf,
+    triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
+    outcome: Arc<Mutex<Option<Outcome>>>,
+    preempted_exit_code: u8,
+    task: JoinHandle<()>,
+}
+
+/// The barrier's budget for a grace period: what is left after the safety margin.
+pub fn budget(grace: Duration) -> Duration {
+    let margin = (grace / 10).clamp(MIN_SAFETY_MARGIN, MAX_SAFETY_MARGIN);
+    grace.saturating_sub(margin)
+}
+
+impl Preemption {
+    /// Creates a private directory holding the workers' socket and the Python helper (so
+    /// `import muster_checkpoint` works in every worker), and starts the controller.
+    ///
+    /// `observer` must be taken from the launch before it runs; `shutdown` is the token the
+    /// launch runs under (cancelling it stops the workers on nodes that were not signalled).
+    pub fn start(
+        config: &Config,
+        observer: Observer,
+        shutdown: CancellationToken,
+    ) -> std::io::Result<Preemption> {
+        // Short and private: a Unix socket path is limited to 107 bytes.
+        let dir = std::env::temp_dir().join(format!(
+            "muster-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("muster_checkpoint.py"), PYTHON_HELPER)?;
+        let channel = LocalChannel::bind(&dir, &shutdown)?;
+        let socket = channel.path().to_owned();
+        let (triggers, trigger_rx) = mpsc::unbounded_channel();
+        let outcome = Arc::new(Mutex::new(None));
+        let grace = config.grace_period.unwrap_or(config.shutdown_timeout);
+        let controller = Controller {
+            channel,
+            local_world_size: config.nproc_per_node,
+            budget: budget(grace),
+            outcome: Arc::clone(&outcome),
+            shutdown,
+        };
+        let task = tokio::spawn(controller.run(observer, trigger_rx));
+        Ok(Preemption {
+            dir,
+            socket,
+            triggers,
+            outcome,
+            preempted_exit_code: config.preempted_exit_code,
+            task,
+        })
+    }
+
+    /// The path to export as `MUSTER_CHECKPOINT_SOCKET`.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    /// The workers' `PYTHONPATH`: the helper's directory first, then what the agent was given.
+    pub fn python_path(&self) -> std::ffi::OsString {
+        let mut path = self.dir.clone().into_os_string();
+        if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
+            path.push(":");
+            path.push(existing);
+        }
+        path
+    }
+
+    /// The launch's terminate hook: SIGTERM becomes a checkpoint request.
+    pub fn terminate_hook(&self) -> TerminateHook {
+        let triggers = self.triggers.clone();
+        Arc::new(move |signal: Signal, stop: StopRequest| {
+            let trigger = Trigger {
+                reason: format!("{} received", signal.as_str()),
+                signal: Some(signal),
+            };
+            if let Err(mpsc::error::SendError((_, Some(stop)))) =
+                triggers.send((trigger, Some(stop)))
+            {
+                // The controller is gone: behave like torchrun.
+                stop.request(signal);
+            }
+            Box::pin(async {})
+        })
+    }
+
+    /// An operator's request (`POST /checkpoint`). Returns false when the controller is gone.
+    pub fn trigger(&self, reason: &str) -> bool {
+        let trigger = Trigger {
+            reason: reason.to_owned(),
+            signal: None,
+        };
+        self.triggers.send((trigger, None)).is_ok()
+    }
+
+    /// The checkpoint's outcome on this node, if one ran.
+    pub fn outcome(&self) -> Option<Outcome> {
+        self.outcome
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The agent's exit code given the launch's: a checkpoint's outcome takes precedence.
+    pub fn exit_code(&self, launch_code: u8) -> u8 {
+        match self.outcome() {
+            Some(Outcome::Committed { .. }) => self.preempted_exit_code,
+            Some(Outcome::Aborted { .. }) => exit_code::CHECKPOINT_ABORTED,
+            Some(Outcome::Unsupported { .. }) | None => launch_code,
+        }
+    }
+}
+
+impl Drop for Preemption {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+struct Controller {
+    channel: LocalChannel,
+    local_world_size: u32,
+    budget: Duration,
+    outcome: Arc<Mutex<Option<Outcome>>>,
+    shutdown: CancellationToken,
+}
+
+/// The attempt the controller is watching.
+struct Attempt {
+    assignment: RankAssignment,
+    stop_watching: CancellationToken,
+}
+
+impl Controller {
+    async fn run(
+        mut self,
+        mut observer: Observer,
+        mut triggers: mpsc::UnboundedReceiver<(Trigger, Option<StopRequest>)>,
+    ) {
+        let (request_tx, mut requests) = mpsc::unbounded_channel::<(u32, Request)>();
+        let mut attempt: Option<Attempt> = None;
+        let mut local: Option<Local> = None;
+        loop {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return,
+                event = observer.events.recv() => match event {
+                    Ok(Event::AttemptStarted { assignment }) => {
+                        if let Some(old) = attempt.take() {
+                            old.stop_watching.cancel();
+                        }
+                        self.channel.forget_all();
+                        let stop_watching = self.shutdown.child_token();
+                        spawn_watcher(&assignment, stop_watching.clone(), request_tx.clone());
+                        // A trigger that arrived while no attempt ran is published now.
+                        if let Some(l) = &local {
+                            publish(&assignment, &l.trigger, l.deadline);
+                        }
+                        attempt = Some(Attempt { assignment, stop_watching });
+                    }
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => return,
+                },
+                Some((trigger, stop)) = triggers.recv() => {
+                    if local.is_some() {
+                        info!("{}: a checkpoint is already under way; joining it", trigger.reason);
+                        continue;
+                    }
+                    let deadline = Instant::now() + self.budget;
+                    info!(
+                        "{}: checkpoint requested; {:.1} s to commit it",
+                        trigger.reason,
+                        self.budget.as_secs_f64()
+                    );
+                    if let Some(a) = &attempt {
+                        publish(&a.assignment, &trigger, deadline);
+                    } else {
+                        // No workers' store to agree through: stop as torchrun would.
+                        warn!("no attempt is running; stopping without a checkpoint");
+                        stop_workers(stop.as_ref(), trigger.signal, &self.shutdown);
+                    }
+                    local = Some(Local { trigger, deadline, stop });
+                }
+                Some((restart_count, request)) = requests.recv() => {
+                    let Some(current) = attempt.as_ref().filter(|a| a.assignment.restart_count == restart_count) else {
+                        continue;
+                    };
+                    let assignment = current.assignment.clone();
+                    let outcome = self.checkpoint(&assignment, &request, local.as_ref(), &mut observer).await;
+                    let stop = local.as_ref().and_then(|l| l.stop.clone());
+                    let signal = local.as_ref().and_then(|l| l.trigger.signal);
+                    let deadline = local.as_ref().map_or_else(
+                        || Instant::now() + self.budget,
+                        |l| l.deadline,
+                    );
+                    self.finish(outcome, stop.as_ref(), signal, deadline, &mut observer).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    async fn checkpoint(
+        &mut self,
+        assignment: &RankAssignment,
+        request: &Request,
+        local: Option<&Local>,
+        observer: &mut Observer,
+    ) -> Outcome {
+        let started = Instant::now();
+        crate::metrics::agent::checkpoint_started(local.is_none());
+        let settings = Settings {
+            run_id: assignment.run_id.clone(),
+            node_rank: assignment.node_rank,
+            nnodes: assignment.group_world_size,
+            local_world_size: self.local_world_size,
+            world_size: assignment.world_size,
+            store: match store_addr(assignment) {
+                Some(addr) => addr,
+                None => {
+                    return Outcome::Aborted {
+                        reason: format!("unusable store address {}", assignment.master_addr),
+                    }
+                }
+            },
+            notify_latency: DEFAULT_NOTIFY_LATENCY,
+        };
+        let events = &mut observer.events;
+        let worker_lost = async move {
+            loop {
+                match events.recv().await {
+                    Ok(Event::WorkerExited {
+                        local_rank, status, ..
+                    }) => {
+                        return format!(
+                            "local rank {local_rank} exited ({status}) during the checkpoint"
+                        )
+                    }
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => std::future::pending::<()>().await,
+                }
+            }
+        };
+        let result = super::run(
+            &settings,
+            &mut self.channel,
+            request,
+            local.map(|l| l.deadline),
+            worker_lost,
+        )
+        .await;
+        let outcome = result.unwrap_or_else(|err| Outcome::Aborted {
+            reason: err.to_string(),
+        });
+        crate::metrics::agent::checkpoint_ended(&outcome, started.elapsed());
+        match &outcome {
+            Outcome::Committed { step } => {
+                info!("checkpoint committed at step {step} on every node");
+            }
+            Outcome::Aborted { reason } => warn!("checkpoint aborted: {reason}"),
+            Outcome::Unsupported { reason } => {
+                warn!("no checkpoint barrier ({reason}); forwarding the stop to every worker");
+            }
+        }
+        outcome
+    }
+
+    /// Ends the attempt according to the outcome.
+    async fn finish(
+        &self,
+        outcome: Outcome,
+        stop: Option<&StopRequest>,
+        signal: Option<Signal>,
+        deadline: Instant,
+        observer: &mut Observer,
+    ) {
+        *self.outcome.lock().unwrap_or_else(PoisonError::into_inner) = Some(outcome.clone());
+        if let Outcome::Committed { .. } = outcome {
+            // The workers were told to stop; give them until the deadline to do it.
+            let ended = async {
+                loop {
+                    match observer.events.recv().await {
+                        Ok(Event::GroupEnded { .. }) | Err(broadcast::error::RecvError::Closed) => {
+                            return
+                        }
+                        _ => {}
+                    }
+                }
+            };
+            if tokio::time::timeout_at(deadline, ended).await.is_ok() {
+                return;
+            }
+            warn!("workers still running at the deadline after the commit; stopping them");
+        }
+        stop_workers(stop, signal, &self.shutdown);
+    }
+}
+
+/// Stops this node's workers: through the signal's stop request when this node was signalled,
+/// else through the launch's token (which stops them with SIGTERM).
+fn stop_workers(stop: Option<&StopRequest>, signal: Option<Signal>, shutdown: &CancellationToken) {
+    match stop {
+        Some(stop) => stop.request(signal.unwrap_or(Signal::SIGTERM)),
+        None => shutdown.cancel(),
+    }
+}
+
+fn store_addr(assignment: &RankAssignment) -> Option<std::net::SocketAddr> {
+    let ip: std::net::IpAddr = assignment.master_addr.parse().ok()?;
+    Some((ip, assignment.master_port).into())
+}
+
+/// Publishes this node's request on the attempt's store, in the background.
+fn publish(assignment: &RankAssignment, trigger: &Trigger, deadline: Instant) {
+    let Some(store) = store_addr(assignment) else {
+        return;
+    };
+    let run_id = assignment.run_id.clone();
+    let node = assignment.node_rank;
+    let reason = format!("{} on node {node}", trigger.reason);
+    let budget = deadline.saturating_duration_since(Instant::now());
+    tokio::spawn(async move {
+        if let Err(err) = super::trigger(store, &run_id, node, budget, &reason).await {
+            warn!("cannot publish the checkpoint request: {err}");
+        }
+    });
+}
+
+/// Waits for any node's request on this attempt's store.
+fn spawn_watcher(
+    assignment: &RankAssignment,
+    stop: CancellationToken,
+    requests: mpsc::UnboundedSender<(u32, Request)>,
+) {
+    let Some(store) = store_addr(assignment) else {
+        return;
+    };
+    let run_id = assignment.run_id.clone();
+    let restart_count = assignment.restart_count;
+    tokio::spawn(async move {
+        match super::watch(store, &run_id, stop).await {
+            Ok(Some(request)) => {
+                let _ = requests.send((restart_count, request));
+            }
+            Ok(None) => {}
+            // The attempt's store goes away with the attempt; nothing to report.
+            Err(err) => tracing::debug!("checkpoint watcher: {err}"),
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_budget_keeps_a_bounded_margin() {
+        assert_eq!(budget(Duration::from_secs(30)), Duration::from_secs(27));
+        assert_eq!(budget(Duration::from_secs(5)), Duration::from_secs(4));
+        assert_eq!(budget(Duration::from_secs(600)), Duration::from_secs(595));
+        assert_eq!(budget(Duration::ZERO), Duration::ZERO);
+    }
+}
