@@ -29,6 +29,7 @@ fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
     let subcommand = args.get(1).and_then(|a| a.to_str()).unwrap_or_default();
     match subcommand {
         "store" => crate::store_cmd::run(args),
+        "gpu-check" => crate::gpu::run_cli(&args),
         "dry-run" => crate::dry_run::run(&args),
         _ => crate::cli::run(&args),
     }

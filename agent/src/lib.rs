@@ -6,6 +6,8 @@
 //!   `dry-run`), and the one place where errors become exit codes.
 //! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
 //!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
+//! - [`gpu`]: GPU pre-flight (NVML health, NVLink topology, CUDA smoke test), `muster gpu-check`;
+//!   its private `fabric` module holds one raw NVML call (`unsafe`, allowed on that module alone).
 //! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
 //!   protocol over the store).
 //! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
@@ -27,6 +29,7 @@ pub mod commands;
 pub mod discovery;
 pub mod dry_run;
 pub mod exit_code;
+pub mod gpu;
 pub mod launch;
 pub mod logging;
 pub mod logs;

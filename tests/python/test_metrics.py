@@ -615,3 +615,37 @@ def test_readyz_waits_for_the_missing_node(tmp_path):
         for agent in (first, late):
             if agent:
                 agent.stop()
+
+
+def test_gpu_preflight_results_are_exported(tmp_path):
+    """The launch's pre-flight against the fake NVML (`--gpu-check warn`: a node with two NVLink
+    links down on GPU 3 still runs): per-check, per-GPU health and the node verdict."""
+    fake = os.environ.get("MUSTER_FAKE_NVML") or str(REPO / "target/release/libfake_nvml.so")
+    if not Path(fake).exists():
+        pytest.fail(f"fake NVML not found at {fake}; build it or set MUSTER_FAKE_NVML",
+                    pytrace=False)
+    script = tmp_path / "wait.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    agent = Agent(
+        ["--gpu-check", "warn", "--nproc-per-node", "1", str(script)],
+        env={
+            "MUSTER_NVML_LIBRARY": fake,
+            "MUSTER_FAKE_NVML_FIXTURE": str(REPO / "tests/fixtures/nvml/nvlink-gpu3-two-links-down.json"),
+        },
+    )
+    try:
+        wait_until(lambda: agent.get("/readyz")[0] == 200, 60, what="/readyz")
+        body = agent.get("/metrics")[2]
+        result = subprocess.run([need("promtool"), "check", "metrics"], input=body,
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert value(body, "muster_gpu_preflight_healthy") == 0
+        assert value(body, "muster_gpu_preflight_duration_seconds") > 0
+        assert value(body, "muster_gpu_check_healthy", gpu="3", check="nvlink_links") == 0
+        assert value(body, "muster_gpu_check_healthy", gpu="2", check="nvlink_links") == 1
+        uuids = {dict(labels).get("UUID") for (name, labels) in samples(body)
+                 if name == "muster_gpu_check_healthy" and dict(labels)["gpu"] != "node"}
+        assert len(uuids) == 8 and "" not in uuids, uuids
+        assert value(body, "muster_agent_phase", phase="running") == 1
+    finally:
+        agent.stop()

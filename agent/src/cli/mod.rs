@@ -84,9 +84,20 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         };
     let mut launch = Launch::new(config).with_log_sink(writer.sink());
+    let preflight = crate::gpu::gate::for_launch(launch.config());
+    let gpu = match crate::metrics::agent::preflight(&metrics, preflight).await {
+        Ok(report) => report,
+        Err(exit) => {
+            writer.finish();
+            return Err(anyhow::Error::new(exit));
+        }
+    };
     if crate::node::is_multi_node(launch.config()) {
         match crate::node::GangRendezvous::new(launch.config(), false) {
-            Ok(r) => launch = launch.with_rendezvous(crate::metrics::agent::metered(r, &metrics)),
+            Ok(mut r) => {
+                r.set_gpu_verdict(crate::gpu::gate::registration_value(gpu.as_ref()));
+                launch = launch.with_rendezvous(crate::metrics::agent::metered(r, &metrics));
+            }
             Err(e) => {
                 writer.finish();
                 return Err(anyhow::Error::new(Exit::new(e.exit_code(), e.to_string())));

@@ -411,6 +411,39 @@ pub async fn serve_checkpoint_requests<F: std::future::Future>(
     }
 }
 
+/// Runs the GPU pre-flight (phase `preflight`) and records its checks, per GPU and node-wide, and
+/// its verdict. A skipped check (not applicable here) is not exported.
+pub async fn preflight<F, E>(metrics: &Metrics, run: F) -> Result<Option<crate::gpu::Report>, E>
+where
+    F: std::future::Future<Output = Result<Option<crate::gpu::Report>, E>>,
+{
+    use crate::gpu::report::{Status, Verdict};
+    metrics.set_phase(Phase::Preflight);
+    let started = Instant::now();
+    let result = run.await;
+    let elapsed = started.elapsed();
+    match &result {
+        Ok(Some(report)) => {
+            for check in report.checks.iter().filter(|c| c.status != Status::Skip) {
+                let healthy = check.status != Status::Fail;
+                match &check.gpu {
+                    Some(gpu) => metrics.gpu_check(
+                        Some(gpu.index),
+                        gpu.uuid.as_deref().unwrap_or(""),
+                        &check.check,
+                        healthy,
+                    ),
+                    None => metrics.gpu_check(None, "", &check.check, healthy),
+                }
+            }
+            metrics.gpu_preflight_finished(report.verdict != Verdict::Unhealthy, elapsed);
+        }
+        Ok(None) => {}
+        Err(_) => metrics.gpu_preflight_finished(false, elapsed),
+    }
+    result
+}
+
 /// A local rank reported its step through the checkpoint helper.
 pub fn worker_step(local_rank: u32, step: u64) {
     if let Some(metrics) = super::installed() {

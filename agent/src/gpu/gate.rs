@@ -1,0 +1,259 @@
+//! How the launch uses the pre-flight: `--gpu-check off|warn|require`, the decision a node makes
+//! about its own GPUs before it registers, and the decision every agent makes once it has seen
+//! all registrations (one unhealthy node fails the whole gang fast, naming the node, GPU and
+//! check).
+//!
+//! Kept apart from the launch code so the rules are pure and unit-tested here; the launch only
+//! calls [`run`] before registering, publishes [`Summary`] in its registration, and calls
+//! [`gang_verdict`] on the registrations it read back.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{preflight, preflight_isolated, PreflightOptions, Report, Summary, Verdict};
+use crate::exit_code::{self, Exit};
+
+/// `--gpu-check`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// No pre-flight (CPU jobs, dry runs).
+    Off,
+    /// Run it and report, but start the ranks whatever it says.
+    Warn,
+    /// An unhealthy verdict stops this node (and, through the registration, the gang).
+    Require,
+}
+
+impl Mode {
+    /// The default: `require` when the job asks for GPUs (`--nproc-per-node gpu`, or the device
+    /// plugin gave the pod GPUs, which it announces in `NVIDIA_VISIBLE_DEVICES`), else `off`.
+    pub fn default_for(nproc_is_gpu: bool, nvidia_visible_devices: Option<&str>) -> Self {
+        // The container toolkit's own "no GPU" spellings.
+        let allocated = nvidia_visible_devices
+            .map(str::trim)
+            .is_some_and(|v| !v.is_empty() && v != "void" && v != "none");
+        if nproc_is_gpu || allocated {
+            Self::Require
+        } else {
+            Self::Off
+        }
+    }
+}
+
+/// Longest the launch waits for the isolated pre-flight: NVLink sampling, the fabric wait, the
+/// CUDA smoke test, and a margin for NVML itself.
+const LAUNCH_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// The launch's pre-flight, before the first round: `--gpu-check` from the configuration, the
+/// GPUs the container runtime exposed (`/dev/nvidiaN`) as the expected count, run in a child
+/// that is killed after 180 s. `Err` (exit 204) only under `require`.
+pub async fn for_launch(config: &crate::launch::Config) -> Result<Option<Report>, Exit> {
+    let mode = match config.gpu_check {
+        crate::launch::config::GpuCheck::Off => Mode::Off,
+        crate::launch::config::GpuCheck::Warn => Mode::Warn,
+        crate::launch::config::GpuCheck::Require => Mode::Require,
+    };
+    if mode == Mode::Off {
+        return Ok(None);
+    }
+    let exposed = crate::cli::hiargs::gpu_count();
+    let opts = PreflightOptions {
+        policy: super::Policy {
+            expected_gpus: (exposed > 0).then_some(exposed),
+            ..super::Policy::default()
+        },
+        ..PreflightOptions::default()
+    };
+    let report = tokio::task::spawn_blocking(move || preflight_isolated(&opts, LAUNCH_TIMEOUT))
+        .await
+        .map_err(|e| {
+            Exit::new(
+                exit_code::INTERNAL_ERROR,
+                format!("GPU pre-flight task failed: {e}"),
+            )
+        })?;
+    decide(mode, report).map(Some)
+}
+
+/// Logs what failed or warned and applies `mode` to the verdict.
+fn decide(mode: Mode, report: Report) -> Result<Report, Exit> {
+    for check in report
+        .checks
+        .iter()
+        .filter(|c| matches!(c.status, super::Status::Fail | super::Status::Warn))
+    {
+        tracing::warn!(status = ?check.status, "gpu pre-flight: {check}");
+    }
+    if mode == Mode::Require && report.verdict() == Verdict::Unhealthy {
+        return Err(Exit::new(
+            exit_code::UNHEALTHY_GPU,
+            format!("GPU pre-flight failed on {}", report.summary().message()),
+        ));
+    }
+    Ok(report)
+}
+
+/// Runs the pre-flight as `mode` says. `Ok(None)` when off; `Ok(Some(report))` when it ran and
+/// the node may proceed (the report says whether it warned or, under `warn`, failed);
+/// `Err` with the "unhealthy GPU" exit code when `require` found a failing check.
+pub fn run(mode: Mode, opts: &PreflightOptions) -> Result<Option<Report>, Exit> {
+    if mode == Mode::Off {
+        return Ok(None);
+    }
+    decide(mode, preflight(opts)).map(Some)
+}
+
+/// Every node's published summary (keyed by node rank) → the error that stops the gang, naming
+/// each unhealthy node with its failing GPUs and checks; `None` when all nodes may start.
+/// A node that published no summary (pre-flight off there) counts as healthy.
+pub fn gang_verdict(nodes: &[(u32, Option<Summary>)]) -> Option<Exit> {
+    let bad: Vec<String> = nodes
+        .iter()
+        .filter_map(|(rank, summary)| {
+            summary
+                .as_ref()
+                .filter(|s| s.verdict == Verdict::Unhealthy)
+                .map(|s| format!("node rank {rank}, {}", s.message()))
+        })
+        .collect();
+    if bad.is_empty() {
+        None
+    } else {
+        Some(Exit::new(
+            exit_code::UNHEALTHY_GPU,
+            format!("GPU pre-flight failed: {}", bad.join(" | ")),
+        ))
+    }
+}
+
+/// The value for the registration's `gpu` field: the compact [`Summary`] as JSON
+/// (`{"host", "verdict": "healthy"|"warnings"|"unhealthy", "failures": [{check, gpu: {index,
+/// uuid, pci_bus_id}, status, reason}]}`), or `null` when the pre-flight did not run. The
+/// rendezvous coordinator only needs `verdict == "unhealthy"` to keep a node out of a round.
+pub fn registration_value(report: Option<&Report>) -> serde_json::Value {
+    report
+        .and_then(|r| serde_json::to_value(r.summary()).ok())
+        .unwrap_or(serde_json::Value::Null)
+}
+
+/// [`gang_verdict`] over the raw `gpu` values read back from every registration. `null` or a
+/// value that is not a summary (another muster version) counts as "no verdict".
+pub fn gang_verdict_from_values(nodes: &[(u32, &serde_json::Value)]) -> Option<Exit> {
+    let parsed: Vec<(u32, Option<Summary>)> = nodes
+        .iter()
+        .map(|(rank, value)| (*rank, serde_json::from_value((*value).clone()).ok()))
+        .collect();
+    gang_verdict(&parsed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::{CheckResult, GpuRef, Policy, Status};
+
+    #[test]
+    fn default_mode_follows_the_gpu_request() {
+        assert_eq!(Mode::default_for(true, None), Mode::Require);
+        assert_eq!(Mode::default_for(false, Some("GPU-1,GPU-2")), Mode::Require);
+        assert_eq!(Mode::default_for(false, Some("all")), Mode::Require);
+        assert_eq!(Mode::default_for(false, Some("void")), Mode::Off);
+        assert_eq!(Mode::default_for(false, Some("")), Mode::Off);
+        assert_eq!(Mode::default_for(false, None), Mode::Off);
+    }
+
+    fn no_driver(expected: Option<u32>) -> PreflightOptions {
+        PreflightOptions {
+            policy: Policy {
+                expected_gpus: expected,
+                ..Policy::default()
+            },
+            nvml_library: Some("/nonexistent/libnvidia-ml.so.1".into()),
+            sample_interval: Duration::ZERO,
+            fabric_wait: Duration::ZERO,
+            fabric_poll: Duration::ZERO,
+            cuda: false,
+            cuda_timeout: Duration::from_secs(1),
+        }
+    }
+
+    #[test]
+    fn require_stops_an_unhealthy_node_warn_does_not() {
+        let err = run(Mode::Require, &no_driver(Some(8))).unwrap_err();
+        assert_eq!(err.code, exit_code::UNHEALTHY_GPU);
+        assert!(
+            err.message.contains("driver: 8 GPU(s) expected"),
+            "{}",
+            err.message
+        );
+        let report = run(Mode::Warn, &no_driver(Some(8))).unwrap().unwrap();
+        assert_eq!(report.verdict(), Verdict::Unhealthy);
+        assert!(run(Mode::Off, &no_driver(Some(8))).unwrap().is_none());
+        let ok = run(Mode::Require, &no_driver(None)).unwrap().unwrap();
+        assert_eq!(ok.verdict(), Verdict::Healthy);
+    }
+
+    #[test]
+    fn one_bad_node_fails_the_gang_by_name() {
+        let healthy = Summary {
+            host: "worker-0".into(),
+            verdict: Verdict::Healthy,
+            failures: vec![],
+        };
+        let bad = Summary {
+            host: "worker-1".into(),
+            verdict: Verdict::Unhealthy,
+            failures: vec![CheckResult::gpu(
+                "nvlink_links",
+                &GpuRef {
+                    index: 3,
+                    uuid: Some("GPU-abc".into()),
+                    pci_bus_id: Some("00000000:5D:00.0".into()),
+                },
+                Status::Fail,
+                "16 of 18 NVLinks active".into(),
+            )],
+        };
+        assert!(gang_verdict(&[(0, Some(healthy.clone())), (1, None)]).is_none());
+        let err = gang_verdict(&[(0, Some(healthy)), (1, Some(bad))]).unwrap();
+        assert_eq!(err.code, exit_code::UNHEALTHY_GPU);
+        assert_eq!(
+            err.message,
+            "GPU pre-flight failed: node rank 1, node worker-1: GPU 3 (GPU-abc, \
+             00000000:5D:00.0) nvlink_links: 16 of 18 NVLinks active"
+        );
+    }
+
+    #[test]
+    fn registration_values_carry_the_verdict() {
+        assert_eq!(registration_value(None), serde_json::Value::Null);
+        let report = run(Mode::Warn, &no_driver(Some(8))).unwrap().unwrap();
+        let value = registration_value(Some(&report));
+        assert_eq!(value["verdict"], "unhealthy");
+        assert_eq!(value["failures"][0]["check"], "driver");
+        let healthy = registration_value(run(Mode::Warn, &no_driver(None)).unwrap().as_ref());
+        let garbage = serde_json::json!({"something": "else"});
+        let null = serde_json::Value::Null;
+        assert!(gang_verdict_from_values(&[(0, &healthy), (1, &null), (2, &garbage)]).is_none());
+        let err = gang_verdict_from_values(&[(0, &healthy), (3, &value)]).unwrap();
+        assert!(
+            err.message
+                .starts_with("GPU pre-flight failed: node rank 3, node "),
+            "{}",
+            err.message
+        );
+    }
+
+    #[test]
+    fn summaries_round_trip_through_json() {
+        let s = Summary {
+            host: "h".into(),
+            verdict: Verdict::Warnings,
+            failures: vec![],
+        };
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(text, r#"{"host":"h","verdict":"warnings","failures":[]}"#);
+        assert_eq!(serde_json::from_str::<Summary>(&text).unwrap(), s);
+    }
+}
