@@ -447,7 +447,7 @@ def test_scraping_at_100_per_second_does_not_slow_supervision(tmp_path):
 # ---- two nodes -------------------------------------------------------------------------------
 
 # Short rendezvous timings for loopback (the multinode suite uses the same).
-RDZV_CONF = "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=1.5"
+RDZV_CONF = "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.5,heartbeat_timeout=5"
 
 GANG_WORKER = r"""
 import os, sys, time
@@ -455,7 +455,6 @@ from pathlib import Path
 
 ctl = Path(os.environ["CTL"])
 rank = int(os.environ["RANK"])
-attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
 def wait_for(name, limit=120):
     deadline = time.monotonic() + limit
@@ -464,10 +463,14 @@ def wait_for(name, limit=120):
             sys.exit(70)
         time.sleep(0.05)
 
-if attempt == 0:
+# Until the injected failure happened, rank 0 waits for the order to fail and the others idle
+# (they are stopped when the gang restarts). Driven by files, not by the attempt number, so an
+# extra gang restart on a loaded machine does not change the story.
+if not (ctl / "failed").exists():
     (ctl / f"up-{rank}").touch()
     if rank == 0:
         wait_for("fail")
+        (ctl / "failed").touch()
         sys.exit(3)
     wait_for("never")
 import torch
@@ -541,7 +544,7 @@ def test_prometheus_scrapes_a_two_node_dry_run_through_a_gang_restart(tmp_path):
     ctl.mkdir()
     script = tmp_path / "worker.py"
     script.write_text(GANG_WORKER)
-    job = DryRun(2, ["--nproc-per-node", "2", "--max-restarts", "1", "--shutdown-timeout", "3",
+    job = DryRun(2, ["--nproc-per-node", "2", "--max-restarts", "3", "--shutdown-timeout", "3",
                      "--rdzv-conf", RDZV_CONF, str(script)], env={"CTL": str(ctl)})
     prom = None
     try:
@@ -554,18 +557,26 @@ def test_prometheus_scrapes_a_two_node_dry_run_through_a_gang_restart(tmp_path):
         assert prom.scalar("min(muster_world_size)") == 4
         assert prom.scalar("max(muster_group_world_size)") == 2
         assert prom.scalar('muster_node_rank{pod="node-1"}') == 1
-        assert prom.scalar("sum(muster_restarts_total)") == 0
         assert prom.scalar('sum(muster_store_connections{store="rendezvous"})') >= 1
+        # Baselines: a loaded machine may already have re-formed the gang once.
+        node0_failures = prom.scalar('muster_restarts_total{pod="node-0", cause="worker_failure"}')
+        node1_peer = prom.scalar('muster_restarts_total{pod="node-1", cause="peer_failure"}')
+        rounds = prom.scalar("min(muster_rendezvous_duration_seconds_count)")
+        assert rounds >= 1
 
         (ctl / "fail").touch()
         wait_until(lambda: all((ctl / f"reduced-{r}").exists() for r in range(4)), 120,
                    what="the restarted gang to all-reduce")
-        prom.wait_for('muster_restarts_total{pod="node-0", cause="worker_failure"}', 1)
-        prom.wait_for('muster_restarts_total{pod="node-1", cause="peer_failure"}', 1)
-        assert prom.scalar('sum(changes(muster_restarts_total{cause!="membership_change"}[5m]))') == 2
-        assert prom.scalar("max(muster_restarts_remaining)") == 0
-        prom.wait_for("min(muster_rendezvous_duration_seconds_count)", 2)
-        assert prom.scalar('sum(muster_rendezvous_rounds_total{outcome="completed"})') == 4
+        prom.wait_for('muster_restarts_total{pod="node-0", cause="worker_failure"}',
+                      node0_failures + 1)
+        wait_until(lambda: prom.scalar(
+            'muster_restarts_total{pod="node-1", cause="peer_failure"}') >= node1_peer + 1, 30,
+            what="node 1's restart after node 0's failure")
+        assert prom.scalar('sum(changes(muster_restarts_total[5m]))') >= 2
+        assert prom.scalar("max(muster_restarts_remaining)") <= 2
+        wait_until(lambda: prom.scalar("min(muster_rendezvous_duration_seconds_count)")
+                   >= rounds + 1, 30, what="the second round in the histogram")
+        assert prom.scalar('min(muster_rendezvous_duration_seconds_bucket{le="+Inf"})') >= 2
         assert prom.scalar('sum(muster_worker_exits_total{code="3"})') == 1
         assert prom.scalar("max(muster_world_size)") == 4
         assert prom.scalar('sum(muster_store_operations_total{store="workers"})') > 0

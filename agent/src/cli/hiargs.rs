@@ -464,7 +464,17 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         Some(raw) => Some(raw.value.parse().map_err(|e| bad(raw, "metrics-addr", e))?),
     };
     let gpu_check = match get(low, "gpu-check").map(|r| (r, r.value.trim())) {
-        None | Some((_, "warn")) => GpuCheck::Warn,
+        // The default: require when the job asks for GPUs (`--nproc-per-node gpu`, or
+        // the device plugin gave the pod some, announced in NVIDIA_VISIBLE_DEVICES), else off.
+        None => {
+            let asks_gpu = get(low, "nproc-per-node").is_some_and(|r| r.value.trim() == "gpu");
+            let visible = (probe.env)("NVIDIA_VISIBLE_DEVICES").and_then(|v| v.into_string().ok());
+            match crate::gpu::gate::Mode::default_for(asks_gpu, visible.as_deref()) {
+                crate::gpu::gate::Mode::Require => GpuCheck::Require,
+                _ => GpuCheck::Off,
+            }
+        }
+        Some((_, "warn")) => GpuCheck::Warn,
         Some((_, "off")) => GpuCheck::Off,
         Some((_, "require")) => GpuCheck::Require,
         Some((raw, _)) => return Err(bad(raw, "gpu-check", "expected off, warn or require")),
