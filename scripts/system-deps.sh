@@ -7,6 +7,7 @@ NEEDED=(
   "flock util-linux"
   "unshare util-linux"
   "ip iproute2"
+  "promtool prometheus"
 )
 
 missing=()

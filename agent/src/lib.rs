@@ -10,6 +10,7 @@
 //!   its private `fabric` module holds one raw NVML call (`unsafe`, allowed on that module alone).
 //! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
 //!   protocol over the store).
+//! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
 //! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
 //! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
 //! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
@@ -32,6 +33,7 @@ pub mod gpu;
 pub mod launch;
 pub mod logging;
 pub mod logs;
+pub mod metrics;
 pub mod node;
 pub mod signals;
 pub mod store_cmd;

@@ -381,6 +381,7 @@ impl GangRendezvous {
                 LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
             })?;
         let local = server.local_addr();
+        crate::metrics::agent::rendezvous_store_started(server.stats());
         let stop = CancellationToken::new();
         let token = stop.clone();
         let task = tokio::spawn(async move {

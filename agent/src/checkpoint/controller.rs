@@ -268,6 +268,8 @@ impl Controller {
         local: Option<&Local>,
         observer: &mut Observer,
     ) -> Outcome {
+        let started = Instant::now();
+        crate::metrics::agent::checkpoint_started(local.is_none());
         let settings = Settings {
             run_id: assignment.run_id.clone(),
             node_rank: assignment.node_rank,
@@ -311,6 +313,7 @@ impl Controller {
         let outcome = result.unwrap_or_else(|err| Outcome::Aborted {
             reason: err.to_string(),
         });
+        crate::metrics::agent::checkpoint_ended(&outcome, started.elapsed());
         match &outcome {
             Outcome::Committed { step } => {
                 info!("checkpoint committed at step {step} on every node");

@@ -324,6 +324,7 @@ fn handle_line(
                 }
                 p.step = Some(step);
                 p.reported_at = Some(now);
+                crate::metrics::agent::worker_step(rank, step);
             }
         }
         Some(kind @ ("saved" | "missed" | "failed")) => {

@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -462,12 +461,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     };
     let metrics_addr = match get(low, "metrics-addr") {
         None => None,
-        Some(raw) => Some(
-            raw.value
-                .trim()
-                .parse::<SocketAddr>()
-                .map_err(|_| bad(raw, "metrics-addr", "expected IP:PORT"))?,
-        ),
+        Some(raw) => Some(raw.value.parse().map_err(|e| bad(raw, "metrics-addr", e))?),
     };
     let gpu_check = match get(low, "gpu-check").map(|r| (r, r.value.trim())) {
         // The default: require when the job asks for GPUs (`--nproc-per-node gpu`, or

@@ -107,7 +107,7 @@ pub const FLAGS: &[FlagDef] = &[
     },
     value("signals-to-handle", "SIG[:ACTION],...", "Signals the agent handles; ACTION is checkpoint (SIGTERM's default: a gang-wide checkpoint barrier, then stop), terminate (the others' default), forward or ignore (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)"),
     value("log-format", "text|json", "Worker lines as prefixed text or one JSON object per line (default text)"),
-    value("metrics-addr", "ADDR:PORT", "Where the Prometheus endpoint listens"),
+    value("metrics-addr", "ADDR:PORT", "Metrics and probes endpoint: IP:PORT, :PORT or none (default 0.0.0.0:8000)"),
     value("gpu-check", "off|warn|require", "GPU pre-flight before the workers start (default: require when the job asks for GPUs, by --nproc-per-node gpu or NVIDIA_VISIBLE_DEVICES, else off)"),
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),

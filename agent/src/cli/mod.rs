@@ -73,8 +73,19 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
 async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
     init_tracing(config.logs.format, writer.sink());
+    let shutdown = CancellationToken::new();
+    let metrics = crate::metrics::Metrics::new();
+    let endpoint =
+        match crate::metrics::agent::start_endpoint(config.metrics_addr, &metrics, &shutdown) {
+            Ok(endpoint) => endpoint,
+            Err(e) => {
+                writer.finish();
+                return Err(Exit::config(e.to_string()).into());
+            }
+        };
     let mut launch = Launch::new(config).with_log_sink(writer.sink());
-    let gpu = match crate::gpu::gate::for_launch(launch.config()).await {
+    let preflight = crate::gpu::gate::for_launch(launch.config());
+    let gpu = match crate::metrics::agent::preflight(&metrics, preflight).await {
         Ok(report) => report,
         Err(exit) => {
             writer.finish();
@@ -85,7 +96,7 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
         match crate::node::GangRendezvous::new(launch.config(), false) {
             Ok(mut r) => {
                 r.set_gpu_verdict(crate::gpu::gate::registration_value(gpu.as_ref()));
-                launch = launch.with_rendezvous(Box::new(r));
+                launch = launch.with_rendezvous(crate::metrics::agent::metered(r, &metrics));
             }
             Err(e) => {
                 writer.finish();
@@ -93,7 +104,6 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
-    let shutdown = CancellationToken::new();
     let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
         .context("cannot set up the checkpoint barrier")?;
     launch = launch
@@ -103,7 +113,13 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
         )
         .with_worker_env("PYTHONPATH", preemption.python_path())
         .on_terminate(preemption.terminate_hook());
-    let result = launch.run(shutdown).await;
+    let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
+    let run = launch.run(shutdown.clone());
+    let result = crate::metrics::agent::serve_checkpoint_requests(&metrics, run, |reason| {
+        preemption.trigger(reason)
+    })
+    .await;
+    drop(endpoint);
     writer.finish();
     match result {
         Ok(outcome) => Ok(preemption.exit_code(outcome.exit_code)),

@@ -122,6 +122,7 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
         return Ok(vec![ip]);
     }
     let started = Instant::now();
+    crate::metrics::agent::dns_started();
     let resolver = match TokioResolver::builder(TokioConnectionProvider::default()) {
         Ok(mut builder) => {
             let opts = builder.options_mut();
@@ -151,6 +152,7 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
                             join(&ips),
                             started.elapsed().as_secs_f64()
                         );
+                        crate::metrics::agent::dns_finished(true, started.elapsed());
                         return Ok(ips);
                     }
                     "no answer".to_owned()
@@ -161,6 +163,7 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
                 Ok(found) => {
                     let ips: Vec<IpAddr> = found.map(|sa| sa.ip()).collect();
                     if !ips.is_empty() {
+                        crate::metrics::agent::dns_finished(true, started.elapsed());
                         return Ok(ips);
                     }
                     "no answer".to_owned()
@@ -168,8 +171,10 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
                 Err(e) => e.to_string(),
             },
         };
+        crate::metrics::agent::dns_failed(&kind);
         let now = Instant::now();
         if now >= deadline {
+            crate::metrics::agent::dns_finished(false, started.elapsed());
             return Err(DiscoveryError::Resolve {
                 host: host.to_owned(),
                 kind,

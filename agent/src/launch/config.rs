@@ -4,7 +4,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -190,7 +189,8 @@ pub struct Config {
     pub local_addr: Option<String>,
     pub shutdown_timeout: Duration,
     pub signals: SignalPolicy,
-    pub metrics_addr: Option<SocketAddr>,
+    /// `--metrics-addr` as given (`None`: not given, serve on the default port if it is free).
+    pub metrics_addr: Option<crate::metrics::MetricsAddr>,
     pub gpu_check: GpuCheck,
     pub grace_period: Option<Duration>,
     /// Exit code after a committed preemption checkpoint.

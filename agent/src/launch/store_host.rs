@@ -6,13 +6,14 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use rendezvous::store::server::{Config, Server};
+use rendezvous::store::server::{Config, Server, Stats};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 /// A running store; [`HostedStore::shutdown`] stops it.
 pub struct HostedStore {
     addr: SocketAddr,
+    stats: std::sync::Arc<Stats>,
     stop: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -24,6 +25,7 @@ impl HostedStore {
             .await
             .map_err(std::io::Error::other)?;
         let addr = server.local_addr();
+        let stats = server.stats();
         let stop = CancellationToken::new();
         let token = stop.clone();
         let task = tokio::spawn(async move {
@@ -31,12 +33,22 @@ impl HostedStore {
                 tracing::warn!("workers' store on {addr} stopped: {e}");
             }
         });
-        Ok(HostedStore { addr, stop, task })
+        Ok(HostedStore {
+            addr,
+            stats,
+            stop,
+            task,
+        })
     }
 
     /// The address workers connect to (MASTER_ADDR:MASTER_PORT).
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The server's counters (exported by the metrics endpoint).
+    pub fn stats(&self) -> std::sync::Arc<Stats> {
+        self.stats.clone()
     }
 
     /// Stops serving and closes every connection (bounded: a stuck server is abandoned).

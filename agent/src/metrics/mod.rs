@@ -1,0 +1,1086 @@
+//! Prometheus metrics and the Kubernetes probes of one agent, served on port 8000.
+//!
+//! # Theory of operation
+//! [`Metrics`] is a cheap-to-clone handle (one `Arc` inside) over a private
+//! [`prometheus::Registry`]. The rest of the agent calls small, intention-revealing methods on it
+//! (`set_phase`, `rendezvous_round_finished`, `worker_exited`, ...); each one is a handful of
+//! atomic operations or a lock held for a few instructions, so recording never slows supervision.
+//! Values that depend on the moment of the scrape (how long ago a rank reported its step, how much
+//! of the grace budget is left, the current phase as a state set) are kept as raw atomics and
+//! turned into metric families only when `/metrics` is gathered, inside the HTTP task ([`live`]).
+//! The store hosted by node 0 is observed the same way, through [`StoreStatsSource`] ([`store`]).
+//!
+//! [`Endpoint`] ([`http`]) is a small HTTP/1.1 server on tokio: `GET /metrics`, `GET /healthz`
+//! (the agent loop bumped [`Metrics::heartbeat`] recently), `GET /readyz` (rendezvous complete and
+//! local workers running), `POST /checkpoint` (an operator's checkpoint trigger, forwarded to the
+//! consumer registered with [`Metrics::checkpoint_requests`]).
+//!
+//! # Conventions
+//! Every name starts with `muster_`, uses base units (seconds, bytes), and counters end in
+//! `_total`. Label values come from closed sets (enums here, `&'static str` reasons and check names
+//! from the code, exit codes clamped to 0–255, signal names) or are bounded by the node's hardware
+//! (local ranks, GPUs), so a pod exports a few hundred series at most. Run ids and host names
+//! appear only in `muster_job_info`.
+
+pub mod agent;
+mod http;
+mod live;
+mod store;
+
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus::core::Collector;
+use prometheus::{
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
+};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+pub use http::{
+    serve_in_thread, AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError, Serving,
+    METRICS_CONTENT_TYPE,
+};
+pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
+
+use live::Live;
+
+/// Where the endpoint listens unless `--metrics-addr` / `MUSTER_METRICS_ADDR` says otherwise: the
+/// port the platform's `prometheus.io/port` annotation names.
+pub const DEFAULT_METRICS_ADDR: &str = "0.0.0.0:8000";
+/// The environment variable that sets the metrics address (the flag wins).
+pub const METRICS_ADDR_ENV: &str = "MUSTER_METRICS_ADDR";
+/// The wire protocol muster's store speaks, for `muster_build_info`.
+pub const STORE_PROTOCOL: &str = "c10d-tcpstore-2.15";
+
+/// Local ranks beyond this are not given their own step series (bounds cardinality; no node runs
+/// this many ranks).
+pub const MAX_LOCAL_RANKS: u32 = 256;
+/// GPUs beyond this index are not exported (an HGX node has 8).
+pub const MAX_GPUS: u32 = 64;
+/// Distinct GPU check names exported (the pre-flight has about twenty).
+pub const MAX_GPU_CHECKS: usize = 64;
+/// Longest `run_id` label value kept; longer ids are cut (the label is informational).
+const MAX_RUN_ID_LEN: usize = 128;
+
+/// What the agent is doing, exported as the state set `muster_agent_phase{phase}`: one series per
+/// phase, 1 for the current one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Phase {
+    /// Resolving the rendezvous endpoint's host name (the pod may wait here for DNS).
+    Resolving = 0,
+    /// Joining the gang through the store.
+    Rendezvous = 1,
+    /// GPU health and NVLink checks before ranks start.
+    Preflight = 2,
+    /// Local workers are running.
+    Running = 3,
+    /// A checkpoint barrier is in progress (preemption or operator request).
+    Checkpointing = 4,
+    /// Workers are being stopped (failure, restart, shutdown).
+    Stopping = 5,
+}
+
+impl Phase {
+    /// Every phase, in the order the agent normally moves through them.
+    pub const ALL: [Phase; 6] = [
+        Phase::Resolving,
+        Phase::Rendezvous,
+        Phase::Preflight,
+        Phase::Running,
+        Phase::Checkpointing,
+        Phase::Stopping,
+    ];
+
+    /// The `phase` label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Resolving => "resolving",
+            Phase::Rendezvous => "rendezvous",
+            Phase::Preflight => "preflight",
+            Phase::Running => "running",
+            Phase::Checkpointing => "checkpointing",
+            Phase::Stopping => "stopping",
+        }
+    }
+
+    fn from_u8(value: u8) -> Phase {
+        Phase::ALL
+            .get(usize::from(value))
+            .copied()
+            .unwrap_or(Phase::Resolving)
+    }
+}
+
+/// How a name-resolution attempt for the rendezvous host ended (`result` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DnsResult {
+    /// At least one address came back.
+    Ok,
+    /// The name does not exist (yet): the usual state before Kubernetes publishes the record.
+    NxDomain,
+    /// The resolver did not answer in time.
+    Timeout,
+    /// Any other failure (refused, malformed answer, I/O).
+    Error,
+}
+
+impl DnsResult {
+    /// The result for a failure described the way `discovery` logs it ("NXDOMAIN", "no answer",
+    /// "timeout", "refused", or the resolver's message).
+    pub fn of_failure(kind: &str) -> DnsResult {
+        match kind {
+            "NXDOMAIN" | "no answer" => DnsResult::NxDomain,
+            "timeout" => DnsResult::Timeout,
+            _ => DnsResult::Error,
+        }
+    }
+
+    const ALL: [DnsResult; 4] = [
+        DnsResult::Ok,
+        DnsResult::NxDomain,
+        DnsResult::Timeout,
+        DnsResult::Error,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            DnsResult::Ok => "ok",
+            DnsResult::NxDomain => "nxdomain",
+            DnsResult::Timeout => "timeout",
+            DnsResult::Error => "error",
+        }
+    }
+}
+
+/// How a rendezvous round ended (`outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundOutcome {
+    /// The gang formed.
+    Completed,
+    /// The join deadline passed with nodes missing.
+    Timeout,
+    /// The round failed for another reason (store lost, unhealthy peer, protocol error).
+    Failed,
+    /// The agent was asked to stop while waiting.
+    Cancelled,
+}
+
+impl RoundOutcome {
+    const ALL: [RoundOutcome; 4] = [
+        RoundOutcome::Completed,
+        RoundOutcome::Timeout,
+        RoundOutcome::Failed,
+        RoundOutcome::Cancelled,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            RoundOutcome::Completed => "completed",
+            RoundOutcome::Timeout => "timeout",
+            RoundOutcome::Failed => "failed",
+            RoundOutcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Why the local worker group was restarted (`cause` label of `muster_restarts_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartCause {
+    /// A local worker failed.
+    WorkerFailure,
+    /// Another node's worker failed or a peer died; the whole gang restarts together.
+    PeerFailure,
+    /// A node joined or left within `--nnodes MIN:MAX` (does not consume the restart budget).
+    MembershipChange,
+}
+
+impl RestartCause {
+    const ALL: [RestartCause; 3] = [
+        RestartCause::WorkerFailure,
+        RestartCause::PeerFailure,
+        RestartCause::MembershipChange,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            RestartCause::WorkerFailure => "worker_failure",
+            RestartCause::PeerFailure => "peer_failure",
+            RestartCause::MembershipChange => "membership_change",
+        }
+    }
+}
+
+/// How a worker process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerExit {
+    /// It exited with this status (clamped to 0–255 for the label).
+    Code(i32),
+    /// It was killed by this signal number.
+    Signal(i32),
+}
+
+impl WorkerExit {
+    /// `(code, signal)` label values: the shell's exit code (128+N for a signal, the same number
+    /// the agent's own exit code uses) and the signal's name, or `none`.
+    fn labels(self) -> (String, String) {
+        match self {
+            WorkerExit::Code(code) => (code.clamp(0, 255).to_string(), "none".to_owned()),
+            WorkerExit::Signal(signal) => (
+                crate::exit_code::for_signal(signal).to_string(),
+                signal_name(signal),
+            ),
+        }
+    }
+}
+
+/// What started a checkpoint request (`trigger` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointTrigger {
+    /// SIGTERM (or another signal configured with the checkpoint action) on this node.
+    Signal,
+    /// `POST /checkpoint` on this agent's endpoint.
+    Http,
+    /// Another node's request, seen through the store.
+    Peer,
+}
+
+impl CheckpointTrigger {
+    const ALL: [CheckpointTrigger; 3] = [
+        CheckpointTrigger::Signal,
+        CheckpointTrigger::Http,
+        CheckpointTrigger::Peer,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            CheckpointTrigger::Signal => "signal",
+            CheckpointTrigger::Http => "http",
+            CheckpointTrigger::Peer => "peer",
+        }
+    }
+}
+
+/// Where a checkpoint barrier stands, exported as the state set `muster_checkpoint_phase{phase}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum CheckpointPhase {
+    /// No checkpoint in progress.
+    Idle = 0,
+    /// The agents are agreeing on the step every rank can still reach.
+    Agreeing = 1,
+    /// Ranks were told the step and are saving.
+    Saving = 2,
+    /// Every local rank saved; waiting for the gang-wide commit.
+    Committing = 3,
+}
+
+impl CheckpointPhase {
+    const ALL: [CheckpointPhase; 4] = [
+        CheckpointPhase::Idle,
+        CheckpointPhase::Agreeing,
+        CheckpointPhase::Saving,
+        CheckpointPhase::Committing,
+    ];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            CheckpointPhase::Idle => "idle",
+            CheckpointPhase::Agreeing => "agreeing",
+            CheckpointPhase::Saving => "saving",
+            CheckpointPhase::Committing => "committing",
+        }
+    }
+
+    fn from_u8(value: u8) -> CheckpointPhase {
+        CheckpointPhase::ALL
+            .get(usize::from(value))
+            .copied()
+            .unwrap_or(CheckpointPhase::Idle)
+    }
+}
+
+/// How a checkpoint barrier ended (`outcome` label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointOutcome {
+    /// Every rank saved and the commit key was written.
+    Committed,
+    /// The deadline passed or a rank died while saving; the previous checkpoint stays current.
+    Aborted,
+}
+
+impl CheckpointOutcome {
+    const ALL: [CheckpointOutcome; 2] = [CheckpointOutcome::Committed, CheckpointOutcome::Aborted];
+
+    fn as_str(self) -> &'static str {
+        match self {
+            CheckpointOutcome::Committed => "committed",
+            CheckpointOutcome::Aborted => "aborted",
+        }
+    }
+}
+
+/// A checkpoint request delivered to the consumer registered with
+/// [`Metrics::checkpoint_requests`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CheckpointRequest {
+    pub trigger: CheckpointTrigger,
+    /// When the request arrived.
+    pub received: Instant,
+}
+
+/// What an attempt to deliver a checkpoint request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointDelivery {
+    /// The consumer has it.
+    Delivered,
+    /// A request is already queued and not yet taken; duplicates join it.
+    AlreadyPending,
+    /// Nobody consumes requests (no barrier in this agent, or it went away).
+    NoConsumer,
+}
+
+/// The receiving end of operator checkpoint requests; owned by the preemption work. Dropping it
+/// makes `POST /checkpoint` answer 503 again.
+#[derive(Debug)]
+pub struct CheckpointRequests {
+    rx: mpsc::Receiver<CheckpointRequest>,
+}
+
+impl CheckpointRequests {
+    /// The next request; `None` only if the registry was dropped.
+    pub async fn recv(&mut self) -> Option<CheckpointRequest> {
+        self.rx.recv().await
+    }
+
+    /// A request if one is queued, without waiting.
+    pub fn try_recv(&mut self) -> Option<CheckpointRequest> {
+        self.rx.try_recv().ok()
+    }
+}
+
+/// The agent's metrics and probe state. Clone it freely; every clone records into the same
+/// registry.
+#[derive(Clone)]
+pub struct Metrics {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("phase", &self.phase())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    registry: Registry,
+    /// Every family name defined (see [`Defs`]).
+    names: Vec<String>,
+    live: Arc<Live>,
+    store: Arc<store::StoreCollector>,
+    checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
+    restart_cause: Mutex<Option<RestartCause>>,
+
+    job_info: IntGaugeVec,
+    dns_attempts: IntCounterVec,
+    dns_duration: Histogram,
+    rdzv_rounds: IntCounterVec,
+    rdzv_duration: Histogram,
+    rdzv_last_timestamp: Gauge,
+    nodes_expected: IntGauge,
+    nodes_joined: IntGauge,
+    nodes_waiting: IntGauge,
+    node_rank: IntGauge,
+    group_world_size: IntGauge,
+    world_size: IntGauge,
+    local_world_size: IntGauge,
+    workers_running: IntGauge,
+    worker_group_starts: Gauge,
+    worker_exits: IntCounterVec,
+    restarts: IntCounterVec,
+    restarts_remaining: IntGauge,
+    signals: IntCounterVec,
+    checkpoint_requests: IntCounterVec,
+    checkpoints: IntCounterVec,
+    checkpoint_duration: HistogramVec,
+    last_checkpoint_step: IntGauge,
+    last_checkpoint_timestamp: Gauge,
+    gpu_check: IntGaugeVec,
+    /// The check names seen so far (bounds the `check` label).
+    gpu_check_names: Mutex<Vec<String>>,
+    gpu_nvlink_links: IntGaugeVec,
+    gpu_preflight_healthy: IntGauge,
+    gpu_preflight_duration: Gauge,
+    http_requests: IntCounterVec,
+}
+
+static INSTALLED: OnceLock<Metrics> = OnceLock::new();
+
+/// The registry the agent installed with [`Metrics::install`], if any (`None` in tests and in
+/// subcommands without an endpoint, where recording is simply skipped):
+/// `if let Some(m) = metrics::installed() { m.dns_attempt(DnsResult::NxDomain) }`.
+pub fn installed() -> Option<&'static Metrics> {
+    INSTALLED.get()
+}
+
+/// Definitions are compile-time constants; a failure here is a bug that the unit tests catch.
+const STATIC_DEFINITION: &str = "static metric definitions are valid";
+
+/// The registry being built, and the name of every family defined in it (a family without
+/// samples yet is left out of `gather()`, but a dashboard may still reference it).
+struct Defs {
+    registry: Registry,
+    names: Vec<String>,
+}
+
+impl Defs {
+    fn add<C: Collector + 'static>(&mut self, collector: C) {
+        self.names
+            .extend(collector.desc().iter().map(|desc| desc.fq_name.clone()));
+        self.registry
+            .register(Box::new(collector))
+            .expect(STATIC_DEFINITION);
+    }
+
+    fn register<C: Collector + Clone + 'static>(&mut self, collector: C) -> C {
+        self.add(collector.clone());
+        collector
+    }
+
+    fn int_gauge(&mut self, name: &str, help: &str) -> IntGauge {
+        self.register(IntGauge::new(name, help).expect(STATIC_DEFINITION))
+    }
+
+    fn gauge(&mut self, name: &str, help: &str) -> Gauge {
+        self.register(Gauge::new(name, help).expect(STATIC_DEFINITION))
+    }
+
+    fn int_gauge_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+        self.register(IntGaugeVec::new(Opts::new(name, help), labels).expect(STATIC_DEFINITION))
+    }
+
+    fn counter_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+        self.register(IntCounterVec::new(Opts::new(name, help), labels).expect(STATIC_DEFINITION))
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+        self.register(
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
+                .expect(STATIC_DEFINITION),
+        )
+    }
+}
+
+/// Rendezvous and DNS waits range from instant (single node) to the 600 s join timeout.
+const WAIT_BUCKETS_SECONDS: [f64; 13] = [
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0,
+];
+/// A checkpoint barrier must fit in a grace period (30 s by default on Kubernetes, minutes at most).
+const CHECKPOINT_BUCKETS_SECONDS: [f64; 10] =
+    [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0];
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A fresh registry with every muster metric defined, the known label sets initialised to 0
+    /// (so `rate()` and dashboards see them before the first event), and process metrics.
+    pub fn new() -> Self {
+        let mut defs = Defs {
+            registry: Registry::new(),
+            names: Vec::new(),
+        };
+        let live = Arc::new(Live::new());
+        defs.add(live::LiveCollector::new(Arc::clone(&live)));
+        let store = Arc::new(store::StoreCollector::new());
+        defs.add(store::SharedStoreCollector(Arc::clone(&store)));
+        #[cfg(target_os = "linux")]
+        defs.add(prometheus::process_collector::ProcessCollector::for_self());
+
+        let build_info = defs.int_gauge_vec(
+            "muster_build_info",
+            "muster build: version and the store wire protocol it speaks (always 1).",
+            &["version", "protocol"],
+        );
+        build_info
+            .with_label_values(&[env!("CARGO_PKG_VERSION"), STORE_PROTOCOL])
+            .set(1);
+        let start_time = defs.gauge("muster_start_time_seconds", "Unix time the agent started.");
+        start_time.set(unix_now());
+
+        let inner = Inner {
+            job_info: defs.int_gauge_vec(
+                "muster_job_info",
+                "The job this agent belongs to (always 1; run_id lives only here).",
+                &["run_id"],
+            ),
+            dns_attempts: defs.counter_vec(
+                "muster_dns_resolution_attempts_total",
+                "Lookups of the rendezvous endpoint's host, by result.",
+                &["result"],
+            ),
+            dns_duration: defs.histogram(
+                "muster_dns_resolution_duration_seconds",
+                "Time from the first lookup of the rendezvous host until it resolved or the deadline.",
+                &WAIT_BUCKETS_SECONDS,
+            ),
+            rdzv_rounds: defs.counter_vec(
+                "muster_rendezvous_rounds_total",
+                "Rendezvous rounds this agent took part in, by outcome.",
+                &["outcome"],
+            ),
+            rdzv_duration: defs.histogram(
+                "muster_rendezvous_duration_seconds",
+                "Time from joining a rendezvous round until it ended.",
+                &WAIT_BUCKETS_SECONDS,
+            ),
+            rdzv_last_timestamp: defs.gauge(
+                "muster_rendezvous_last_round_timestamp_seconds",
+                "Unix time the last rendezvous round ended (0: none yet).",
+            ),
+            nodes_expected: defs.int_gauge(
+                "muster_rendezvous_nodes_expected",
+                "Nodes the current rendezvous waits for (the maximum of --nnodes).",
+            ),
+            nodes_joined: defs.int_gauge(
+                "muster_rendezvous_nodes_joined",
+                "Nodes that joined the current rendezvous round.",
+            ),
+            nodes_waiting: defs.int_gauge(
+                "muster_rendezvous_nodes_waiting",
+                "Nodes still missing from the current rendezvous round.",
+            ),
+            node_rank: defs.int_gauge( "muster_node_rank", "This node's rank in the gang."),
+            group_world_size: defs.int_gauge(
+                "muster_group_world_size",
+                "Nodes in the current gang.",
+            ),
+            world_size: defs.int_gauge(
+                "muster_world_size",
+                "Worker processes (ranks) in the current gang, on all nodes.",
+            ),
+            local_world_size: defs.int_gauge(
+                "muster_local_world_size",
+                "Worker processes this node starts per attempt.",
+            ),
+            workers_running: defs.int_gauge(
+                "muster_local_workers_running",
+                "Local worker processes currently alive.",
+            ),
+            worker_group_starts: defs.gauge(
+                "muster_worker_group_start_timestamp_seconds",
+                "Unix time the current local worker group was started (0: never).",
+            ),
+            worker_exits: defs.counter_vec(
+                "muster_worker_exits_total",
+                "Local worker exits, by exit code (128+N for signal N) and signal name (none).",
+                &["code", "signal"],
+            ),
+            restarts: defs.counter_vec(
+                "muster_restarts_total",
+                "Restarts of the local worker group, by cause.",
+                &["cause"],
+            ),
+            restarts_remaining: defs.int_gauge(
+                "muster_restarts_remaining",
+                "Restarts left in the --max-restarts budget.",
+            ),
+            signals: defs.counter_vec(
+                "muster_signals_received_total",
+                "Signals the agent received, by name.",
+                &["signal"],
+            ),
+            checkpoint_requests: defs.counter_vec(
+                "muster_checkpoint_requests_total",
+                "Checkpoint requests received, by trigger.",
+                &["trigger"],
+            ),
+            checkpoints: defs.counter_vec(
+                "muster_checkpoints_total",
+                "Checkpoint barriers finished, by outcome.",
+                &["outcome"],
+            ),
+            checkpoint_duration: defs.register(
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "muster_checkpoint_duration_seconds",
+                        "Time from a checkpoint request to the commit or abort, by outcome.",
+                    )
+                    .buckets(CHECKPOINT_BUCKETS_SECONDS.to_vec()),
+                    &["outcome"],
+                )
+                .expect(STATIC_DEFINITION),
+            ),
+            last_checkpoint_step: defs.int_gauge(
+                "muster_last_checkpoint_step",
+                "Training step of the last committed checkpoint (0: none).",
+            ),
+            last_checkpoint_timestamp: defs.gauge(
+                "muster_last_checkpoint_timestamp_seconds",
+                "Unix time of the last committed checkpoint (0: none).",
+            ),
+            gpu_check: defs.int_gauge_vec(
+                "muster_gpu_check_healthy",
+                "GPU pre-flight result per check and GPU (1 pass or warn, 0 fail).",
+                &["gpu", "UUID", "check"],
+            ),
+            gpu_check_names: Mutex::new(Vec::new()),
+            gpu_nvlink_links: defs.int_gauge_vec(
+                "muster_gpu_nvlink_active_links",
+                "NVLink links up per GPU, from NVML.",
+                &["gpu", "UUID"],
+            ),
+            gpu_preflight_healthy: defs.int_gauge(
+                "muster_gpu_preflight_healthy",
+                "This node's GPU pre-flight verdict (1 healthy, 0 unhealthy; 1 when not run).",
+            ),
+            gpu_preflight_duration: defs.gauge(
+                "muster_gpu_preflight_duration_seconds",
+                "How long the last GPU pre-flight took.",
+            ),
+            http_requests: defs.counter_vec(
+                "muster_http_requests_total",
+                "Requests served by the metrics endpoint, by handler and status code.",
+                &["handler", "code"],
+            ),
+            live,
+            store,
+            checkpoint_tx: Mutex::new(None),
+            restart_cause: Mutex::new(None),
+            registry: defs.registry,
+            names: defs.names,
+        };
+        for result in DnsResult::ALL {
+            inner.dns_attempts.with_label_values(&[result.as_str()]);
+        }
+        for outcome in RoundOutcome::ALL {
+            inner.rdzv_rounds.with_label_values(&[outcome.as_str()]);
+        }
+        for cause in RestartCause::ALL {
+            inner.restarts.with_label_values(&[cause.as_str()]);
+        }
+        for trigger in CheckpointTrigger::ALL {
+            inner
+                .checkpoint_requests
+                .with_label_values(&[trigger.as_str()]);
+        }
+        for outcome in CheckpointOutcome::ALL {
+            inner.checkpoints.with_label_values(&[outcome.as_str()]);
+            inner
+                .checkpoint_duration
+                .with_label_values(&[outcome.as_str()]);
+        }
+        inner.gpu_preflight_healthy.set(1);
+        Self {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Makes this the process's registry, for the parts of the agent that are not handed a
+    /// `Metrics` (discovery, GPU checks, the checkpoint channel): they record through
+    /// [`installed`]. The first call wins; returns whether this one did.
+    pub fn install(&self) -> bool {
+        INSTALLED.set(self.clone()).is_ok()
+    }
+
+    // ---- agent loop -------------------------------------------------------------------------
+
+    /// Enters `phase`; `muster_agent_phase{phase}` shows it from the next scrape on.
+    pub fn set_phase(&self, phase: Phase) {
+        self.inner.live.set_phase(phase);
+    }
+
+    /// The current phase.
+    pub fn phase(&self) -> Phase {
+        self.inner.live.phase()
+    }
+
+    /// Proves the agent loop is alive; `/healthz` fails when this is not called for longer than
+    /// the endpoint's `stale_after`. Call it on every turn of the supervision loop (at least every
+    /// few seconds, also while waiting).
+    pub fn heartbeat(&self) {
+        self.inner.live.heartbeat();
+    }
+
+    /// Time since the last [`heartbeat`](Self::heartbeat) (or since creation).
+    pub fn heartbeat_age(&self) -> Duration {
+        self.inner.live.heartbeat_age()
+    }
+
+    /// `/readyz`: rendezvous complete and local workers running.
+    pub fn is_ready(&self) -> bool {
+        self.phase() == Phase::Running && self.inner.workers_running.get() > 0
+    }
+
+    /// Records the job's run id (kept out of every other series).
+    pub fn set_run_id(&self, run_id: &str) {
+        let run_id = truncate(run_id, MAX_RUN_ID_LEN);
+        self.inner.job_info.reset();
+        self.inner.job_info.with_label_values(&[run_id]).set(1);
+    }
+
+    /// Counts a signal the agent received.
+    pub fn signal_received(&self, signal: i32) {
+        self.inner
+            .signals
+            .with_label_values(&[&signal_name(signal)])
+            .inc();
+    }
+
+    // ---- discovery and rendezvous -------------------------------------------------------------
+
+    /// One lookup of the rendezvous host finished.
+    pub fn dns_attempt(&self, result: DnsResult) {
+        self.inner
+            .dns_attempts
+            .with_label_values(&[result.as_str()])
+            .inc();
+    }
+
+    /// The rendezvous host resolved (or the deadline passed) `elapsed` after the first lookup.
+    pub fn dns_resolution_finished(&self, elapsed: Duration) {
+        self.inner.dns_duration.observe(elapsed.as_secs_f64());
+    }
+
+    /// Progress of the current round: nodes expected, joined so far, still missing.
+    pub fn rendezvous_nodes(&self, expected: u32, joined: u32) {
+        self.inner.nodes_expected.set(i64::from(expected));
+        self.inner.nodes_joined.set(i64::from(joined));
+        self.inner
+            .nodes_waiting
+            .set(i64::from(expected.saturating_sub(joined)));
+    }
+
+    /// Nodes that joined the current (or last) round.
+    pub fn nodes_joined(&self) -> u32 {
+        u32::try_from(self.inner.nodes_joined.get()).unwrap_or(0)
+    }
+
+    /// A rendezvous round ended. `reason` is a short fixed phrase from the deciding code
+    /// (`all_joined`, `min_nodes_after_last_call`, `join_timeout`, ...); being `'static` keeps the
+    /// label set bounded.
+    pub fn rendezvous_round_finished(
+        &self,
+        outcome: RoundOutcome,
+        reason: &'static str,
+        elapsed: Duration,
+    ) {
+        self.inner
+            .rdzv_rounds
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+        self.inner.rdzv_duration.observe(elapsed.as_secs_f64());
+        self.inner.rdzv_last_timestamp.set(unix_now());
+        self.inner.live.set_last_round(outcome, reason);
+    }
+
+    /// The rank assignment of the current attempt.
+    pub fn set_assignment(
+        &self,
+        node_rank: u32,
+        group_world_size: u32,
+        world_size: u32,
+        local_world_size: u32,
+    ) {
+        self.inner.node_rank.set(i64::from(node_rank));
+        self.inner.group_world_size.set(i64::from(group_world_size));
+        self.inner.world_size.set(i64::from(world_size));
+        self.inner.local_world_size.set(i64::from(local_world_size));
+    }
+
+    // ---- GPU pre-flight -----------------------------------------------------------------------
+
+    /// One pre-flight check's verdict on one GPU, or on the whole node (`gpu` `None`: exported as
+    /// `gpu="node"`). `healthy` is false only for a failing check; warnings count as healthy, as
+    /// they do for the gang. `check` is one of the pre-flight's fixed check names, and at most
+    /// [`MAX_GPU_CHECKS`] distinct names are kept.
+    pub fn gpu_check(&self, gpu: Option<u32>, uuid: &str, check: &str, healthy: bool) {
+        let gpu = match gpu {
+            Some(index) if index >= MAX_GPUS => return,
+            Some(index) => index.to_string(),
+            None => "node".to_owned(),
+        };
+        {
+            let mut names = self
+                .inner
+                .gpu_check_names
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if !names.iter().any(|n| n == check) {
+                if names.len() >= MAX_GPU_CHECKS {
+                    return;
+                }
+                names.push(check.to_owned());
+            }
+        }
+        self.inner
+            .gpu_check
+            .with_label_values(&[gpu.as_str(), uuid, check])
+            .set(i64::from(healthy));
+    }
+
+    /// NVLink links up on one GPU.
+    pub fn gpu_nvlink_active_links(&self, gpu: u32, uuid: &str, links: u32) {
+        if gpu >= MAX_GPUS {
+            return;
+        }
+        self.inner
+            .gpu_nvlink_links
+            .with_label_values(&[&gpu.to_string(), uuid])
+            .set(i64::from(links));
+    }
+
+    /// The node's pre-flight verdict and how long the checks took.
+    pub fn gpu_preflight_finished(&self, healthy: bool, elapsed: Duration) {
+        self.inner.gpu_preflight_healthy.set(i64::from(healthy));
+        self.inner.gpu_preflight_duration.set(elapsed.as_secs_f64());
+    }
+
+    // ---- workers ------------------------------------------------------------------------------
+
+    /// A local worker group of `count` processes started; forgets the previous attempt's steps.
+    pub fn workers_started(&self, count: u32) {
+        self.inner.workers_running.set(i64::from(count));
+        self.inner.worker_group_starts.set(unix_now());
+        self.inner.live.clear_steps();
+    }
+
+    /// One more local worker of the current group started.
+    pub fn worker_started(&self) {
+        self.inner.workers_running.inc();
+    }
+
+    /// One local worker ended.
+    pub fn worker_exited(&self, exit: WorkerExit) {
+        let (code, signal) = exit.labels();
+        self.inner
+            .worker_exits
+            .with_label_values(&[&code, &signal])
+            .inc();
+        let running = &self.inner.workers_running;
+        // Saturating: an exit reported after `workers_stopped` must not go negative.
+        if running.get() > 0 {
+            running.dec();
+        }
+    }
+
+    /// The whole local group is gone (after a stop), whatever was reported per worker.
+    pub fn workers_stopped(&self) {
+        self.inner.workers_running.set(0);
+    }
+
+    /// Local workers currently alive, as last reported.
+    pub fn workers_running(&self) -> u32 {
+        u32::try_from(self.inner.workers_running.get()).unwrap_or(0)
+    }
+
+    /// The local group is being restarted.
+    pub fn restarted(&self, cause: RestartCause) {
+        self.inner
+            .restarts
+            .with_label_values(&[cause.as_str()])
+            .inc();
+    }
+
+    /// Says why the restart the launch loop is about to announce happens (the loop's own event
+    /// does not know: a gang restart after another node's failure looks like a local one). Taken
+    /// by [`take_restart_cause`](Self::take_restart_cause); the default is a local worker failure.
+    pub fn next_restart_cause(&self, cause: RestartCause) {
+        *self
+            .inner
+            .restart_cause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(cause);
+    }
+
+    /// The cause set by [`next_restart_cause`](Self::next_restart_cause), once.
+    pub fn take_restart_cause(&self) -> Option<RestartCause> {
+        self.inner
+            .restart_cause
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
+    /// Restarts left in the budget.
+    pub fn set_restarts_remaining(&self, remaining: u32) {
+        self.inner.restarts_remaining.set(i64::from(remaining));
+    }
+
+    /// A local rank reported that it reached `step`.
+    pub fn worker_step(&self, local_rank: u32, step: u64) {
+        if local_rank < MAX_LOCAL_RANKS {
+            self.inner.live.worker_step(local_rank, step);
+        }
+    }
+
+    // ---- checkpoints and shutdown -------------------------------------------------------------
+
+    /// Registers the consumer of operator checkpoint requests (the preemption barrier). A later
+    /// call replaces the earlier consumer. Until one is registered, or after it is dropped,
+    /// `POST /checkpoint` answers 503.
+    pub fn checkpoint_requests(&self) -> CheckpointRequests {
+        // One slot: duplicate requests join the pending one instead of queueing up.
+        let (tx, rx) = mpsc::channel(1);
+        *self
+            .inner
+            .checkpoint_tx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(tx);
+        CheckpointRequests { rx }
+    }
+
+    /// Delivers a checkpoint request to the registered consumer and counts it.
+    pub fn request_checkpoint(&self, trigger: CheckpointTrigger) -> CheckpointDelivery {
+        let slot = self
+            .inner
+            .checkpoint_tx
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(tx) = slot.as_ref() else {
+            return CheckpointDelivery::NoConsumer;
+        };
+        let request = CheckpointRequest {
+            trigger,
+            received: Instant::now(),
+        };
+        let delivery = match tx.try_send(request) {
+            Ok(()) => CheckpointDelivery::Delivered,
+            Err(mpsc::error::TrySendError::Full(_)) => CheckpointDelivery::AlreadyPending,
+            Err(mpsc::error::TrySendError::Closed(_)) => return CheckpointDelivery::NoConsumer,
+        };
+        drop(slot);
+        self.checkpoint_requested(trigger);
+        delivery
+    }
+
+    /// Counts a checkpoint request received by other means (a signal, a peer through the store).
+    pub fn checkpoint_requested(&self, trigger: CheckpointTrigger) {
+        self.inner
+            .checkpoint_requests
+            .with_label_values(&[trigger.as_str()])
+            .inc();
+    }
+
+    /// The barrier moved to `phase`.
+    pub fn set_checkpoint_phase(&self, phase: CheckpointPhase) {
+        self.inner.live.set_checkpoint_phase(phase);
+    }
+
+    /// The barrier ended `elapsed` after its request; `step` is the committed step.
+    pub fn checkpoint_finished(
+        &self,
+        outcome: CheckpointOutcome,
+        elapsed: Duration,
+        step: Option<u64>,
+    ) {
+        self.inner
+            .checkpoints
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+        self.inner
+            .checkpoint_duration
+            .with_label_values(&[outcome.as_str()])
+            .observe(elapsed.as_secs_f64());
+        if outcome == CheckpointOutcome::Committed {
+            if let Some(step) = step {
+                self.inner
+                    .last_checkpoint_step
+                    .set(i64::try_from(step).unwrap_or(i64::MAX));
+            }
+            self.inner.last_checkpoint_timestamp.set(unix_now());
+        }
+        self.inner.live.set_checkpoint_phase(CheckpointPhase::Idle);
+    }
+
+    /// The full grace budget (what `muster_grace_remaining_seconds` shows while no shutdown runs).
+    pub fn set_grace_period(&self, budget: Duration) {
+        self.inner.live.set_grace_period(budget);
+    }
+
+    /// A shutdown started that must finish by `deadline`; the remaining budget counts down.
+    pub fn grace_deadline(&self, deadline: Instant) {
+        self.inner.live.set_grace_deadline(Some(deadline));
+    }
+
+    // ---- store --------------------------------------------------------------------------------
+
+    /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
+    /// store per attempt) keeps its counters monotonic.
+    pub fn attach_store(&self, role: StoreRole, source: Arc<dyn StoreStatsSource>) {
+        self.inner.store.attach(role, source);
+    }
+
+    /// The store of `role` stopped; its counters keep their totals, its gauges drop to 0.
+    pub fn detach_store(&self, role: StoreRole) {
+        self.inner.store.detach(role);
+    }
+
+    // ---- exposition ---------------------------------------------------------------------------
+
+    /// The Prometheus text exposition of every metric.
+    pub fn encode(&self) -> Vec<u8> {
+        let families = self.inner.registry.gather();
+        let mut out = Vec::with_capacity(16 * 1024);
+        // Writing into a Vec cannot fail; the encoder only errors on I/O or invalid families,
+        // which gather() does not produce.
+        if let Err(err) = TextEncoder::new().encode(&families, &mut out) {
+            tracing::warn!("encoding metrics failed: {err}");
+        }
+        out
+    }
+
+    /// Every metric name this registry defines, whether or not it has a sample yet (for checking
+    /// dashboards against the code).
+    pub fn metric_names(&self) -> Vec<String> {
+        let mut names = self.inner.names.clone();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    pub(crate) fn count_http_request(&self, handler: &'static str, code: u16) {
+        self.inner
+            .http_requests
+            .with_label_values(&[handler, &code.to_string()])
+            .inc();
+    }
+}
+
+/// Seconds since the Unix epoch, as Prometheus timestamps are.
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// `SIGKILL`-style names; numbers outside the known set become `SIG<n>` (real-time signals), and
+/// anything out of range `unknown`, so the label set stays bounded.
+pub(crate) fn signal_name(signal: i32) -> String {
+    match nix::sys::signal::Signal::try_from(signal) {
+        Ok(sig) => sig.as_str().to_owned(),
+        Err(_) if (1..=64).contains(&signal) => format!("SIG{signal}"),
+        Err(_) => "unknown".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests;
