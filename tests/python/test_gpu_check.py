@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,48 @@ def test_with_spare_capacity_the_bad_node_leaves_and_the_healthy_one_proceeds(tm
     assert f"GPU 7 ({uuid}, {bus}) gpu_lost" in bad_out
     assert procs[0].returncode == 0, good_out
     assert "RESULT world=1 sum=1" in good_out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("bad_rank", [1, 0])
+def test_in_a_fixed_gang_one_bad_node_fails_every_node_fast_by_name(tmp_path, bad_rank):
+    """--nnodes 2 (no spare capacity): the node with a bad GPU joins only to stop the gang; every
+    agent exits 204 within seconds (not at the 60 s join deadline), naming node, GPU and check.
+    Parametrised over the bad node being a joiner and being node 0 (the store host)."""
+    from conftest import free_port
+
+    script = tmp_path / "worker.py"
+    script.write_text("raise SystemExit('a rank started on a gang with a bad GPU')\n")
+    port = free_port()
+    procs = []
+    started = time.monotonic()
+    for rank in (0, 1):
+        fixture = "nvlink-gpu3-two-links-down.json" if rank == bad_rank else "healthy-hgx-h100-8gpu.json"
+        env = dict(os.environ, MUSTER_NVML_LIBRARY=fake_nvml(),
+                   MUSTER_FAKE_NVML_FIXTURE=str(FIXTURES / fixture), PYTHON_EXEC=sys.executable)
+        env.pop("JOB_COMPLETION_INDEX", None)
+        env.pop("PET_NODE_RANK", None)
+        procs.append(subprocess.Popen(
+            [muster_bin(), "--gpu-check", "require", "--nnodes", "2", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gpu",
+             "--local-addr", "127.0.0.1", "--node-rank", str(rank),
+             "--rdzv-conf", "join_timeout=60,last_call_timeout=1,keep_alive_interval=0.5,heartbeat_timeout=3",
+             str(script)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=50)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    elapsed = time.monotonic() - started
+    uuid, bus = identity(3)
+    for p, out in zip(procs, outs):
+        assert p.returncode == UNHEALTHY_GPU, out
+        assert f"node rank {bad_rank} (" in out, out
+        assert f"GPU 3 ({uuid}, {bus}) nvlink_links: 16 of 18 NVLinks active" in out, out
+        assert "a rank started" not in out
+    assert elapsed < 40, f"took {elapsed:.1f}s: the gang waited instead of failing fast"

@@ -84,7 +84,20 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         };
     let mut launch = Launch::new(config).with_log_sink(writer.sink());
-    let preflight = crate::gpu::gate::for_launch(launch.config());
+    // In a fixed-size gang an unhealthy node joins anyway, flagged, so that node 0 ends the job
+    // for everyone at once (204, naming it); with spare capacity (MIN < MAX) it leaves instead.
+    let fixed_gang = crate::node::is_multi_node(launch.config())
+        && launch.config().nnodes.min == launch.config().nnodes.max;
+    let mut gpu_fatal = false;
+    let preflight = async {
+        if fixed_gang {
+            let (report, fatal) = crate::gpu::gate::for_gang(launch.config()).await?;
+            gpu_fatal = fatal;
+            Ok(report)
+        } else {
+            crate::gpu::gate::for_launch(launch.config()).await
+        }
+    };
     let gpu = match crate::metrics::agent::preflight(&metrics, preflight).await {
         Ok(report) => report,
         Err(exit) => {
@@ -95,7 +108,16 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     if crate::node::is_multi_node(launch.config()) {
         match crate::node::GangRendezvous::new(launch.config(), false) {
             Ok(mut r) => {
-                r.set_gpu_verdict(crate::gpu::gate::registration_value(gpu.as_ref()));
+                r.set_gpu_verdict(match gpu.as_ref() {
+                    Some(report) if gpu_fatal => {
+                        tracing::error!(
+                            "GPU pre-flight failed on {}; joining only to stop the gang",
+                            report.summary().message()
+                        );
+                        crate::gpu::gate::fatal_registration_value(report)
+                    }
+                    other => crate::gpu::gate::registration_value(other),
+                });
                 launch = launch.with_rendezvous(crate::metrics::agent::metered(r, &metrics));
             }
             Err(e) => {

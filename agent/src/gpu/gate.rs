@@ -138,6 +138,41 @@ pub fn registration_value(report: Option<&Report>) -> serde_json::Value {
         .unwrap_or(serde_json::Value::Null)
 }
 
+/// The registration value of a node whose pre-flight failed under `require` in a fixed-size
+/// gang: the summary plus `fatal`, which makes node 0 end the round for every node at once
+/// with the "unhealthy GPU" code and this node's message (instead of leaving the others to
+/// wait for the join deadline).
+pub fn fatal_registration_value(report: &Report) -> serde_json::Value {
+    let mut value = registration_value(Some(report));
+    if let serde_json::Value::Object(map) = &mut value {
+        map.insert(
+            "fatal".to_owned(),
+            serde_json::json!({
+                "exit_code": exit_code::UNHEALTHY_GPU,
+                "message": format!("GPU pre-flight failed: {}", report.summary().message()),
+            }),
+        );
+    }
+    value
+}
+
+/// The pre-flight for a fixed-size gang: under `require` an unhealthy node does not exit
+/// before joining, since the others would only learn of it at the join deadline; it joins with
+/// [`fatal_registration_value`] and the whole gang exits 204 by name. Returns the report and
+/// whether it is such a fatal one.
+pub async fn for_gang(config: &crate::launch::Config) -> Result<(Option<Report>, bool), Exit> {
+    if config.gpu_check != crate::launch::config::GpuCheck::Require {
+        return for_launch(config).await.map(|r| (r, false));
+    }
+    let mut probe = config.clone();
+    probe.gpu_check = crate::launch::config::GpuCheck::Warn;
+    let report = for_launch(&probe).await?;
+    let fatal = report
+        .as_ref()
+        .is_some_and(|r| r.verdict() == Verdict::Unhealthy);
+    Ok((report, fatal))
+}
+
 /// [`gang_verdict`] over the raw `gpu` values read back from every registration. `null` or a
 /// value that is not a summary (another muster version) counts as "no verdict".
 pub fn gang_verdict_from_values(nodes: &[(u32, &serde_json::Value)]) -> Option<Exit> {

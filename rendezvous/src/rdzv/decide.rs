@@ -379,6 +379,44 @@ pub fn decide_failure(
     (rec, reason)
 }
 
+/// A registration that ends the job for everyone (its GPU pre-flight failed under `require`):
+/// the exit code and the message every agent leaves with, naming the node.
+pub fn fatal_registration(reg: &Registration) -> Option<(u8, String)> {
+    let fatal = reg.gpu.get("fatal")?;
+    let code = fatal
+        .get("exit_code")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|c| u8::try_from(c).ok())?;
+    let message = fatal
+        .get("message")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("no reason given");
+    let rank = reg
+        .node_rank
+        .map_or_else(|| "?".to_owned(), |r| r.to_string());
+    Some((
+        code,
+        format!("node rank {rank} ({}, {}): {message}", reg.host, reg.addr),
+    ))
+}
+
+/// The generation that ends the job for every node with `exit_code`.
+pub fn fatal_bump(
+    current: &GenRecord,
+    by: Option<u32>,
+    exit_code: u8,
+    reason: String,
+) -> GenRecord {
+    GenRecord {
+        gen: current.gen + 1,
+        restarts: current.restarts,
+        kind: BumpKind::Fatal,
+        by,
+        reason,
+        exit_code: Some(exit_code),
+    }
+}
+
 /// The next generation after a membership change (free).
 pub fn membership_bump(current: &GenRecord, by: u32, reason: String) -> GenRecord {
     GenRecord {
@@ -611,5 +649,29 @@ mod tests {
         assert!(why.contains("no restarts left"), "{why}");
         let m = membership_bump(&next, 0, "scale".into());
         assert_eq!((m.gen, m.restarts, m.kind), (2, 1, BumpKind::Membership));
+    }
+
+    #[test]
+    fn a_registration_with_a_fatal_gpu_verdict_ends_the_job_by_name() {
+        let mut bad = reg(Some(2), "worker-2");
+        bad.gpu = serde_json::json!({
+            "verdict": "unhealthy",
+            "fatal": {"exit_code": 204, "message": "GPU 3 (GPU-abc, 0000:3b:00.0): nvlink_links: 16 of 18 links active"}
+        });
+        let (code, reason) = fatal_registration(&bad).unwrap();
+        assert_eq!(code, 204);
+        assert!(reason.starts_with("node rank 2 (worker-2, "), "{reason}");
+        assert!(reason.contains("GPU 3 (GPU-abc, 0000:3b:00.0)"), "{reason}");
+        let next = fatal_bump(&GenRecord::first(), Some(0), code, reason);
+        assert_eq!(
+            (next.gen, next.kind, next.exit_code),
+            (1, BumpKind::Fatal, Some(204))
+        );
+
+        // A warning-only verdict (no `fatal`) keeps the node in the round.
+        let mut warned = reg(Some(1), "worker-1");
+        warned.gpu = serde_json::json!({"verdict": "unhealthy"});
+        assert_eq!(fatal_registration(&warned), None);
+        assert_eq!(fatal_registration(&reg(Some(0), "worker-0")), None);
     }
 }

@@ -296,11 +296,31 @@ impl<K: Kv> Rendezvous<K> {
                     }
                     seen += 1;
                     match serde_json::from_slice::<Registration>(&value) {
-                        Ok(reg) => state.arrivals.push(Arrival {
-                            slot: seen,
-                            reg,
-                            seen_at: now,
-                        }),
+                        Ok(reg) => {
+                            // One node that must not run ends the job for all, at once, by name,
+                            // instead of leaving the others to wait for the join deadline.
+                            if let Some((code, reason)) = decide::fatal_registration(&reg) {
+                                let next =
+                                    decide::fatal_bump(&rec, self.reg.node_rank, code, reason);
+                                let won = bump(&mut self.kv, &self.keys, &raw, &next).await?;
+                                if won.kind == BumpKind::Fatal {
+                                    // This node hosts the store: keep it up until the waiting
+                                    // agents (they re-read the generation every keep-alive
+                                    // interval) have seen why, so they exit with this code and
+                                    // not with "store host lost".
+                                    sleep(
+                                        self.cfg.keep_alive_interval * 2 + self.cfg.poll_interval,
+                                    )
+                                    .await;
+                                }
+                                check_fatal(&won)?;
+                            }
+                            state.arrivals.push(Arrival {
+                                slot: seen,
+                                reg,
+                                seen_at: now,
+                            });
+                        }
                         Err(e) => warn!(
                             key = %String::from_utf8_lossy(key),
                             "ignoring an unreadable registration: {e}"

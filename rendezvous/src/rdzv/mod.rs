@@ -187,7 +187,10 @@ pub struct Registration {
     /// Set by node 0, the store host: its claim of rank 0 wins over any other.
     #[serde(default)]
     pub coordinator: bool,
-    /// The GPU pre-flight verdict (opaque JSON the GPU work fills; `null` when absent).
+    /// The GPU pre-flight verdict (opaque JSON the GPU work fills; `null` when absent). One
+    /// field is read here: `fatal: {"exit_code", "message"}`, set by a node whose pre-flight
+    /// failed under `--gpu-check require`; node 0 then ends the round for the whole gang with
+    /// that code (see [`decide::fatal_registration`]).
     #[serde(default)]
     pub gpu: serde_json::Value,
 }
