@@ -654,6 +654,9 @@ def test_gpu_preflight_results_are_exported(tmp_path):
         assert value(body, "muster_gpu_preflight_duration_seconds") > 0
         assert value(body, "muster_gpu_check_healthy", gpu="3", check="nvlink_links") == 0
         assert value(body, "muster_gpu_check_healthy", gpu="2", check="nvlink_links") == 1
+        # The fixture's GPU 3 has links 5 and 11 down: 16 of 18 active; the others all 18.
+        assert value(body, "muster_gpu_nvlink_active_links", gpu="3") == 16
+        assert value(body, "muster_gpu_nvlink_active_links", gpu="2") == 18
         uuids = {dict(labels).get("UUID") for (name, labels) in samples(body)
                  if name == "muster_gpu_check_healthy" and dict(labels)["gpu"] != "node"}
         assert len(uuids) == 8 and "" not in uuids, uuids

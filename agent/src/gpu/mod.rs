@@ -397,6 +397,7 @@ mod tests {
             name: None,
             numa_node: Some(0),
             cpu_affinity: vec![first, 100_000],
+            nvlink_active: None,
         };
         assert_eq!(binding_cpus(&gpu), vec![first]);
     }

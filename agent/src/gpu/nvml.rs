@@ -495,6 +495,8 @@ pub fn devices(library: Option<&str>) -> Result<Vec<super::GpuInfo>, DriverState
                         .map(|m| mask_bits(&m))
                         .unwrap_or_default(),
                     pci_bus_id: bus_id,
+                    // Identity only: the health checks count links (`GpuInfo::of`).
+                    nvlink_active: None,
                 })
             })
             .collect()

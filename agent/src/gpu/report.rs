@@ -129,6 +129,9 @@ pub struct GpuInfo {
     pub numa_node: Option<u32>,
     /// CPUs NVML lists as close to this GPU (empty when unknown).
     pub cpu_affinity: Vec<u32>,
+    /// NVLinks in the active state (`None` when NVLink state is unknown or not supported).
+    #[serde(default)]
+    pub nvlink_active: Option<u32>,
 }
 
 impl GpuInfo {
@@ -140,6 +143,11 @@ impl GpuInfo {
             name: gpu.name.clone().ok(),
             numa_node: gpu.numa_node,
             cpu_affinity: gpu.cpu_affinity.clone().unwrap_or_default(),
+            nvlink_active: gpu
+                .nvlinks
+                .as_ref()
+                .ok()
+                .map(|links| links.iter().filter(|l| l.active).count() as u32),
         }
     }
 }

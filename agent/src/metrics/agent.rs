@@ -436,6 +436,15 @@ where
                     None => metrics.gpu_check(None, "", &check.check, healthy),
                 }
             }
+            for gpu in &report.gpus {
+                if let Some(links) = gpu.nvlink_active {
+                    metrics.gpu_nvlink_active_links(
+                        gpu.index,
+                        gpu.uuid.as_deref().unwrap_or(""),
+                        links,
+                    );
+                }
+            }
             metrics.gpu_preflight_finished(report.verdict != Verdict::Unhealthy, elapsed);
         }
         Ok(None) => {}
