@@ -381,3 +381,30 @@ def test_in_a_fixed_gang_one_bad_node_fails_every_node_fast_by_name(tmp_path, ba
         assert f"GPU 3 ({uuid}, {bus}) nvlink_links: 16 of 18 NVLinks active" in out, out
         assert "a rank started" not in out
     assert elapsed < 40, f"took {elapsed:.1f}s: the gang waited instead of failing fast"
+
+
+@pytest.mark.timeout(120)
+def test_ranks_see_the_gpus_in_pci_bus_order(tmp_path):
+    """NVML may enumerate GPUs in another order than the bus; ranks get CUDA_DEVICE_ORDER and a
+    CUDA_VISIBLE_DEVICES listing UUIDs by bus id, so cuda:LOCAL_RANK is the same GPU on every
+    node. A CUDA_VISIBLE_DEVICES the user set is left alone."""
+    fixture = json.loads((FIXTURES / "healthy-hgx-h100-8gpu.json").read_text())
+    fixture["devices"] = fixture["devices"][::-1]  # enumeration order: highest bus first
+    (tmp_path / "shuffled.json").write_text(json.dumps(fixture))
+    by_bus = [d["uuid"] for d in sorted(fixture["devices"], key=lambda d: d["pci_bus_id"])]
+    script = tmp_path / "show.py"
+    script.write_text("import os\nprint('DEVICES', os.environ.get('CUDA_DEVICE_ORDER'), "
+                      "os.environ.get('CUDA_VISIBLE_DEVICES'), flush=True)\n")
+
+    def run(**extra):
+        env = dict(os.environ, MUSTER_NVML_LIBRARY=fake_nvml(),
+                   MUSTER_FAKE_NVML_FIXTURE=str(tmp_path / "shuffled.json"),
+                   PYTHON_EXEC=sys.executable, **extra)
+        proc = subprocess.run([muster_bin(), "--gpu-check", "warn", "--nproc-per-node", "2",
+                               str(script)], env=env, capture_output=True, text=True, timeout=90)
+        assert proc.returncode == 0, proc.stderr
+        return [line.split(" ", 1)[1].split("DEVICES ", 1)[1] for line in proc.stdout.splitlines()
+                if "DEVICES " in line]
+
+    assert run() == [f"PCI_BUS_ID {','.join(by_bus)}"] * 2
+    assert run(CUDA_VISIBLE_DEVICES="3,1") == ["None 3,1"] * 2

@@ -126,6 +126,10 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
+    let asks_gpus = launch.config().gpu_check != crate::launch::config::GpuCheck::Off;
+    for (key, value) in crate::gpu::gate::device_order_env(asks_gpus, &|k| std::env::var_os(k)) {
+        launch = launch.with_worker_env(key, value);
+    }
     let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
         .context("cannot set up the checkpoint barrier")?;
     launch = launch

@@ -183,6 +183,31 @@ pub fn gang_verdict_from_values(nodes: &[(u32, &serde_json::Value)]) -> Option<E
     gang_verdict(&parsed)
 }
 
+/// The device order for the ranks of a GPU job: `CUDA_DEVICE_ORDER=PCI_BUS_ID` and
+/// `CUDA_VISIBLE_DEVICES` listing the GPUs by PCI bus id (as UUIDs), so that `cuda:LOCAL_RANK`
+/// is the LOCAL_RANK-th GPU on the bus on every node — the order NVLink topology and NUMA
+/// placement are read in. Nothing when the job does not ask for GPUs, when the user chose
+/// `CUDA_VISIBLE_DEVICES` already, or when NVML cannot list the GPUs.
+pub fn device_order_env(
+    asks_gpus: bool,
+    inherited: &dyn Fn(&str) -> Option<std::ffi::OsString>,
+) -> Vec<(&'static str, String)> {
+    if !asks_gpus || inherited("CUDA_VISIBLE_DEVICES").is_some_and(|v| !v.is_empty()) {
+        return Vec::new();
+    }
+    let Ok(gpus) = super::ordered_devices() else {
+        return Vec::new();
+    };
+    let uuids: Option<Vec<String>> = gpus.iter().map(|g| g.uuid.clone()).collect();
+    match uuids {
+        Some(uuids) if !uuids.is_empty() => vec![
+            ("CUDA_DEVICE_ORDER", "PCI_BUS_ID".to_owned()),
+            ("CUDA_VISIBLE_DEVICES", uuids.join(",")),
+        ],
+        _ => Vec::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
