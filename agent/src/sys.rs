@@ -19,9 +19,13 @@ use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
 /// Makes `cmd` start as an isolated worker of the agent whose pid is `agent`.
-pub fn isolate_worker(cmd: &mut Command, agent: Pid) {
+pub fn isolate_worker(cmd: &mut Command, agent: Pid, cpus: Option<nix::sched::CpuSet>) {
     let hook = move || -> std::io::Result<()> {
         nix::unistd::setsid()?;
+        // `--numa-binding`: set before exec so every thread the worker ever starts inherits it.
+        if let Some(cpus) = &cpus {
+            nix::sched::sched_setaffinity(Pid::from_raw(0), cpus)?;
+        }
         nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
         // The agent may have died between fork and prctl; then nobody would ever kill us.
         if nix::unistd::getppid() != agent {
@@ -29,8 +33,8 @@ pub fn isolate_worker(cmd: &mut Command, agent: Pid) {
         }
         Ok(())
     };
-    // SAFETY: the hook only makes async-signal-safe system calls (setsid, prctl, getppid) and
-    // does not allocate; the error it may return is built from a raw errno.
+    // SAFETY: the hook only makes async-signal-safe system calls (setsid, sched_setaffinity, prctl,
+    // getppid) and does not allocate (the CPU set was built before the fork); the error it may return is built from a raw errno.
     unsafe {
         cmd.pre_exec(hook);
     }

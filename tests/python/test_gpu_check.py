@@ -408,3 +408,35 @@ def test_ranks_see_the_gpus_in_pci_bus_order(tmp_path):
 
     assert run() == [f"PCI_BUS_ID {','.join(by_bus)}"] * 2
     assert run(CUDA_VISIBLE_DEVICES="3,1") == ["None 3,1"] * 2
+
+
+@pytest.mark.timeout(120)
+def test_numa_binding_pins_each_rank_to_its_gpus_cpus(tmp_path):
+    """--numa-binding node: local rank i runs on the CPUs NVML lists for the i-th GPU by bus id
+    (intersected with the CPUs the agent may use). The fixture gives each GPU one CPU."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip(f"needs 2 usable CPUs, this process may use {allowed}")
+    fixture = json.loads((FIXTURES / "healthy-hgx-h100-8gpu.json").read_text())
+    fixture["devices"] = fixture["devices"][:2]
+    fixture["devices"][0]["cpu_affinity"] = str(allowed[0])
+    fixture["devices"][1]["cpu_affinity"] = str(allowed[1])
+    (tmp_path / "two.json").write_text(json.dumps(fixture))
+    script = tmp_path / "affinity.py"
+    script.write_text("import os\nprint('CPUS', os.environ['LOCAL_RANK'], "
+                      "sorted(os.sched_getaffinity(0)), flush=True)\n")
+    env = dict(os.environ, MUSTER_NVML_LIBRARY=fake_nvml(),
+               MUSTER_FAKE_NVML_FIXTURE=str(tmp_path / "two.json"), PYTHON_EXEC=sys.executable)
+    proc = subprocess.run([muster_bin(), "--gpu-check", "off", "--numa-binding", "node",
+                           "--nproc-per-node", "2", str(script)],
+                          env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    got = sorted(line.split("CPUS ", 1)[1] for line in proc.stdout.splitlines() if "CPUS " in line)
+    assert got == [f"0 [{allowed[0]}]", f"1 [{allowed[1]}]"], proc.stdout
+
+    # More ranks than GPUs: a clear configuration error, not an unbound run.
+    proc = subprocess.run([muster_bin(), "--gpu-check", "off", "--numa-binding", "node",
+                           "--nproc-per-node", "3", str(script)],
+                          env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 202, proc.stderr
+    assert "--numa-binding: 3 ranks but only 2 GPU(s)" in proc.stderr

@@ -422,6 +422,17 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let shutdown_timeout =
         parse_duration(low, "shutdown-timeout")?.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT);
     let grace_period = parse_duration(low, "grace-period")?;
+    let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
+        None => false,
+        Some((_, "node")) => true,
+        Some((raw, _)) => {
+            return Err(bad(
+                raw,
+                "numa-binding",
+                "only `node` is supported (torchrun's socket/exclusive/core-complex are not)",
+            ))
+        }
+    };
     let preempted_exit_code = match get(low, "preempted-exit-code") {
         None => 0,
         Some(raw) => raw
@@ -518,6 +529,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         gpu_check,
         grace_period,
         preempted_exit_code,
+        numa_binding,
     })
 }
 

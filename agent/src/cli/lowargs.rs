@@ -110,6 +110,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("metrics-addr", "ADDR:PORT", "Metrics and probes endpoint: IP:PORT, :PORT or none (default 0.0.0.0:8000)"),
     value("gpu-check", "off|warn|require", "GPU pre-flight before the workers start (default: require when the job asks for GPUs, by --nproc-per-node gpu or NVIDIA_VISIBLE_DEVICES, else off)"),
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
+    value("numa-binding", "node", "Pin each local rank to the CPUs of its GPU's NUMA node (GPUs in PCI bus order)"),
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
 ];
 

@@ -130,6 +130,15 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     for (key, value) in crate::gpu::gate::device_order_env(asks_gpus, &|k| std::env::var_os(k)) {
         launch = launch.with_worker_env(key, value);
     }
+    if launch.config().numa_binding {
+        match crate::gpu::gate::numa_binding(launch.config().nproc_per_node) {
+            Ok(rank_cpus) => launch = launch.with_rank_cpus(rank_cpus),
+            Err(e) => {
+                writer.finish();
+                return Err(Exit::config(format!("--numa-binding: {e}")).into());
+            }
+        }
+    }
     let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
         .context("cannot set up the checkpoint barrier")?;
     launch = launch

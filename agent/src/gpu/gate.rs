@@ -208,6 +208,25 @@ pub fn device_order_env(
     }
 }
 
+/// `--numa-binding node`: the CPUs each local rank is pinned to — local rank `i` gets GPU `i` in
+/// PCI bus order (as `cuda:LOCAL_RANK` sees them, see [`device_order_env`]), and the CPUs of its
+/// NUMA node that this process may use. An error when NVML cannot list the GPUs or a rank has
+/// no GPU: binding was asked for, so silently running unbound would hide a misconfiguration.
+pub fn numa_binding(nproc: u32) -> Result<Vec<Vec<u32>>, String> {
+    let gpus = super::ordered_devices().map_err(|e| format!("cannot list the GPUs: {e}"))?;
+    if (gpus.len() as u32) < nproc {
+        return Err(format!(
+            "{nproc} ranks but only {} GPU(s) to bind them to",
+            gpus.len()
+        ));
+    }
+    Ok(gpus
+        .iter()
+        .take(nproc as usize)
+        .map(super::binding_cpus)
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

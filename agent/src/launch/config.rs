@@ -195,6 +195,8 @@ pub struct Config {
     pub grace_period: Option<Duration>,
     /// Exit code after a committed preemption checkpoint.
     pub preempted_exit_code: u8,
+    /// `--numa-binding node`: pin each local rank to its GPU's NUMA-local CPUs.
+    pub numa_binding: bool,
 }
 
 impl Config {
@@ -230,6 +232,7 @@ impl Config {
             gpu_check: GpuCheck::default(),
             grace_period: None,
             preempted_exit_code: 0,
+            numa_binding: false,
         }
     }
 }

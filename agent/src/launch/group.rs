@@ -49,6 +49,8 @@ pub struct WorkerGroupSpec {
     pub publisher: Publisher,
     /// Extra variables for every worker, set after torchrun's (e.g. the checkpoint socket).
     pub extra_env: Vec<(String, OsString)>,
+    /// `--numa-binding`: the CPUs local rank `i` is pinned to (`rank_cpus[i]`); empty: no pinning.
+    pub rank_cpus: Vec<Vec<u32>>,
 }
 
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
@@ -162,7 +164,12 @@ pub async fn run_group(
             .stdin(Stdio::inherit())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        crate::sys::isolate_worker(&mut cmd, agent);
+        let cpus = spec
+            .rank_cpus
+            .get(local_rank as usize)
+            .filter(|cpus| !cpus.is_empty())
+            .map(|cpus| cpu_set(cpus));
+        crate::sys::isolate_worker(&mut cmd, agent, cpus);
         let mut child = match spec
             .reaper
             .spawn(&mut cmd, local_rank as usize, exits_tx.clone())
@@ -510,4 +517,13 @@ async fn drain(pumps: &mut JoinSet<()>) {
         tracing::debug!("worker output still open after the workers exited; not waiting");
         pumps.abort_all();
     }
+}
+
+/// A CPU set from a list of CPU numbers (those beyond what the set can hold are ignored).
+fn cpu_set(cpus: &[u32]) -> nix::sched::CpuSet {
+    let mut set = nix::sched::CpuSet::new();
+    for &cpu in cpus {
+        let _ = set.set(cpu as usize);
+    }
+    set
 }

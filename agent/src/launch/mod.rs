@@ -294,6 +294,7 @@ pub struct Launch {
     publisher: Publisher,
     logs: Option<LogSink>,
     extra_env: Vec<(String, OsString)>,
+    rank_cpus: Vec<Vec<u32>>,
 }
 
 impl Launch {
@@ -305,6 +306,7 @@ impl Launch {
             publisher: Publisher::new(),
             logs: None,
             extra_env: Vec::new(),
+            rank_cpus: Vec::new(),
         }
     }
 
@@ -313,6 +315,13 @@ impl Launch {
     #[must_use]
     pub fn with_worker_env(mut self, key: impl Into<String>, value: impl Into<OsString>) -> Self {
         self.extra_env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Pins local rank `i` to `rank_cpus[i]` (`--numa-binding`).
+    #[must_use]
+    pub fn with_rank_cpus(mut self, rank_cpus: Vec<Vec<u32>>) -> Self {
+        self.rank_cpus = rank_cpus;
         self
     }
 
@@ -355,6 +364,7 @@ impl Launch {
             publisher,
             logs,
             extra_env,
+            rank_cpus,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -410,6 +420,7 @@ impl Launch {
             logs: sink.clone(),
             publisher: publisher.clone(),
             extra_env,
+            rank_cpus,
         };
         let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
         if let Ok(outcome) = &result {

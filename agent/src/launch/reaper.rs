@@ -222,7 +222,7 @@ mod tests {
         let (tx, mut rx) = mpsc::unbounded_channel();
         let mut ours = std::process::Command::new("/bin/sh");
         ours.args(["-c", "exit 7"]);
-        crate::sys::isolate_worker(&mut ours, nix::unistd::getpid());
+        crate::sys::isolate_worker(&mut ours, nix::unistd::getpid(), None);
         let worker = reaper.spawn(&mut ours, 5, tx).unwrap();
         assert!(worker.pid > 0);
         let mut foreign = std::process::Command::new("/bin/sh")
