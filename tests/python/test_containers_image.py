@@ -103,6 +103,12 @@ def test_dockerfile_is_multistage_builder_then_base(dockerfile):
             copied.update(a for a in args.split() if not a.startswith("--"))
     for member in workspace["workspace"]["members"] + ["Cargo.toml", "Cargo.lock"]:
         assert member in copied, f"builder stage does not COPY {member}"
+    # Files the sources compile in from outside their crate must be copied too.
+    for source in (REPO / "agent" / "src").rglob("*.rs"):
+        for included in re.findall(r'include_str!\("([^"]+)"\)', source.read_text()):
+            path = (source.parent / included).resolve().relative_to(REPO)
+            assert any(path == Path(c) or Path(c) in path.parents for c in copied), \
+                f"{source.relative_to(REPO)} compiles in {path}, which the builder does not COPY"
     runs = " ".join(args for word, args in builder["body"] if word == "RUN")
     for needed in ("cargo build", "--release", "--locked", "-p muster"):
         assert needed in runs, f"builder RUN lacks {needed!r}"
