@@ -17,6 +17,21 @@ use tokio::time::Instant;
 
 use super::{CheckpointPhase, Phase, RoundOutcome, STATIC_DEFINITION};
 
+/// Descriptors of a scrape-time collector's families: `(name, help, label names)` each.
+pub(super) fn descs(defs: &[(&str, &str, &[&str])]) -> Vec<Desc> {
+    defs.iter()
+        .map(|(name, help, labels)| {
+            Desc::new(
+                (*name).to_owned(),
+                (*help).to_owned(),
+                labels.iter().map(|l| (*l).to_owned()).collect(),
+                HashMap::new(),
+            )
+            .expect(STATIC_DEFINITION)
+        })
+        .collect()
+}
+
 const PHASE: &str = "muster_agent_phase";
 const HEARTBEAT_AGE: &str = "muster_agent_heartbeat_age_seconds";
 const LAST_ROUND: &str = "muster_rendezvous_last_round";
@@ -162,18 +177,7 @@ impl LiveCollector {
                 &[],
             ),
         ];
-        let descs = defs
-            .iter()
-            .map(|(name, help, labels)| {
-                Desc::new(
-                    (*name).to_owned(),
-                    (*help).to_owned(),
-                    labels.iter().map(|l| (*l).to_owned()).collect(),
-                    HashMap::new(),
-                )
-                .expect(STATIC_DEFINITION)
-            })
-            .collect();
+        let descs = descs(&defs);
         Self { live, descs }
     }
 

@@ -8,14 +8,13 @@
 //! server's `Stats`. Because every attempt gets a fresh store whose counters start at
 //! zero, the totals of a replaced store are carried over, so the exported counters never go back.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
 
-use super::live::{counter, family, gauge};
-use super::STATIC_DEFINITION;
+use super::live::{counter, descs, family, gauge};
 
 const CONNECTIONS: &str = "muster_store_connections";
 const OPERATIONS: &str = "muster_store_operations_total";
@@ -172,18 +171,7 @@ impl StoreCollector {
             ),
             (KEYS, "Keys held by a store this agent hosts.", &["store"]),
         ];
-        let descs = defs
-            .iter()
-            .map(|(name, help, labels)| {
-                Desc::new(
-                    (*name).to_owned(),
-                    (*help).to_owned(),
-                    labels.iter().map(|l| (*l).to_owned()).collect(),
-                    HashMap::new(),
-                )
-                .expect(STATIC_DEFINITION)
-            })
-            .collect();
+        let descs = descs(&defs);
         Self {
             slots: Mutex::new(Default::default()),
             descs,
