@@ -8,12 +8,16 @@
 //!   huge lengths, vanishing clients, many idle connections): the offending connection is closed,
 //!   nothing huge is allocated, and other clients keep being served.
 //! - `codec`: property tests of `rendezvous::store::protocol`.
+//! - `event_loops`: connections spread over several runtimes (as `muster store` runs) share one
+//!   store; shutdown reaches idle, waiting and stuck connections alike.
 
 #[path = "wire/common.rs"]
 mod common;
 
 #[path = "wire/codec.rs"]
 mod codec;
+#[path = "wire/event_loops.rs"]
+mod event_loops;
 #[path = "wire/malformed.rs"]
 mod malformed;
 #[path = "wire/replay.rs"]

@@ -8,6 +8,10 @@
 //! which totally orders them; the client's task then writes the outbox out. That ordering is what
 //! keeps WAIT/CANCEL_WAIT race-free.
 //!
+//! `muster store` spreads connections over several current-thread runtimes (event loops), each
+//! of which can busy-poll its sockets for a moment after serving a request; see docs/store.md
+//! § Performance.
+//!
 //! Listening follows libuv (`UvTcpServer::makeWithPort`): dual-stack `[::]` where possible,
 //! backlog = `somaxconn`, TCP_NODELAY on every accepted socket. Peers are only ever formatted
 //! numerically: no name lookup happens on the accept or request path (reverse DNS there stalls
@@ -15,15 +19,17 @@
 
 use std::collections::HashMap;
 use std::net::{Ipv6Addr, SocketAddr};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{BufMut, BytesMut};
 use socket2::{Domain, Protocol, Socket, Type};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
+use tokio::runtime::Handle;
+use tokio::sync::{futures::Notified, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
@@ -55,12 +61,17 @@ const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
 pub struct Config {
     /// Connections beyond this are accepted and closed at once, with a log line.
     pub max_connections: usize,
+    /// How long the event loop keeps polling its sockets, instead of sleeping in epoll, after
+    /// the last request it served. Zero (the default) never polls. See [`busy_poll`] for when
+    /// it pays off; it only works on a current-thread runtime.
+    pub busy_poll: Duration,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            busy_poll: Duration::ZERO,
         }
     }
 }
@@ -107,10 +118,32 @@ struct Shared {
     stats: Arc<Stats>,
 }
 
+/// How connection tasks tell the busy poller that requests are flowing.
+#[derive(Default)]
+struct Activity {
+    /// Request batches served; the poller keeps polling while this moves.
+    batches: AtomicU64,
+    /// Set while the poller sleeps, so that only the first request after a quiet spell pays for
+    /// waking it.
+    poller_asleep: AtomicBool,
+    wake_poller: Notify,
+}
+
+impl Activity {
+    fn served_batch(&self) {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        if self.poller_asleep.load(Ordering::Relaxed) {
+            self.wake_poller.notify_one();
+        }
+    }
+}
+
 struct Inner {
     state: State,
     outboxes: HashMap<ClientId, Outbox>,
     next_client: ClientId,
+    /// Set once at shutdown; a connection registering after it closes at once.
+    closing: bool,
 }
 
 /// Bytes owed to one client, and the signal that wakes its task to send them.
@@ -125,6 +158,22 @@ impl Shared {
         // enough to keep serving other clients, so poisoning is not propagated.
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
+
+    /// Tells every connection to close. Shutdown travels through each connection's own
+    /// `Notify` rather than a shared token: a connection task polls its wake-up future on every
+    /// request, and one future shared by thousands of connections would put one mutex (the
+    /// token's waiter list) on every request's path.
+    fn close_all(&self) {
+        let mut inner = self.lock();
+        inner.closing = true;
+        for outbox in inner.outboxes.values() {
+            outbox.notify.notify_one();
+        }
+    }
+
+    fn is_closing(&self) -> bool {
+        self.lock().closing
+    }
 }
 
 /// A bound, not yet running, store server.
@@ -133,6 +182,14 @@ pub struct Server {
     local_addr: SocketAddr,
     config: Config,
     shared: Arc<Shared>,
+    event_loops: Vec<Handle>,
+}
+
+/// A runtime that serves connections, with what its busy poller watches.
+struct EventLoop {
+    /// `None`: the runtime `run` is called on.
+    handle: Option<Handle>,
+    activity: Arc<Activity>,
 }
 
 impl Server {
@@ -155,10 +212,22 @@ impl Server {
                     state: State::new(),
                     outboxes: HashMap::new(),
                     next_client: 1,
+                    closing: false,
                 }),
                 stats: Arc::new(Stats::default()),
             }),
+            event_loops: Vec::new(),
         })
+    }
+
+    /// Spreads connections round-robin over the runtime `run` is called on and these. Meant for
+    /// one current-thread runtime per CPU (what `muster store` does): each loop then reads and
+    /// writes its own sockets in parallel, while every request still goes through the one state
+    /// lock, and each loop can busy-poll its own I/O driver.
+    #[must_use]
+    pub fn with_more_event_loops(mut self, loops: Vec<Handle>) -> Self {
+        self.event_loops = loops;
+        self
     }
 
     /// The address actually bound (with the chosen port when 0 was asked for).
@@ -175,7 +244,34 @@ impl Server {
     pub async fn run(self, shutdown: CancellationToken) -> Result<(), ServerError> {
         let tasks = TaskTracker::new();
         let stats = Arc::clone(&self.shared.stats);
-        info!(addr = %self.local_addr, "store listening");
+        info!(
+            addr = %self.local_addr,
+            event_loops = self.event_loops.len() + 1,
+            busy_poll_us = self.config.busy_poll.as_micros(),
+            "store listening"
+        );
+        let loops: Vec<EventLoop> = std::iter::once(None)
+            .chain(self.event_loops.iter().cloned().map(Some))
+            .map(|handle| EventLoop {
+                handle,
+                activity: Arc::default(),
+            })
+            .collect();
+        if !self.config.busy_poll.is_zero() {
+            for event_loop in &loops {
+                let activity = Arc::clone(&event_loop.activity);
+                let window = self.config.busy_poll;
+                let shutdown = shutdown.clone();
+                let poller = tasks.track_future(async move {
+                    busy_poll(&activity, window, &shutdown).await;
+                });
+                match &event_loop.handle {
+                    Some(handle) => drop(handle.spawn(poller)),
+                    None => drop(tokio::spawn(poller)),
+                }
+            }
+        }
+        let mut next_loop = 0;
         loop {
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -199,16 +295,35 @@ impl Server {
             }
             stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
             stats.connections_open.fetch_add(1, Ordering::Relaxed);
+            let event_loop = &loops[next_loop];
+            next_loop = (next_loop + 1) % loops.len();
             let shared = Arc::clone(&self.shared);
-            let shutdown = shutdown.clone();
-            tasks.spawn(async move {
-                serve_connection(stream, peer, &shared, shutdown).await;
-                shared
-                    .stats
-                    .connections_open
-                    .fetch_sub(1, Ordering::Relaxed);
-            });
+            let activity = Arc::clone(&event_loop.activity);
+            match &event_loop.handle {
+                None => drop(tasks.spawn(async move {
+                    serve_connection(stream, peer, &shared, &activity).await;
+                    shared
+                        .stats
+                        .connections_open
+                        .fetch_sub(1, Ordering::Relaxed);
+                })),
+                Some(handle) => {
+                    // A socket is registered with the reactor of the runtime that created its
+                    // tokio handle: hand it over as a std socket and register it there.
+                    let moved = stream.into_std();
+                    drop(handle.spawn(tasks.track_future(async move {
+                        match moved.and_then(TcpStream::from_std) {
+                            Ok(stream) => {
+                                serve_connection(stream, peer, &shared, &activity).await;
+                            }
+                            Err(err) => debug!(%peer, error = %err, "cannot move connection to its event loop"),
+                        }
+                        shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
+                    })));
+                }
+            }
         }
+        self.shared.close_all();
         tasks.close();
         tasks.wait().await;
         info!(addr = %self.local_addr, "store stopped");
@@ -264,7 +379,7 @@ async fn serve_connection(
     mut stream: TcpStream,
     peer: SocketAddr,
     shared: &Shared,
-    shutdown: CancellationToken,
+    activity: &Activity,
 ) {
     if let Err(err) = stream.set_nodelay(true) {
         debug!(%peer, error = %err, "cannot set TCP_NODELAY");
@@ -272,6 +387,9 @@ async fn serve_connection(
     let notify = Arc::new(Notify::new());
     let id = {
         let mut inner = shared.lock();
+        if inner.closing {
+            return;
+        }
         let id = inner.next_client;
         inner.next_client += 1;
         inner.outboxes.insert(
@@ -283,7 +401,7 @@ async fn serve_connection(
         );
         id
     };
-    let close = connection_loop(&mut stream, id, &notify, shared, &shutdown).await;
+    let close = connection_loop(&mut stream, id, &notify, shared, activity).await;
     {
         let mut inner = shared.lock();
         inner.state.cancel_wait(id);
@@ -308,24 +426,25 @@ async fn connection_loop(
     id: ClientId,
     notify: &Notify,
     shared: &Shared,
-    shutdown: &CancellationToken,
+    activity: &Activity,
 ) -> Close {
     let stats = &shared.stats;
     let mut inbuf = BytesMut::with_capacity(IDLE_BUFFER);
     let mut validated = false;
+    // Kept across iterations so that it is registered with the `Notify` once, not once per
+    // request; replaced only after it fires.
+    let mut woken = pin!(notify.notified());
     loop {
         let pending = tokio::select! {
-            () = shutdown.cancelled() => return Close::Shutdown,
-            // Another client's write released us: send the STOP_WAITING byte(s) queued for us.
-            () = notify.notified() => take_pending(id, shared),
             read = stream.read_buf(&mut inbuf) => match read {
                 Ok(0) => return Close::PeerClosed,
                 Ok(n) => {
                     stats.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
                     let (pending, result) = process(&mut inbuf, id, &mut validated, shared);
+                    activity.served_batch();
                     if let Err(reason) = result {
                         // Replies to the requests before the bad one are still owed.
-                        let _ = write(stream, &pending, shared, shutdown).await;
+                        let _ = write(stream, &pending, notify, &mut woken, shared).await;
                         return Close::Protocol(reason);
                     }
                     if inbuf.is_empty() && inbuf.capacity() > READ_CHUNK {
@@ -340,9 +459,26 @@ async fn connection_loop(
                 }
                 Err(err) => return Close::Io(err),
             },
+            // Another client's write released us (send the STOP_WAITING byte(s) queued for
+            // us), or the server is shutting down.
+            () = woken.as_mut() => {
+                woken.set(notify.notified());
+                match take_pending(id, shared) {
+                    Some(pending) => pending,
+                    None => return Close::Shutdown,
+                }
+            }
         };
-        if let Err(close) = write(stream, &pending, shared, shutdown).await {
-            return close;
+        let mut pending = pending;
+        loop {
+            match write(stream, &pending, notify, &mut woken, shared).await {
+                Ok(Written::All) => break,
+                Ok(Written::AllAndWoken) => match take_pending(id, shared) {
+                    Some(more) => pending = more,
+                    None => return Close::Shutdown,
+                },
+                Err(close) => return close,
+            }
         }
     }
 }
@@ -425,39 +561,107 @@ fn process(
     (reply, result)
 }
 
+/// Keeps the event loop from sleeping while requests are flowing: after a request, for up to
+/// `window` without another one, this task yields instead of letting the runtime block in
+/// epoll. A yielded task makes tokio's scheduler poll the I/O driver with a zero timeout, so a
+/// request that arrives meanwhile is read at once, without the wake-up of a sleeping thread.
+///
+/// Why: a closed-loop client (one connection doing request, reply, request, ...) pays two
+/// thread wake-ups per round trip, one on each side. On virtual machines a wake-up of an idle
+/// CPU costs tens of microseconds (an IPI through the hypervisor), several times the work of
+/// the request itself; not sleeping removes the server's half of it. The price is at most
+/// `window` of one CPU after each burst of requests; a busy server never spins, since it
+/// always has a ready socket, and an idle one never does, since the poller sleeps.
+///
+/// The zero-timeout poll only reaches the I/O driver on a current-thread runtime (a
+/// multi-thread runtime leaves the driver to whichever worker is parked in it), which is what
+/// `muster store`'s event loops are; each loop has its own poller.
+async fn busy_poll(activity: &Activity, window: Duration, shutdown: &CancellationToken) {
+    loop {
+        activity.poller_asleep.store(true, Ordering::Relaxed);
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = activity.wake_poller.notified() => {}
+        }
+        activity.poller_asleep.store(false, Ordering::Relaxed);
+        let mut seen = activity.batches.load(Ordering::Relaxed);
+        let mut quiet_since = Instant::now();
+        while quiet_since.elapsed() < window {
+            tokio::task::yield_now().await;
+            let batches = activity.batches.load(Ordering::Relaxed);
+            if batches != seen {
+                seen = batches;
+                quiet_since = Instant::now();
+            }
+        }
+    }
+}
+
 fn decode_reason(err: &DecodeError) -> String {
     format!("malformed request: {err}")
 }
 
-/// Takes whatever other clients' writes queued for this client.
-fn take_pending(id: ClientId, shared: &Shared) -> BytesMut {
+/// Takes whatever other clients' writes queued for this client; `None` once the server is
+/// shutting down.
+fn take_pending(id: ClientId, shared: &Shared) -> Option<BytesMut> {
     let mut inner = shared.lock();
-    inner
-        .outboxes
-        .get_mut(&id)
-        .map(|outbox| outbox.pending.split())
-        .unwrap_or_default()
+    if inner.closing {
+        return None;
+    }
+    Some(
+        inner
+            .outboxes
+            .get_mut(&id)
+            .map(|outbox| outbox.pending.split())
+            .unwrap_or_default(),
+    )
 }
 
-/// Writes bytes owed to the client.
-async fn write(
+/// How a write ended.
+enum Written {
+    All,
+    /// A wake-up arrived while the socket was full; the caller owes it a look.
+    AllAndWoken,
+}
+
+/// Writes bytes owed to the client: at once when the socket takes them (the common case: a
+/// reply is a few bytes), else waiting for room while still hearing shutdown, so a client that
+/// stops reading cannot hold its task past shutdown.
+async fn write<'n>(
     stream: &mut TcpStream,
-    pending: &[u8],
+    mut pending: &[u8],
+    notify: &'n Notify,
+    woken: &mut Pin<&mut Notified<'n>>,
     shared: &Shared,
-    shutdown: &CancellationToken,
-) -> Result<(), Close> {
-    if pending.is_empty() {
-        return Ok(());
-    }
-    // A client that stops reading must not hold the task past shutdown.
-    tokio::select! {
-        () = shutdown.cancelled() => Err(Close::Shutdown),
-        written = stream.write_all(pending) => match written {
-            Ok(()) => {
-                shared.stats.bytes_sent.fetch_add(pending.len() as u64, Ordering::Relaxed);
-                Ok(())
+) -> Result<Written, Close> {
+    let total = pending.len();
+    let mut was_woken = false;
+    while !pending.is_empty() {
+        match stream.try_write(pending) {
+            Ok(n) => pending = &pending[n..],
+            Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                tokio::select! {
+                    ready = stream.writable() => ready.map_err(Close::Io)?,
+                    () = woken.as_mut() => {
+                        woken.set(notify.notified());
+                        if shared.is_closing() {
+                            return Err(Close::Shutdown);
+                        }
+                        was_woken = true;
+                    }
+                }
             }
-            Err(err) => Err(Close::Io(err)),
-        },
+            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(err) => return Err(Close::Io(err)),
+        }
     }
+    shared
+        .stats
+        .bytes_sent
+        .fetch_add(total as u64, Ordering::Relaxed);
+    Ok(if was_woken {
+        Written::AllAndWoken
+    } else {
+        Written::All
+    })
 }

@@ -337,7 +337,10 @@ async fn idle_connections_do_not_starve_active_ones() -> TestResult {
 
 #[tokio::test]
 async fn connection_cap_refuses_extra_connections_only() -> TestResult {
-    let config = rendezvous::store::server::Config { max_connections: 4 };
+    let config = rendezvous::store::server::Config {
+        max_connections: 4,
+        ..Default::default()
+    };
     let server = TestServer::with_config(config).await?;
     let mut held = Vec::new();
     for _ in 0..4 {

@@ -650,29 +650,32 @@ fn compare(args: &Args) -> Res<()> {
                 note: vec![],
             },
         ];
-        for (i, (name, at)) in args.servers.iter().enumerate() {
-            let rate = if alive[i] {
-                ops(*at, c, args.secs)
-            } else {
-                Err("down".to_owned())
-            };
-            match rate {
-                Ok(x) => {
-                    eprintln!(
-                        "{name}: {c} conn: GET {:.0}/s ADD {:.0}/s SET {:.0}/s",
-                        x.get, x.add, x.set
-                    );
-                    r[0].cells.push(Some(x.get));
-                    r[1].cells.push(Some(x.add));
-                    r[2].cells.push(Some(x.set));
+        // Every server is measured once per repetition, interleaved, so background load drifts
+        // over all of them alike; the cells are medians.
+        let mut samples = vec![[Vec::new(), Vec::new(), Vec::new()]; names.len()];
+        for _ in 0..args.reps {
+            for (i, (name, at)) in args.servers.iter().enumerate() {
+                if !alive[i] {
+                    continue;
                 }
-                Err(e) => {
-                    eprintln!("{name}: {c} conn: {e}");
-                    for row in &mut r {
-                        row.cells.push(None);
+                match ops(*at, c, args.secs) {
+                    Ok(x) => {
+                        eprintln!(
+                            "{name}: {c} conn: GET {:.0}/s ADD {:.0}/s SET {:.0}/s",
+                            x.get, x.add, x.set
+                        );
+                        samples[i][0].push(x.get);
+                        samples[i][1].push(x.add);
+                        samples[i][2].push(x.set);
                     }
+                    Err(e) => eprintln!("{name}: {c} conn: {e}"),
                 }
             }
+        }
+        for [get, add, set] in samples {
+            r[0].cells.push(median(get));
+            r[1].cells.push(median(add));
+            r[2].cells.push(median(set));
         }
         rows.extend(r);
     }
@@ -756,7 +759,7 @@ fn compare(args: &Args) -> Res<()> {
     let _ = writeln!(
         out,
         "\nops/s and SET/s: higher is better (ratio > 1 favours {}); rendezvous times: lower is better \
-         (ratio < 1 favours {}). Rendezvous cells are medians of {} repetitions.",
+         (ratio < 1 favours {}). Every cell is the median of {} repetitions.",
         names[0], names[0], args.reps
     );
     print!("{out}");
