@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
+use rendezvous::store::event_loops::{current_thread_runtime, EventLoops};
 use rendezvous::store::server::{Config, Server, DEFAULT_MAX_CONNECTIONS};
 use tokio_util::sync::CancellationToken;
 
@@ -72,34 +73,12 @@ pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
     // Current-thread runtimes, like libuv's event loop: the busy poll needs the thread that owns
     // the I/O driver. The main thread's runtime accepts and is loop 0; the others run on threads
     // of their own until the server has closed every connection.
-    let main = current_thread_runtime()?;
-    let mut handles = Vec::new();
-    let loops_done = CancellationToken::new();
-    let mut threads = Vec::new();
-    for index in 1..loops {
-        let runtime = current_thread_runtime()?;
-        handles.push(runtime.handle().clone());
-        let done = loops_done.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("store-loop-{index}"))
-            .spawn(move || runtime.block_on(done.cancelled()))
-            .context("cannot start an event loop thread")?;
-        threads.push(thread);
-    }
-    let result = main.block_on(serve(args, handles));
-    loops_done.cancel();
-    for thread in threads {
-        // A loop thread only ends by `loops_done`; a panic there has already been logged.
-        let _ = thread.join();
-    }
+    let main = current_thread_runtime().context("cannot start the async runtime")?;
+    let more_loops =
+        EventLoops::start(loops - 1).context("cannot start the store's event loops")?;
+    let result = main.block_on(serve(args, more_loops.handles()));
+    drop(more_loops);
     result
-}
-
-fn current_thread_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")
 }
 
 async fn serve(

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import muster_bin
+from conftest import StoreProcess, muster_bin
 
 IDLE = 10_000
 MAGIC = 0x3C85F7CE
@@ -108,63 +108,43 @@ def _cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _start_store(*flags):
-    proc = subprocess.Popen(
-        [muster_bin(), "store", "--host", "127.0.0.1", "--port", "0", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    line = proc.stdout.readline()
-    assert line, proc.stderr.read()
-    return proc, int(line.strip().rsplit(":", 1)[-1])
-
-
-def _stop(proc):
-    proc.terminate()
-    try:
-        assert proc.wait(timeout=10) == 0
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
-
-
 @pytest.mark.timeout(60)
 def test_busy_poll_costs_nothing_idle_and_a_bounded_amount_per_burst():
     """The default busy poll (100 µs after the last request) must never turn into a spinning
     idle server: no CPU while nobody talks, and for sparse requests at most the window each."""
-    proc, port = _start_store()
+    store = StoreProcess()
     try:
-        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        s = socket.create_connection(("127.0.0.1", store.port), timeout=10)
         s.sendall(_hello(5))
         assert _recv_exact(s, 4) == struct.pack("<I", 5)
         time.sleep(0.3)
-        before = _cpu_seconds(proc.pid)
+        before = _cpu_seconds(store.proc.pid)
         time.sleep(2)
-        idle = _cpu_seconds(proc.pid) - before
+        idle = _cpu_seconds(store.proc.pid) - before
         assert idle <= 0.03, f"idle store used {idle:.2f} s of CPU in 2 s"
 
         # 100 lone requests, 20 ms apart: each costs its service time plus at most 100 µs of
         # polling; a poller that never stopped would cost the whole 2 s.
-        before = _cpu_seconds(proc.pid)
+        before = _cpu_seconds(store.proc.pid)
         for n in range(1, 101):
             assert _add(s, b"/sparse", 1) == n
             time.sleep(0.02)
-        sparse = _cpu_seconds(proc.pid) - before
+        sparse = _cpu_seconds(store.proc.pid) - before
         assert sparse < 0.3, f"100 sparse requests cost {sparse:.2f} s of CPU"
         print(f"idle: {idle:.2f} s CPU in 2 s; 100 sparse requests: {sparse:.3f} s CPU")
         s.close()
     finally:
-        _stop(proc)
+        assert store.stop() == 0
 
 
 @pytest.mark.timeout(60)
 def test_store_flags_for_loops_and_polling_are_honoured():
     for flags in (["--busy-poll-us", "0"], ["--event-loops", "3"], ["--event-loops", "2", "--busy-poll-us", "500"]):
-        proc, port = _start_store(*flags)
+        store = StoreProcess(flags)
         try:
             clients = []
             for i in range(6):  # spread over every loop
-                c = socket.create_connection(("127.0.0.1", port), timeout=10)
+                c = socket.create_connection(("127.0.0.1", store.port), timeout=10)
                 c.sendall(_hello(i))
                 assert _recv_exact(c, 4) == struct.pack("<I", i)
                 clients.append(c)
@@ -173,6 +153,6 @@ def test_store_flags_for_loops_and_polling_are_honoured():
             for c in clients:
                 c.close()
         finally:
-            _stop(proc)
+            assert store.stop() == 0, flags
     bad = subprocess.run([muster_bin(), "store", "--event-loops", "0"], capture_output=True, text=True, timeout=10)
     assert bad.returncode == 202 and "event-loops" in bad.stderr, (bad.returncode, bad.stderr)

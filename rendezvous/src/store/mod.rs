@@ -5,6 +5,7 @@
 //! each such choice is written down where it is made (search for "libuv:").
 
 pub mod client;
+pub mod event_loops;
 pub mod protocol;
 pub mod server;
 pub mod state;

@@ -18,11 +18,12 @@
 //! for seconds in pods; see shared/reference/performance.md §2.1).
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::{Ipv6Addr, SocketAddr};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
 use socket2::{Domain, Protocol, Socket, Type};
@@ -34,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use super::event_loops::{busy_poll, Activity};
 use super::protocol::{reply, Command, DecodeError, Request, VALIDATION_MAGIC};
 use super::state::{ClientId, State, StateError};
 
@@ -62,8 +64,9 @@ pub struct Config {
     /// Connections beyond this are accepted and closed at once, with a log line.
     pub max_connections: usize,
     /// How long the event loop keeps polling its sockets, instead of sleeping in epoll, after
-    /// the last request it served. Zero (the default) never polls. See [`busy_poll`] for when
-    /// it pays off; it only works on a current-thread runtime.
+    /// the last request it served. Zero (the default) never polls. See
+    /// [`event_loops`](super::event_loops) for when it pays off; it only works on a
+    /// current-thread runtime.
     pub busy_poll: Duration,
 }
 
@@ -118,26 +121,6 @@ struct Shared {
     stats: Arc<Stats>,
 }
 
-/// How connection tasks tell the busy poller that requests are flowing.
-#[derive(Default)]
-struct Activity {
-    /// Request batches served; the poller keeps polling while this moves.
-    batches: AtomicU64,
-    /// Set while the poller sleeps, so that only the first request after a quiet spell pays for
-    /// waking it.
-    poller_asleep: AtomicBool,
-    wake_poller: Notify,
-}
-
-impl Activity {
-    fn served_batch(&self) {
-        self.batches.fetch_add(1, Ordering::Relaxed);
-        if self.poller_asleep.load(Ordering::Relaxed) {
-            self.wake_poller.notify_one();
-        }
-    }
-}
-
 struct Inner {
     state: State,
     outboxes: HashMap<ClientId, Outbox>,
@@ -190,6 +173,34 @@ struct EventLoop {
     /// `None`: the runtime `run` is called on.
     handle: Option<Handle>,
     activity: Arc<Activity>,
+}
+
+/// An accepted socket on its way to the loop that serves it. A tokio socket belongs to the
+/// reactor of the runtime that created it, so one bound for another loop travels as a std
+/// socket and is registered there.
+enum Accepted {
+    Here(TcpStream),
+    Moved(std::net::TcpStream),
+}
+
+impl Accepted {
+    /// On the serving loop.
+    fn register(self) -> std::io::Result<TcpStream> {
+        match self {
+            Accepted::Here(stream) => Ok(stream),
+            Accepted::Moved(stream) => TcpStream::from_std(stream),
+        }
+    }
+}
+
+impl EventLoop {
+    fn spawn(&self, tasks: &TaskTracker, task: impl Future<Output = ()> + Send + 'static) {
+        let task = tasks.track_future(task);
+        drop(match &self.handle {
+            Some(handle) => handle.spawn(task),
+            None => tokio::spawn(task),
+        });
+    }
 }
 
 impl Server {
@@ -262,13 +273,9 @@ impl Server {
                 let activity = Arc::clone(&event_loop.activity);
                 let window = self.config.busy_poll;
                 let shutdown = shutdown.clone();
-                let poller = tasks.track_future(async move {
+                event_loop.spawn(&tasks, async move {
                     busy_poll(&activity, window, &shutdown).await;
                 });
-                match &event_loop.handle {
-                    Some(handle) => drop(handle.spawn(poller)),
-                    None => drop(tokio::spawn(poller)),
-                }
             }
         }
         let mut next_loop = 0;
@@ -299,29 +306,22 @@ impl Server {
             next_loop = (next_loop + 1) % loops.len();
             let shared = Arc::clone(&self.shared);
             let activity = Arc::clone(&event_loop.activity);
-            match &event_loop.handle {
-                None => drop(tasks.spawn(async move {
-                    serve_connection(stream, peer, &shared, &activity).await;
-                    shared
-                        .stats
-                        .connections_open
-                        .fetch_sub(1, Ordering::Relaxed);
-                })),
-                Some(handle) => {
-                    // A socket is registered with the reactor of the runtime that created its
-                    // tokio handle: hand it over as a std socket and register it there.
-                    let moved = stream.into_std();
-                    drop(handle.spawn(tasks.track_future(async move {
-                        match moved.and_then(TcpStream::from_std) {
-                            Ok(stream) => {
-                                serve_connection(stream, peer, &shared, &activity).await;
-                            }
-                            Err(err) => debug!(%peer, error = %err, "cannot move connection to its event loop"),
-                        }
-                        shared.stats.connections_open.fetch_sub(1, Ordering::Relaxed);
-                    })));
+            let accepted = match event_loop.handle {
+                None => Ok(Accepted::Here(stream)),
+                Some(_) => stream.into_std().map(Accepted::Moved),
+            };
+            event_loop.spawn(&tasks, async move {
+                match accepted.and_then(Accepted::register) {
+                    Ok(stream) => serve_connection(stream, peer, &shared, &activity).await,
+                    Err(err) => {
+                        debug!(%peer, error = %err, "cannot move connection to its event loop");
+                    }
                 }
-            }
+                shared
+                    .stats
+                    .connections_open
+                    .fetch_sub(1, Ordering::Relaxed);
+            });
         }
         self.shared.close_all();
         tasks.close();
@@ -559,42 +559,6 @@ fn process(
         .store(inner.state.blocked_clients(), Ordering::Relaxed);
     stats.keys.store(inner.state.num_keys(), Ordering::Relaxed);
     (reply, result)
-}
-
-/// Keeps the event loop from sleeping while requests are flowing: after a request, for up to
-/// `window` without another one, this task yields instead of letting the runtime block in
-/// epoll. A yielded task makes tokio's scheduler poll the I/O driver with a zero timeout, so a
-/// request that arrives meanwhile is read at once, without the wake-up of a sleeping thread.
-///
-/// Why: a closed-loop client (one connection doing request, reply, request, ...) pays two
-/// thread wake-ups per round trip, one on each side. On virtual machines a wake-up of an idle
-/// CPU costs tens of microseconds (an IPI through the hypervisor), several times the work of
-/// the request itself; not sleeping removes the server's half of it. The price is at most
-/// `window` of one CPU after each burst of requests; a busy server never spins, since it
-/// always has a ready socket, and an idle one never does, since the poller sleeps.
-///
-/// The zero-timeout poll only reaches the I/O driver on a current-thread runtime (a
-/// multi-thread runtime leaves the driver to whichever worker is parked in it), which is what
-/// `muster store`'s event loops are; each loop has its own poller.
-async fn busy_poll(activity: &Activity, window: Duration, shutdown: &CancellationToken) {
-    loop {
-        activity.poller_asleep.store(true, Ordering::Relaxed);
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = activity.wake_poller.notified() => {}
-        }
-        activity.poller_asleep.store(false, Ordering::Relaxed);
-        let mut seen = activity.batches.load(Ordering::Relaxed);
-        let mut quiet_since = Instant::now();
-        while quiet_since.elapsed() < window {
-            tokio::task::yield_now().await;
-            let batches = activity.batches.load(Ordering::Relaxed);
-            if batches != seen {
-                seen = batches;
-                quiet_since = Instant::now();
-            }
-        }
-    }
 }
 
 fn decode_reason(err: &DecodeError) -> String {

@@ -2,57 +2,16 @@
 //! runtimes, each busy-polling its own I/O driver; and shutdown, which must reach every kind of
 //! connection.
 
-use std::thread::JoinHandle;
 use std::time::Duration;
 
+use rendezvous::store::event_loops::EventLoops;
 use rendezvous::store::server::Config;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::runtime::Handle;
-use tokio_util::sync::CancellationToken;
 
 use crate::common::{
     cmd, expect_closed, key, next, read_n, validated, Next, TestResult, TestServer, QUIET,
 };
-
-/// Current-thread runtimes on threads of their own, running until dropped.
-struct Loops {
-    handles: Vec<Handle>,
-    stop: CancellationToken,
-    threads: Vec<JoinHandle<()>>,
-}
-
-impl Loops {
-    fn start(n: usize) -> std::io::Result<Loops> {
-        let stop = CancellationToken::new();
-        let mut handles = Vec::new();
-        let mut threads = Vec::new();
-        for _ in 0..n {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            handles.push(runtime.handle().clone());
-            let stop = stop.clone();
-            threads.push(std::thread::spawn(move || {
-                runtime.block_on(stop.cancelled());
-            }));
-        }
-        Ok(Loops {
-            handles,
-            stop,
-            threads,
-        })
-    }
-}
-
-impl Drop for Loops {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        for thread in self.threads.drain(..) {
-            let _ = thread.join();
-        }
-    }
-}
 
 fn polling() -> Config {
     Config {
@@ -75,8 +34,8 @@ async fn add(
 
 #[tokio::test]
 async fn clients_on_different_loops_share_one_store() -> TestResult {
-    let loops = Loops::start(2)?;
-    let server = TestServer::with_event_loops(polling(), loops.handles.clone()).await?;
+    let loops = EventLoops::start(2)?;
+    let server = TestServer::with_event_loops(polling(), loops.handles()).await?;
     // Round-robin placement: six waiters land on all three loops, twice each.
     let mut waiters = Vec::new();
     for _ in 0..6 {
@@ -125,8 +84,8 @@ async fn clients_on_different_loops_share_one_store() -> TestResult {
 
 #[tokio::test]
 async fn shutdown_reaches_idle_waiting_and_stuck_connections() -> TestResult {
-    let loops = Loops::start(1)?;
-    let server = TestServer::with_event_loops(polling(), loops.handles.clone()).await?;
+    let loops = EventLoops::start(1)?;
+    let server = TestServer::with_event_loops(polling(), loops.handles()).await?;
     let mut idle = validated(server.addr).await?;
     let mut waiting = validated(server.addr).await?;
     waiting
