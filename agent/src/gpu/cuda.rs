@@ -61,11 +61,7 @@ pub fn child_main(peers: &[(usize, usize)]) -> u8 {
     let report = match catch_unwind(AssertUnwindSafe(|| run(peers))) {
         Ok(report) => report,
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = super::panic_message(panic.as_ref());
             if msg.contains("dynamically load") || msg.contains("libcuda") {
                 // cudarc's message goes on to list ~30 candidate file names; the first clause
                 // says what happened.

@@ -113,6 +113,16 @@ impl PreflightOptions {
     }
 }
 
+/// The text of a panic caught around the GPU libraries (nvml-wrapper and cudarc panic, rather
+/// than return an error, on some load failures).
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
 /// Runs every check on this node's GPUs. Never fails: a missing driver, a lost GPU or an
 /// unsupported query are all outcomes inside the report.
 pub fn preflight(opts: &PreflightOptions) -> Report {

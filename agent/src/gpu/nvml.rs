@@ -115,11 +115,7 @@ pub fn with_nvml<T>(
     match outcome {
         Ok(result) => result,
         Err(panic) => {
-            let msg = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
+            let msg = super::panic_message(panic.as_ref());
             Err(DriverState::InitFailed {
                 library: library.unwrap_or(DEFAULT_LIBRARY).to_string(),
                 detail: format!("nvml-wrapper panicked: {msg}"),

@@ -21,7 +21,7 @@ use tokio::task::JoinSet;
 
 use super::config::{Config, Streams};
 use super::observe::{Event, GroupResult, Phase, Publisher};
-use super::reaper::{ExitReport, ExitStatus, Reaper};
+use super::reaper::{ExitReport, ExitStatus, Reaper, Spawned};
 use super::signals::StopRequest;
 use super::{env, summary, Failure, GroupOutcome, LaunchError, RankAssignment};
 use crate::logs::{self, Console, LineTarget, LogSink, PumpConfig};
@@ -121,6 +121,48 @@ impl WorkerGroupSpec {
     }
 }
 
+/// Starts local rank `local_rank`: its log directory `dir`, its environment, its process (in
+/// its own session, pinned where asked). Returns the child and the path of its error file.
+fn spawn_worker(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    dir: &std::path::Path,
+    local_rank: u32,
+    agent: Pid,
+    exits_tx: &mpsc::UnboundedSender<ExitReport>,
+) -> Result<(Spawned, PathBuf), LaunchError> {
+    let config = &spec.config;
+    std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let error_file = dir.join("error.json");
+    let worker_env = env::worker_env(config, assignment, local_rank, &error_file, &|k| {
+        std::env::var_os(k)
+    });
+    let mut cmd = Command::new(&config.entrypoint.program);
+    cmd.args(&config.entrypoint.args)
+        .envs(worker_env)
+        .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::inherit())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let cpus = spec
+        .rank_cpus
+        .get(local_rank as usize)
+        .filter(|cpus| !cpus.is_empty())
+        .map(|cpus| cpu_set(cpus));
+    crate::sys::isolate_worker(&mut cmd, agent, cpus);
+    let child = spec
+        .reaper
+        .spawn(&mut cmd, local_rank as usize, exits_tx.clone())
+        .map_err(|source| LaunchError::Spawn {
+            program: config.entrypoint.program.to_string_lossy().into_owned(),
+            source,
+        })?;
+    Ok((child, error_file))
+}
+
 /// Runs one attempt of the local worker group to its end.
 pub async fn run_group(
     spec: &WorkerGroupSpec,
@@ -142,54 +184,22 @@ pub async fn run_group(
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
         let dir = attempt_dir.join(local_rank.to_string());
-        if let Err(source) = std::fs::create_dir_all(&dir) {
-            stop_workers(
-                &mut workers,
-                &mut exits,
-                Signal::SIGKILL,
-                Duration::ZERO,
-                stop,
-            )
-            .await;
-            return Err(LaunchError::LogDir { path: dir, source });
-        }
-        let error_file = dir.join("error.json");
-        let worker_env = env::worker_env(config, assignment, local_rank, &error_file, &|k| {
-            std::env::var_os(k)
-        });
-        let mut cmd = Command::new(&config.entrypoint.program);
-        cmd.args(&config.entrypoint.args)
-            .envs(worker_env)
-            .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::inherit())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        let cpus = spec
-            .rank_cpus
-            .get(local_rank as usize)
-            .filter(|cpus| !cpus.is_empty())
-            .map(|cpus| cpu_set(cpus));
-        crate::sys::isolate_worker(&mut cmd, agent, cpus);
-        let mut child = match spec
-            .reaper
-            .spawn(&mut cmd, local_rank as usize, exits_tx.clone())
-        {
-            Ok(child) => child,
-            Err(source) => {
-                stop_workers(
-                    &mut workers,
-                    &mut exits,
-                    Signal::SIGKILL,
-                    Duration::ZERO,
-                    stop,
-                )
-                .await;
-                return Err(LaunchError::Spawn {
-                    program: config.entrypoint.program.to_string_lossy().into_owned(),
-                    source,
-                });
-            }
-        };
+        let (mut child, error_file) =
+            match spawn_worker(spec, assignment, &dir, local_rank, agent, &exits_tx) {
+                Ok(spawned) => spawned,
+                Err(err) => {
+                    // All or nothing: the ranks already started must not run without this one.
+                    stop_workers(
+                        &mut workers,
+                        &mut exits,
+                        Signal::SIGKILL,
+                        Duration::ZERO,
+                        stop,
+                    )
+                    .await;
+                    return Err(err);
+                }
+            };
         let pid = child.pid;
         guard.pgids.push(Pid::from_raw(pid as i32));
         workers.push(Worker {

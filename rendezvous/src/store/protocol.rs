@@ -624,6 +624,8 @@ mod tests {
             Ok(Some(Request::Ping { nonce: 7101 }))
         );
         assert_eq!(Request::decode(&mut buf), Ok(None));
+        // BARRIER, the last code of torch 2.15
+        assert_eq!(Command::from_code(18), Some(Command::Barrier));
     }
 
     #[test]

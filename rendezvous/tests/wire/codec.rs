@@ -5,7 +5,7 @@
 use bytes::{Bytes, BytesMut};
 use proptest::collection::vec;
 use proptest::prelude::*;
-use rendezvous::store::protocol::{Command, DecodeError, Request, VALIDATION_MAGIC};
+use rendezvous::store::protocol::{DecodeError, Request};
 
 fn bytes_up_to(n: usize) -> impl Strategy<Value = Bytes> {
     vec(any::<u8>(), 0..=n).prop_map(Bytes::from)
@@ -187,21 +187,4 @@ fn limits_are_libuv_s() {
         let r = Request::decode(&mut buf);
         assert_eq!(matches!(r, Ok(None)), within, "{bytes:02x?}: {r:?}");
     }
-}
-
-#[test]
-fn the_handshake_segment_decodes_to_validate_then_ping() {
-    let mut buf = BytesMut::from(&[0x00, 0xce, 0xf7, 0x85, 0x3c, 0x0d, 0xbd, 0x1b, 0x00, 0x00][..]);
-    assert_eq!(
-        Request::decode(&mut buf),
-        Ok(Some(Request::Validate {
-            magic: VALIDATION_MAGIC
-        }))
-    );
-    assert_eq!(
-        Request::decode(&mut buf),
-        Ok(Some(Request::Ping { nonce: 0x1bbd }))
-    );
-    assert_eq!(Request::decode(&mut buf), Ok(None));
-    assert_eq!(Command::from_code(18), Some(Command::Barrier));
 }
