@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
-use rendezvous::store::event_loops::{current_thread_runtime, EventLoops};
 use rendezvous::store::server::{Config, Server, DEFAULT_MAX_CONNECTIONS};
 use tokio_util::sync::CancellationToken;
 
@@ -34,20 +33,6 @@ struct StoreArgs {
     /// one request at a time; costs at most this much of one CPU after each burst.
     #[arg(long, default_value_t = DEFAULT_BUSY_POLL_US, env = "MUSTER_STORE_BUSY_POLL_US", value_name = "MICROSECONDS")]
     busy_poll_us: u64,
-    /// Threads that read and write client sockets, each an event loop of its own (default: half
-    /// the CPUs, 1 to 4). Requests from all of them go through one lock.
-    #[arg(long, env = "MUSTER_STORE_EVENT_LOOPS", value_parser = clap::value_parser!(u16).range(1..=256))]
-    event_loops: Option<u16>,
-}
-
-/// Half the CPUs, because the store shares its node (node 0 of a job, or a small service pod)
-/// with other work, and a loop that busy-polls takes a whole CPU while requests flow; on 2 CPUs
-/// a second loop measured slower at the 16k-socket rendezvous, since its polling competed with
-/// everything else for the other CPU. At most 4: every request takes the one state lock, and a
-/// store's clients are a job's agents and workers, not a web service's.
-fn default_event_loops() -> usize {
-    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
-    (cpus / 2).clamp(1, 4)
 }
 
 /// Long enough to cover a client's turn-around on a VM (reading the reply, sending the next
@@ -67,24 +52,16 @@ pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
         Err(err) => return Err(Exit::config(err.to_string().trim_end().to_owned()).into()),
     };
     logging::init(logging::LogFormat::Text);
-    let loops = args
-        .event_loops
-        .map_or_else(default_event_loops, usize::from);
-    // Current-thread runtimes, like libuv's event loop: the busy poll needs the thread that owns
-    // the I/O driver. The main thread's runtime accepts and is loop 0; the others run on threads
-    // of their own until the server has closed every connection.
-    let main = current_thread_runtime().context("cannot start the async runtime")?;
-    let more_loops =
-        EventLoops::start(loops - 1).context("cannot start the store's event loops")?;
-    let result = main.block_on(serve(args, more_loops.handles()));
-    drop(more_loops);
-    result
+    // One thread, like libuv's event loop: requests are served in arrival order across
+    // connections, and the busy poll needs the thread that owns the I/O driver.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(serve(args))
 }
 
-async fn serve(
-    args: StoreArgs,
-    more_event_loops: Vec<tokio::runtime::Handle>,
-) -> anyhow::Result<u8> {
+async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
     let addr = SocketAddr::new(args.host, args.port);
     let server = Server::bind(
         addr,
@@ -94,8 +71,7 @@ async fn serve(
         },
     )
     .await
-    .map_err(|err| Exit::config(err.to_string()))?
-    .with_more_event_loops(more_event_loops);
+    .map_err(|err| Exit::config(err.to_string()))?;
     let shutdown = CancellationToken::new();
     let signals = crate::signals::cancel_on_termination(shutdown.clone())
         .context("cannot install signal handlers")?;

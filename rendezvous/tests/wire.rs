@@ -8,17 +8,17 @@
 //!   huge lengths, vanishing clients, many idle connections): the offending connection is closed,
 //!   nothing huge is allocated, and other clients keep being served.
 //! - `codec`: property tests of `rendezvous::store::protocol`.
-//! - `event_loops`: connections spread over several runtimes (as `muster store` runs) share one
-//!   store; shutdown reaches idle, waiting and stuck connections alike.
+//! - `shutdown`: the server as `muster store` runs it keeps requests in arrival order across
+//!   connections, and its shutdown reaches idle, waiting and stuck connections alike.
 
 #[path = "wire/common.rs"]
 mod common;
 
 #[path = "wire/codec.rs"]
 mod codec;
-#[path = "wire/event_loops.rs"]
-mod event_loops;
 #[path = "wire/malformed.rs"]
 mod malformed;
 #[path = "wire/replay.rs"]
 mod replay;
+#[path = "wire/shutdown.rs"]
+mod shutdown;

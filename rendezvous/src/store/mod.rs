@@ -4,8 +4,8 @@
 //! Where torch's two server backends differ, this store follows libuv, torch's default since 2.4;
 //! each such choice is written down where it is made (search for "libuv:").
 
+mod busy_poll;
 pub mod client;
-pub mod event_loops;
 pub mod protocol;
 pub mod server;
 pub mod state;

@@ -8,9 +8,12 @@
 //! which totally orders them; the client's task then writes the outbox out. That ordering is what
 //! keeps WAIT/CANCEL_WAIT race-free.
 //!
-//! `muster store` spreads connections over several current-thread runtimes (event loops), each
-//! of which can busy-poll its sockets for a moment after serving a request; see docs/store.md
-//! § Performance.
+//! `muster store` runs the server on one current-thread runtime, which busy-polls its sockets
+//! for a moment after serving a request; see docs/store.md § Performance. One thread is also
+//! what keeps requests in arrival order across connections (epoll reports ready sockets first
+//! come, first served, and a current-thread runtime runs woken tasks in that order): a SET, which
+//! has no reply, followed by a GET from another connection reads the new value. Several loops,
+//! or a multi-thread runtime's LIFO slot, can serve the GET first.
 //!
 //! Listening follows libuv (`UvTcpServer::makeWithPort`): dual-stack `[::]` where possible,
 //! backlog = `somaxconn`, TCP_NODELAY on every accepted socket. Peers are only ever formatted
@@ -18,7 +21,6 @@
 //! for seconds in pods; see shared/reference/performance.md §2.1).
 
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::{Ipv6Addr, SocketAddr};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -29,13 +31,12 @@ use bytes::{BufMut, BytesMut};
 use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::runtime::Handle;
 use tokio::sync::{futures::Notified, Notify};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::event_loops::{busy_poll, Activity};
+use super::busy_poll::{busy_poll, Activity};
 use super::protocol::{reply, Command, DecodeError, Request, VALIDATION_MAGIC};
 use super::state::{ClientId, State, StateError};
 
@@ -64,9 +65,8 @@ pub struct Config {
     /// Connections beyond this are accepted and closed at once, with a log line.
     pub max_connections: usize,
     /// How long the event loop keeps polling its sockets, instead of sleeping in epoll, after
-    /// the last request it served. Zero (the default) never polls. See
-    /// [`event_loops`](super::event_loops) for when it pays off; it only works on a
-    /// current-thread runtime.
+    /// the last request it served. Zero (the default) never polls. See docs/store.md §
+    /// Performance for when it pays off; it only works on a current-thread runtime.
     pub busy_poll: Duration,
 }
 
@@ -165,42 +165,6 @@ pub struct Server {
     local_addr: SocketAddr,
     config: Config,
     shared: Arc<Shared>,
-    event_loops: Vec<Handle>,
-}
-
-/// A runtime that serves connections, with what its busy poller watches.
-struct EventLoop {
-    /// `None`: the runtime `run` is called on.
-    handle: Option<Handle>,
-    activity: Arc<Activity>,
-}
-
-/// An accepted socket on its way to the loop that serves it. A tokio socket belongs to the
-/// reactor of the runtime that created it, so one bound for another loop travels as a std
-/// socket and is registered there.
-enum Accepted {
-    Here(TcpStream),
-    Moved(std::net::TcpStream),
-}
-
-impl Accepted {
-    /// On the serving loop.
-    fn register(self) -> std::io::Result<TcpStream> {
-        match self {
-            Accepted::Here(stream) => Ok(stream),
-            Accepted::Moved(stream) => TcpStream::from_std(stream),
-        }
-    }
-}
-
-impl EventLoop {
-    fn spawn(&self, tasks: &TaskTracker, task: impl Future<Output = ()> + Send + 'static) {
-        let task = tasks.track_future(task);
-        drop(match &self.handle {
-            Some(handle) => handle.spawn(task),
-            None => tokio::spawn(task),
-        });
-    }
 }
 
 impl Server {
@@ -227,18 +191,7 @@ impl Server {
                 }),
                 stats: Arc::new(Stats::default()),
             }),
-            event_loops: Vec::new(),
         })
-    }
-
-    /// Spreads connections round-robin over the runtime `run` is called on and these. Meant for
-    /// one current-thread runtime per CPU (what `muster store` does): each loop then reads and
-    /// writes its own sockets in parallel, while every request still goes through the one state
-    /// lock, and each loop can busy-poll its own I/O driver.
-    #[must_use]
-    pub fn with_more_event_loops(mut self, loops: Vec<Handle>) -> Self {
-        self.event_loops = loops;
-        self
     }
 
     /// The address actually bound (with the chosen port when 0 was asked for).
@@ -257,28 +210,16 @@ impl Server {
         let stats = Arc::clone(&self.shared.stats);
         info!(
             addr = %self.local_addr,
-            event_loops = self.event_loops.len() + 1,
             busy_poll_us = self.config.busy_poll.as_micros(),
             "store listening"
         );
-        let loops: Vec<EventLoop> = std::iter::once(None)
-            .chain(self.event_loops.iter().cloned().map(Some))
-            .map(|handle| EventLoop {
-                handle,
-                activity: Arc::default(),
-            })
-            .collect();
+        let activity = Arc::new(Activity::default());
         if !self.config.busy_poll.is_zero() {
-            for event_loop in &loops {
-                let activity = Arc::clone(&event_loop.activity);
-                let window = self.config.busy_poll;
-                let shutdown = shutdown.clone();
-                event_loop.spawn(&tasks, async move {
-                    busy_poll(&activity, window, &shutdown).await;
-                });
-            }
+            let activity = Arc::clone(&activity);
+            let window = self.config.busy_poll;
+            let shutdown = shutdown.clone();
+            tasks.spawn(async move { busy_poll(&activity, window, &shutdown).await });
         }
-        let mut next_loop = 0;
         loop {
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => break,
@@ -302,21 +243,10 @@ impl Server {
             }
             stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
             stats.connections_open.fetch_add(1, Ordering::Relaxed);
-            let event_loop = &loops[next_loop];
-            next_loop = (next_loop + 1) % loops.len();
             let shared = Arc::clone(&self.shared);
-            let activity = Arc::clone(&event_loop.activity);
-            let accepted = match event_loop.handle {
-                None => Ok(Accepted::Here(stream)),
-                Some(_) => stream.into_std().map(Accepted::Moved),
-            };
-            event_loop.spawn(&tasks, async move {
-                match accepted.and_then(Accepted::register) {
-                    Ok(stream) => serve_connection(stream, peer, &shared, &activity).await,
-                    Err(err) => {
-                        debug!(%peer, error = %err, "cannot move connection to its event loop");
-                    }
-                }
+            let activity = Arc::clone(&activity);
+            tasks.spawn(async move {
+                serve_connection(stream, peer, &shared, &activity).await;
                 shared
                     .stats
                     .connections_open

@@ -8,7 +8,6 @@ use std::time::Duration;
 use rendezvous::store::server::{Config, Server, Stats};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -36,17 +35,7 @@ impl TestServer {
     }
 
     pub async fn with_config(config: Config) -> Result<TestServer, Box<dyn Error + Send + Sync>> {
-        Self::with_event_loops(config, Vec::new()).await
-    }
-
-    /// A server whose connections are spread over the test's runtime and `more_loops`.
-    pub async fn with_event_loops(
-        config: Config,
-        more_loops: Vec<Handle>,
-    ) -> Result<TestServer, Box<dyn Error + Send + Sync>> {
-        let server = Server::bind(SocketAddr::from(([127, 0, 0, 1], 0)), config)
-            .await?
-            .with_more_event_loops(more_loops);
+        let server = Server::bind(SocketAddr::from(([127, 0, 0, 1], 0)), config).await?;
         let addr = server.local_addr();
         let stats = server.stats();
         let shutdown = CancellationToken::new();

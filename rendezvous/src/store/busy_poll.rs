@@ -1,68 +1,11 @@
-//! Event loops for the store server: current-thread runtimes on threads of their own, and the
-//! busy poll that keeps a loop from sleeping while requests flow.
-//!
-//! `muster store` runs the server on one such loop and spreads connections over the others
-//! ([`Server::with_more_event_loops`](super::server::Server::with_more_event_loops)); why, and
-//! what the busy poll costs, is in docs/store.md § Performance.
+//! The busy poll that keeps the store's event loop from sleeping while requests flow; why, and
+//! what it costs, is in docs/store.md § Performance.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tokio::runtime::{Handle, Runtime};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-
-/// Current-thread runtimes, each running on a thread of its own until this is dropped (after
-/// the server using them has stopped, so that their connections have closed).
-pub struct EventLoops {
-    handles: Vec<Handle>,
-    stop: CancellationToken,
-    threads: Vec<JoinHandle<()>>,
-}
-
-impl EventLoops {
-    /// Starts `count` loops.
-    pub fn start(count: usize) -> std::io::Result<EventLoops> {
-        let mut loops = EventLoops {
-            handles: Vec::with_capacity(count),
-            stop: CancellationToken::new(),
-            threads: Vec::with_capacity(count),
-        };
-        for index in 0..count {
-            let runtime = current_thread_runtime()?;
-            loops.handles.push(runtime.handle().clone());
-            let stop = loops.stop.clone();
-            let thread = std::thread::Builder::new()
-                .name(format!("store-loop-{}", index + 1))
-                .spawn(move || runtime.block_on(stop.cancelled()))?;
-            loops.threads.push(thread);
-        }
-        Ok(loops)
-    }
-
-    /// Handles to spawn on, one per loop.
-    pub fn handles(&self) -> Vec<Handle> {
-        self.handles.clone()
-    }
-}
-
-impl Drop for EventLoops {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        for thread in self.threads.drain(..) {
-            // A loop thread only ends by `stop`; a panic there has already been reported.
-            let _ = thread.join();
-        }
-    }
-}
-
-/// The runtime every event loop is: one thread, its own I/O driver.
-pub fn current_thread_runtime() -> std::io::Result<Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-}
 
 /// How connection tasks tell the busy poller that requests are flowing.
 #[derive(Default)]
@@ -98,7 +41,7 @@ impl Activity {
 ///
 /// The zero-timeout poll only reaches the I/O driver on a current-thread runtime (a
 /// multi-thread runtime leaves the driver to whichever worker is parked in it), which is what
-/// `muster store`'s event loops are; each loop has its own poller.
+/// `muster store` runs.
 pub(super) async fn busy_poll(activity: &Activity, window: Duration, shutdown: &CancellationToken) {
     loop {
         activity.poller_asleep.store(true, Ordering::Relaxed);
