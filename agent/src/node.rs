@@ -15,7 +15,7 @@ use std::time::Duration;
 use rendezvous::rdzv::{
     self, identity, BarrierOutcome, BumpKind, Event, RdzvError, Registration, StoreKv,
 };
-use rendezvous::store::server::{self, Server};
+use rendezvous::store::server::{self, ServerThread};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -52,8 +52,8 @@ pub struct GangRendezvous {
     /// Set after the first round's discovery.
     rdzv: Option<rdzv::Rendezvous<StoreKv>>,
     advertised: Option<IpAddr>,
-    /// Node 0's rendezvous store, kept for the agent's life.
-    hosted: Option<(CancellationToken, JoinHandle<()>)>,
+    /// Node 0's rendezvous store, kept for the agent's life (dropping it stops it).
+    hosted: Option<ServerThread>,
     running: Option<Running>,
     /// The GPU pre-flight verdict to publish with the registration (opaque JSON).
     gpu_verdict: serde_json::Value,
@@ -375,21 +375,14 @@ impl GangRendezvous {
             IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
         };
         let addr = SocketAddr::new(bind_ip, self.endpoint.port);
-        let server = Server::bind(addr, server::Config::default())
+        let server = ServerThread::start(addr, server::Config::default())
             .await
             .map_err(|e| {
                 LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
             })?;
         let local = server.local_addr();
         crate::metrics::agent::rendezvous_store_started(server.stats());
-        let stop = CancellationToken::new();
-        let token = stop.clone();
-        let task = tokio::spawn(async move {
-            if let Err(e) = server.run(token).await {
-                warn!("rendezvous store stopped: {e}");
-            }
-        });
-        self.hosted = Some((stop, task));
+        self.hosted = Some(server);
         let ip = if local.ip().is_unspecified() {
             advertised
         } else {
@@ -407,9 +400,6 @@ impl GangRendezvous {
 
 impl Drop for GangRendezvous {
     fn drop(&mut self) {
-        if let Some((stop, _)) = &self.hosted {
-            stop.cancel();
-        }
         if let Some(r) = &self.running {
             r.stop.cancel();
         }

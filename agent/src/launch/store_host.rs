@@ -6,54 +6,35 @@
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
-use rendezvous::store::server::{Config, Server, Stats};
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
+use rendezvous::store::server::{Config, ServerThread, Stats};
 
 /// A running store; [`HostedStore::shutdown`] stops it.
 pub struct HostedStore {
-    addr: SocketAddr,
-    stats: std::sync::Arc<Stats>,
-    stop: CancellationToken,
-    task: JoinHandle<()>,
+    server: ServerThread,
 }
 
 impl HostedStore {
-    /// Binds `ip` on an ephemeral port and starts serving.
+    /// Binds `ip` on an ephemeral port and starts serving, on a thread of its own (see
+    /// [`ServerThread`] for why not on the agent's runtime).
     pub async fn start(ip: IpAddr) -> std::io::Result<HostedStore> {
-        let server = Server::bind(SocketAddr::new(ip, 0), Config::default())
+        let server = ServerThread::start(SocketAddr::new(ip, 0), Config::default())
             .await
             .map_err(std::io::Error::other)?;
-        let addr = server.local_addr();
-        let stats = server.stats();
-        let stop = CancellationToken::new();
-        let token = stop.clone();
-        let task = tokio::spawn(async move {
-            if let Err(e) = server.run(token).await {
-                tracing::warn!("workers' store on {addr} stopped: {e}");
-            }
-        });
-        Ok(HostedStore {
-            addr,
-            stats,
-            stop,
-            task,
-        })
+        Ok(HostedStore { server })
     }
 
     /// The address workers connect to (MASTER_ADDR:MASTER_PORT).
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.server.local_addr()
     }
 
     /// The server's counters (exported by the metrics endpoint).
     pub fn stats(&self) -> std::sync::Arc<Stats> {
-        self.stats.clone()
+        self.server.stats()
     }
 
     /// Stops serving and closes every connection (bounded: a stuck server is abandoned).
     pub async fn shutdown(self) {
-        self.stop.cancel();
-        let _ = tokio::time::timeout(Duration::from_secs(2), self.task).await;
+        self.server.shutdown(Duration::from_secs(2)).await;
     }
 }

@@ -32,7 +32,7 @@ use socket2::{Domain, Protocol, Socket, Type};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{futures::Notified, Notify};
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
@@ -88,6 +88,10 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot start the store's thread: {0}")]
+    Thread(#[source] std::io::Error),
+    #[error("the store's thread ended before it was listening")]
+    ThreadLost,
 }
 
 /// Counters for observability, updated with relaxed atomics (never a lock on the request path).
@@ -258,6 +262,77 @@ impl Server {
         tasks.wait().await;
         info!(addr = %self.local_addr, "store stopped");
         Ok(())
+    }
+}
+
+/// A server on a thread of its own, with its own current-thread runtime: how a process whose
+/// main runtime is multi-threaded (the agent) hosts a store. A multi-thread runtime would break
+/// the arrival order across connections (its LIFO slot runs the last woken connection first:
+/// a GET sent after another connection's SET read the old value in ~30 % of rounds).
+///
+/// Dropping it stops the server too, without waiting.
+pub struct ServerThread {
+    local_addr: SocketAddr,
+    stats: Arc<Stats>,
+    stop: DropGuard,
+    stopped: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl ServerThread {
+    /// Binds `addr` on the new thread and starts serving; returns once it listens.
+    pub async fn start(addr: SocketAddr, config: Config) -> Result<ServerThread, ServerError> {
+        let (listening_tx, listening) = tokio::sync::oneshot::channel();
+        let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
+        let stop = CancellationToken::new();
+        let token = stop.clone();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(ServerError::Thread)?;
+        std::thread::Builder::new()
+            .name(format!("store-{}", addr.port()))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    match Server::bind(addr, config).await {
+                        Ok(server) => {
+                            let _ = listening_tx.send(Ok((server.local_addr(), server.stats())));
+                            if let Err(err) = server.run(token).await {
+                                warn!(%addr, "store stopped: {err}");
+                            }
+                        }
+                        Err(err) => drop(listening_tx.send(Err(err))),
+                    }
+                });
+                let _ = stopped_tx.send(());
+            })
+            .map_err(ServerError::Thread)?;
+        let (local_addr, stats) = listening.await.map_err(|_| ServerError::ThreadLost)??;
+        Ok(ServerThread {
+            local_addr,
+            stats,
+            stop: stop.drop_guard(),
+            stopped,
+        })
+    }
+
+    /// The address actually bound.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Live counters of this server.
+    pub fn stats(&self) -> Arc<Stats> {
+        Arc::clone(&self.stats)
+    }
+
+    /// Closes every connection and waits up to `patience` for the thread to finish; `false` when
+    /// it did not (a stuck server is abandoned, not waited for forever).
+    pub async fn shutdown(self, patience: Duration) -> bool {
+        drop(self.stop);
+        matches!(
+            tokio::time::timeout(patience, self.stopped).await,
+            Ok(Ok(()))
+        )
     }
 }
 

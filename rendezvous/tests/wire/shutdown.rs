@@ -1,10 +1,11 @@
-//! The server as `muster store` runs it (one current-thread runtime with the busy poll on):
-//! requests keep their arrival order across connections, and shutdown reaches every kind of
-//! connection.
+//! The server as `muster store` runs it (one current-thread runtime with the busy poll on) and as
+//! the agent hosts it (`ServerThread`): requests keep their arrival order across connections, and
+//! shutdown reaches every kind of connection.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
-use rendezvous::store::server::Config;
+use rendezvous::store::server::{Config, ServerThread};
 use tokio::io::AsyncWriteExt;
 
 use crate::common::{
@@ -20,12 +21,11 @@ fn polling() -> Config {
 
 /// SET has no reply, so a client that SETs on one connection and GETs on another relies on the
 /// server reading requests in the order they arrived. torch's compat scenario `set_get` does
-/// exactly this; it failed when connections were spread over several event loops.
-#[tokio::test]
-async fn a_set_is_seen_by_the_next_get_on_another_connection() -> TestResult {
-    let server = TestServer::with_config(polling()).await?;
-    let mut writer = validated(server.addr).await?;
-    let mut reader = validated(server.addr).await?;
+/// exactly this; it failed when connections were spread over several event loops, and on a
+/// multi-thread runtime ~30 % of these rounds read the old value.
+async fn set_then_get_across_connections(addr: SocketAddr) -> TestResult {
+    let mut writer = validated(addr).await?;
+    let mut reader = validated(addr).await?;
     for i in 0..300u32 {
         let value = i.to_string();
         writer
@@ -41,7 +41,27 @@ async fn a_set_is_seen_by_the_next_get_on_another_connection() -> TestResult {
             "round {i}: GET overtook the SET before it"
         );
     }
+    Ok(())
+}
+
+#[tokio::test]
+async fn a_set_is_seen_by_the_next_get_on_another_connection() -> TestResult {
+    let server = TestServer::with_config(polling()).await?;
+    set_then_get_across_connections(server.addr).await?;
     server.stop().await
+}
+
+/// The agent's case: its runtime is multi-threaded, so it hosts stores on a `ServerThread`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_thread_keeps_the_order_under_a_multi_thread_runtime() -> TestResult {
+    let server =
+        ServerThread::start(SocketAddr::from(([127, 0, 0, 1], 0)), Config::default()).await?;
+    set_then_get_across_connections(server.local_addr()).await?;
+    assert!(
+        server.shutdown(Duration::from_secs(5)).await,
+        "store thread did not stop"
+    );
+    Ok(())
 }
 
 #[tokio::test]
