@@ -113,6 +113,21 @@ impl<K: Kv> Rendezvous<K> {
         Ok(joined)
     }
 
+    /// The generation to register in, writing the first record when no agent has yet. Whoever
+    /// arrives first writes it: a joiner that kept the empty bytes it read would later find the
+    /// stored record different from its own and take that for a new round.
+    async fn current_gen(&mut self) -> Result<(Vec<u8>, GenRecord), RdzvError> {
+        let (raw, rec) = self.read_gen().await?;
+        if !raw.is_empty() {
+            return Ok((raw, rec));
+        }
+        let key = self.keys.gen();
+        let first = serde_json::to_vec(&GenRecord::first()).map_err(internal)?;
+        let now = self.kv.compare_set(&key, b"", &first).await.map_err(lost)?;
+        let rec = parse_json(&key, &now)?;
+        Ok((now, rec))
+    }
+
     async fn read_gen(&mut self) -> Result<(Vec<u8>, GenRecord), RdzvError> {
         let key = self.keys.gen();
         let raw = self.kv.get(&key).await.map_err(lost)?;
@@ -130,7 +145,7 @@ impl<K: Kv> Rendezvous<K> {
         // normally wins; this one only fires when node 0 itself is missing or stuck.
         let deadline = Instant::now() + self.cfg.join_timeout + self.cfg.keep_alive_interval * 2;
         'rounds: loop {
-            let (raw, rec) = self.read_gen().await?;
+            let (raw, rec) = self.current_gen().await?;
             check_fatal(&rec)?;
             let gen = rec.gen;
             let slot = self.kv.add(&self.keys.slots(gen), 1).await.map_err(lost)? as u64;
@@ -237,22 +252,7 @@ impl<K: Kv> Rendezvous<K> {
 
     /// Node 0's side: open the round, read registrations as they come, decide, answer.
     async fn coordinate(&mut self, master_port: u16) -> Result<Joined, RdzvError> {
-        let gen_key = self.keys.gen();
-        let (raw, rec) = {
-            let (raw, rec) = self.read_gen().await?;
-            if raw.is_empty() {
-                let first = serde_json::to_vec(&GenRecord::first()).map_err(internal)?;
-                let now = self
-                    .kv
-                    .compare_set(&gen_key, b"", &first)
-                    .await
-                    .map_err(lost)?;
-                let rec = parse_json(&gen_key, &now)?;
-                (now, rec)
-            } else {
-                (raw, rec)
-            }
-        };
+        let (raw, rec) = self.current_gen().await?;
         check_fatal(&rec)?;
         let gen = rec.gen;
         if let Some((old, answered)) = self.last_round {
@@ -1015,6 +1015,38 @@ mod tests {
         assert_eq!(late_joined.assignment.world_size, 3);
         assert_eq!(late_joined.assignment.base_global_rank, 2);
         assert_eq!(formed.remove(0).1.assignment.restart_count, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_joiner_that_arrives_before_node_0_opened_a_round_sees_no_new_round() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        // Node 1 runs first, so it reads the generation before node 0 has written any.
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(1), 1), agent(&kv, &c, Some(0), 1)],
+        )
+        .await;
+        let (r0, j0) = formed.pop().expect("node 0");
+        let (r1, j1) = formed.pop().expect("node 1");
+        assert_eq!((j0.assignment.generation, j1.assignment.generation), (0, 0));
+        let stop = CancellationToken::new();
+        let w0 = tokio::spawn(
+            r0.watcher(kv.clone(), &j0.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        let w1 = tokio::spawn(
+            r1.watcher(kv.clone(), &j1.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        tokio::time::sleep(c.heartbeat_timeout * 2).await;
+        assert!(
+            !w1.is_finished() && !w0.is_finished(),
+            "the first round must stay the current one"
+        );
+        stop.cancel();
+        assert_eq!(w0.await.expect("task"), Event::Stopped);
+        assert_eq!(w1.await.expect("task"), Event::Stopped);
     }
 
     #[tokio::test(start_paused = true)]
