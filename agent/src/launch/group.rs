@@ -184,69 +184,64 @@ pub async fn run_group(
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
         let dir = attempt_dir.join(local_rank.to_string());
-        let (mut child, error_file) =
-            match spawn_worker(spec, assignment, &dir, local_rank, agent, &exits_tx) {
-                Ok(spawned) => spawned,
-                Err(err) => {
-                    // All or nothing: the ranks already started must not run without this one.
-                    stop_workers(
-                        &mut workers,
-                        &mut exits,
-                        Signal::SIGKILL,
-                        Duration::ZERO,
-                        stop,
-                    )
-                    .await;
-                    return Err(err);
-                }
-            };
-        let pid = child.pid;
-        guard.pgids.push(Pid::from_raw(pid as i32));
-        workers.push(Worker {
-            local_rank,
-            rank,
-            pid: Pid::from_raw(pid as i32),
-            status: None,
-            seen: None,
-            error_file,
-        });
-        let streams = [
-            (
-                Streams::STDOUT,
-                child.stdout.take().map(OwnedFd::from),
-                "stdout.log",
-            ),
-            (
-                Streams::STDERR,
-                child.stderr.take().map(OwnedFd::from),
-                "stderr.log",
-            ),
-        ];
-        for (stream, fd, file_name) in streams {
-            let Some(fd) = fd else { continue };
-            match start_pump(spec, local_rank, rank, stream, fd, &dir.join(file_name)) {
-                Ok(pump) => {
-                    pumps.spawn(pump);
-                }
-                Err(e) => {
-                    stop_workers(
-                        &mut workers,
-                        &mut exits,
-                        Signal::SIGKILL,
-                        Duration::ZERO,
-                        stop,
-                    )
-                    .await;
-                    return Err(e);
+        // All or nothing: when this rank or one of its log pumps cannot start, the ranks
+        // already started must not run without it.
+        let failed: Option<LaunchError> = 'start: {
+            let (mut child, error_file) =
+                match spawn_worker(spec, assignment, &dir, local_rank, agent, &exits_tx) {
+                    Ok(spawned) => spawned,
+                    Err(err) => break 'start Some(err),
+                };
+            let pid = child.pid;
+            guard.pgids.push(Pid::from_raw(pid as i32));
+            workers.push(Worker {
+                local_rank,
+                rank,
+                pid: Pid::from_raw(pid as i32),
+                status: None,
+                seen: None,
+                error_file,
+            });
+            let streams = [
+                (
+                    Streams::STDOUT,
+                    child.stdout.take().map(OwnedFd::from),
+                    "stdout.log",
+                ),
+                (
+                    Streams::STDERR,
+                    child.stderr.take().map(OwnedFd::from),
+                    "stderr.log",
+                ),
+            ];
+            for (stream, fd, file_name) in streams {
+                let Some(fd) = fd else { continue };
+                match start_pump(spec, local_rank, rank, stream, fd, &dir.join(file_name)) {
+                    Ok(pump) => {
+                        pumps.spawn(pump);
+                    }
+                    Err(err) => break 'start Some(err),
                 }
             }
+            spec.publisher.event(Event::WorkerStarted {
+                restart_count,
+                local_rank,
+                rank,
+                pid,
+            });
+            None
+        };
+        if let Some(err) = failed {
+            stop_workers(
+                &mut workers,
+                &mut exits,
+                Signal::SIGKILL,
+                Duration::ZERO,
+                stop,
+            )
+            .await;
+            return Err(err);
         }
-        spec.publisher.event(Event::WorkerStarted {
-            restart_count,
-            local_rank,
-            rank,
-            pid,
-        });
     }
     drop(exits_tx);
     spec.publisher.phase(Phase::Running { restart_count });

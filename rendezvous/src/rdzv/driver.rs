@@ -766,6 +766,19 @@ mod tests {
         )
     }
 
+    /// `r`'s watcher of round `j`, running in a task until an event or `stop`.
+    fn spawn_watcher(
+        r: &Rendezvous<MemKv>,
+        kv: &MemKv,
+        j: &Joined,
+        stop: &CancellationToken,
+    ) -> tokio::task::JoinHandle<Event> {
+        tokio::spawn(
+            r.watcher(kv.clone(), &j.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        )
+    }
+
     async fn form(kv: &MemKv, agents: Vec<Rendezvous<MemKv>>) -> Vec<(Rendezvous<MemKv>, Joined)> {
         let _ = kv;
         let tasks: Vec<_> = agents
@@ -910,14 +923,8 @@ mod tests {
         let (mut r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let stop = CancellationToken::new();
-        let w0 = tokio::spawn(
-            r0.watcher(kv.clone(), &j0.assignment)
-                .run(stop.clone(), CancellationToken::new()),
-        );
-        let w1 = tokio::spawn(
-            r1.watcher(kv.clone(), &j1.assignment)
-                .run(stop.clone(), CancellationToken::new()),
-        );
+        let w0 = spawn_watcher(&r0, &kv, &j0, &stop);
+        let w1 = spawn_watcher(&r1, &kv, &j1, &stop);
         tokio::time::sleep(c.heartbeat_timeout * 3).await;
         assert!(
             !w0.is_finished() && !w1.is_finished(),
@@ -959,10 +966,7 @@ mod tests {
         )
         .await;
         let (r1, j1) = formed.pop().expect("node 1");
-        let w = tokio::spawn(
-            r1.watcher(kv.clone(), &j1.assignment)
-                .run(CancellationToken::new(), CancellationToken::new()),
-        );
+        let w = spawn_watcher(&r1, &kv, &j1, &CancellationToken::new());
         tokio::time::sleep(Duration::from_secs(1)).await;
         let lost_at = Instant::now();
         kv.take_down();
@@ -986,14 +990,8 @@ mod tests {
         let (r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let stop = CancellationToken::new();
-        let w0 = tokio::spawn(
-            r0.watcher(kv.clone(), &j0.assignment)
-                .run(stop.clone(), CancellationToken::new()),
-        );
-        let w1 = tokio::spawn(
-            r1.watcher(kv.clone(), &j1.assignment)
-                .run(stop.clone(), CancellationToken::new()),
-        );
+        let w0 = spawn_watcher(&r0, &kv, &j0, &stop);
+        let w1 = spawn_watcher(&r1, &kv, &j1, &stop);
         let mut late = agent(&kv, &c, Some(2), 1);
         let late_task = tokio::spawn(async move {
             let j = late.next_round(0).await;
@@ -1031,14 +1029,8 @@ mod tests {
         let (r1, j1) = formed.pop().expect("node 1");
         assert_eq!((j0.assignment.generation, j1.assignment.generation), (0, 0));
         let stop = CancellationToken::new();
-        let w0 = tokio::spawn(
-            r0.watcher(kv.clone(), &j0.assignment)
-                .run(stop.clone(), CancellationToken::new()),
-        );
-        let w1 = tokio::spawn(
-            r1.watcher(kv.clone(), &j1.assignment)
-                .run(stop.clone(), CancellationToken::new()),
-        );
+        let w0 = spawn_watcher(&r0, &kv, &j0, &stop);
+        let w1 = spawn_watcher(&r1, &kv, &j1, &stop);
         tokio::time::sleep(c.heartbeat_timeout * 2).await;
         assert!(
             !w1.is_finished() && !w0.is_finished(),
