@@ -607,6 +607,8 @@ async fn write<'n>(
     let mut was_woken = false;
     while !pending.is_empty() {
         match stream.try_write(pending) {
+            // A socket that takes nothing would spin this loop forever (write_all's WriteZero).
+            Ok(0) => return Err(Close::Io(std::io::ErrorKind::WriteZero.into())),
             Ok(n) => pending = &pending[n..],
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
                 tokio::select! {
