@@ -13,7 +13,7 @@ CACHE_ROOT="${MUSTER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/muster}"
 VENV="$CACHE_ROOT/venv-torch-$TORCH_VERSION"
 STAMP="$VENV/.muster-ready"
 # What the tests and examples import besides torch; bump the stamp when this list changes.
-EXTRA_PACKAGES=(numpy pytest pytest-timeout)
+EXTRA_PACKAGES=(numpy pytest pytest-timeout tqdm prometheus_client)
 STAMP_CONTENT="torch==$TORCH_VERSION ${EXTRA_PACKAGES[*]}"
 
 log() { echo "torch-venv: $*" >&2; }
