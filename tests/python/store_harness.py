@@ -107,6 +107,8 @@ class ClientWorker:
             self._p = None
             pytest.fail(f"scenario {fn.__name__} hung for more than {timeout}s", pytrace=False)
         out = json.loads(line)
+        if out.get("skip"):
+            pytest.skip(out["skip"])
         if not out["ok"]:
             pytest.fail(f"scenario {fn.__name__} failed in the torch client:\n{out['error']}",
                         pytrace=False)

@@ -54,12 +54,34 @@ def _dist():
     return dist
 
 
+class ClientLacks(Exception):
+    """This torch version's client has no such call: the scenario is skipped, not failed
+    (store_client_worker.py reports `skip_reason`). Only older torch, through scripts/compat."""
+
+    def __init__(self, what):
+        import torch
+
+        super().__init__(what)
+        self.skip_reason = f"the torch {torch.__version__} client has no {what}"
+
+
+def _requires(obj, *calls):
+    for call in calls:
+        if not hasattr(obj, call):
+            raise ClientLacks(f"{type(obj).__name__}.{call}")
+
+
 def _client(ctx, timeout=5.0, world_size=None):
-    return _dist().TCPStore(
-        ctx.host, ctx.port, world_size, False, datetime.timedelta(seconds=timeout),
+    # Connect with at least 5 s and then set the scenario's timeout: torch before 2.5 rounds the
+    # connect deadline down to whole seconds, so a 0.3 s client could not even connect.
+    store = _dist().TCPStore(
+        ctx.host, ctx.port, world_size, False, datetime.timedelta(seconds=max(timeout, 5.0)),
         # with a world size, a client announces itself with ADD init/ 1 (no polling: not master)
         wait_for_workers=world_size is not None, use_libuv=ctx.use_libuv,
     )
+    if timeout < 5.0:
+        store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
 
 
 def _ms(n):
@@ -300,6 +322,7 @@ def scenario_append_multi_delete(ctx):
 
 def scenario_num_keys_and_list_keys(ctx):
     c = _client(ctx, world_size=1)  # announces itself with ADD init/ 1
+    _requires(c, "list_keys")
     assert c.num_keys() == 1
     for i in range(5):
         c.set(f"key{i}", str(i))
@@ -315,6 +338,7 @@ def scenario_num_keys_and_list_keys(ctx):
 
 def scenario_init_key_counts_clients(ctx):
     clients = [_client(ctx, world_size=3) for _ in range(3)]
+    _requires(clients[0], "list_keys")
     # every client adds 1 to the one `init/` key (sent without the "/" prefix, hidden by
     # list_keys); num_keys counts it once
     assert clients[0].num_keys() == 1
@@ -325,6 +349,7 @@ def scenario_prefix_store(ctx):
     dist = _dist()
     base = _client(ctx)
     p = dist.PrefixStore("pre", base)
+    _requires(p, "list_keys")
     p.set("k", "v")
     assert base.get("pre/k") == b"v"
     inner = dist.PrefixStore("inner", p)
@@ -351,6 +376,7 @@ def scenario_prefix_store(ctx):
 
 def scenario_clone(ctx):
     c = _client(ctx)
+    _requires(c, "clone")
     c2 = c.clone()
     c2.set("cl", "1")
     assert c.get("cl") == b"1"
@@ -367,6 +393,7 @@ def scenario_clone(ctx):
 def scenario_barrier(ctx):
     dist = _dist()
     a, b = _client(ctx), _client(ctx)
+    _requires(a, "barrier", "list_keys")
     a.barrier("bar", 1)
     assert a.get("bar") == b"1"
     t = _start(a.barrier, "b2", 2, _ms(10_000))
@@ -387,6 +414,7 @@ def scenario_barrier(ctx):
 def scenario_queues(ctx):
     dist = _dist()
     c, other = _client(ctx, timeout=0.3), _client(ctx)
+    _requires(c, "queue_push")
     if not ctx.use_libuv:
         # the classic client refuses queues locally, whatever the server
         _raises(NotImplementedError, c.queue_push, "q", "a")

@@ -5,7 +5,9 @@ The pytest process never holds a torch client: a client blocked on a misbehaving
 interrupted (it sits in C++ recv), so pytest kills this worker on a deadline instead and the
 failure stays confined to one test. Protocol: one JSON object per line on stdin,
   {"file": "/abs/test_x.py", "func": "scenario_name", "ctx": {...}}
-answered by one JSON line on the original stdout: {"ok": true} or {"ok": false, "error": "..."}.
+answered by one JSON line on the original stdout: {"ok": true}, {"ok": false, "error": "..."}, or
+{"ok": false, "skip": "..."} when the scenario raised an exception carrying `skip_reason` (a call
+that this torch version's client does not have: scripts/compat runs older versions).
 Everything the scenario prints goes to stderr.
 """
 
@@ -44,8 +46,10 @@ def main() -> None:
             fn = getattr(load(req["file"]), req["func"])
             fn(SimpleNamespace(**req["ctx"]))
             out = {"ok": True}
-        except BaseException:  # noqa: BLE001 - every failure goes back to pytest
-            out = {"ok": False, "error": traceback.format_exc()}
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to pytest
+            reason = getattr(e, "skip_reason", None)
+            out = ({"ok": False, "skip": reason} if reason
+                   else {"ok": False, "error": traceback.format_exc()})
         print(json.dumps(out), file=reply, flush=True)
 
 
