@@ -5,6 +5,7 @@ Environment (set by scripts/test):
   MUSTER_TORCH_PYTHON  the interpreter of the PyTorch virtualenv (this one, normally)
 """
 
+import functools
 import os
 import socket
 import subprocess
@@ -26,6 +27,17 @@ def muster_bin() -> str:
 
 def torch_python() -> str:
     return os.environ.get("MUSTER_TORCH_PYTHON") or sys.executable
+
+
+@functools.cache
+def torch_version() -> tuple[int, int]:
+    """(major, minor) of the torch the workers run: scripts/compat runs the suites with older ones."""
+    out = subprocess.run(
+        [torch_python(), "-c", "import torch; print(torch.__version__)"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    major, minor = out.strip().split(".")[:2]
+    return int(major), int(minor)
 
 
 def free_port() -> int:

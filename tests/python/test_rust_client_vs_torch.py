@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, torch_version
 from store_harness import ClientWorker, Server, client_worker, torch_host  # noqa: F401
 
 
@@ -55,6 +55,10 @@ def scenario_torch_reads_what_rust_wrote(ctx):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("backend", ["torch-libuv", "torch-classic"])
 def test_rust_client_against_torch_server(probe, torch_host, client_worker, backend):  # noqa: F811
+    if torch_version() < (2, 5):
+        # muster's agents only ever talk to muster's own store; this checks the client against a
+        # second server implementation, which before 2.5 lacks the PING of the handshake.
+        pytest.skip("torch servers before 2.5 do not know the handshake's PING (PR #129261)")
     server = Server(backend, torch_host)
     try:
         extra = [] if backend == "torch-libuv" else ["--no-queues"]  # classic has no queues

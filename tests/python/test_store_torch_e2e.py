@@ -53,6 +53,8 @@ def test_env_init_four_ranks(torch_host, kind):  # noqa: F811
                 env=_env(
                     RANK=str(r), WORLD_SIZE="4", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=str(server.port), TORCHELASTIC_USE_AGENT_STORE="True",
+                    # what an agent sets beside it; torch before 2.5 reads it for the prefix
+                    TORCHELASTIC_RESTART_COUNT="0",
                 ),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             )
