@@ -274,7 +274,8 @@ def test_worker0_started_last_gang_trains(job, caps, launcher):
 
 def test_metrics_scraped_over_the_network_by_ip(job, caps):
     """Each pod's /metrics answers on its IP from the start (a pod waiting for DNS is visible),
-    /healthz is OK, /readyz turns ready only after the rendezvous."""
+    /healthz is OK, /readyz is ready without waiting for the other pods (issue #23), /gangz only
+    after the rendezvous."""
     caps.require("launch", "multinode", "metrics")
     start_gang(job, ["--steps", "5", "--hold"], order=(1, 2))
 
@@ -292,13 +293,17 @@ def test_metrics_scraped_over_the_network_by_ip(job, caps):
                what="/metrics of the waiting pods")
     for c in waiting:
         assert get(c, "/healthz")[0] == 200
-        assert get(c, "/readyz")[0] != 200, "ready before the rendezvous"
+        assert get(c, "/gangz")[0] == 503, "gang running before the rendezvous"
+        wait_until(lambda c=c: get(c, "/readyz")[0] == 200, timeout=30,
+                   what=f"{c.name} ready while waiting for its peers")
     start_gang(job, ["--steps", "5", "--hold"], order=(0,))
     world = NNODES * NPROC
     wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world, timeout=240,
                what="training")
     for c in job.containers.values():
-        wait_until(lambda c=c: get(c, "/readyz")[0] == 200, timeout=30, what=f"{c.name} ready")
+        wait_until(lambda c=c: get(c, "/gangz")[0] == 200, timeout=30,
+                   what=f"{c.name} gang running")
+        assert get(c, "/readyz")[0] == 200
         status, text = get(c, "/metrics")
         assert status == 200
         sizes = re.findall(r"^muster_world_size(?:\{[^}]*\})? (\S+)$", text, re.M)

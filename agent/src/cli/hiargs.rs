@@ -530,6 +530,9 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         grace_period,
         preempted_exit_code,
         numa_binding,
+        checkpoint_token_file: get(low, "checkpoint-token-file")
+            .map(|r| PathBuf::from(r.value.trim()))
+            .filter(|p| !p.as_os_str().is_empty()),
     })
 }
 
