@@ -308,6 +308,21 @@ def test_metrics_scraped_over_the_network_by_ip(job, caps):
         assert status == 200
         sizes = re.findall(r"^muster_world_size(?:\{[^}]*\})? (\S+)$", text, re.M)
         assert sizes and float(sizes[0]) == world, f"{c.name}: muster_world_size {sizes}"
+    # Issue #12: this process reaches the pods from the job network's gateway, not from their
+    # loopback: POST /checkpoint is refused (403), counted, and the job keeps running to the end.
+    target = job.containers[1]
+    request = urllib.request.Request(f"http://{target.ip()}:{METRICS_PORT}/checkpoint",
+                                     data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as r:
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    assert status == 403
+    text = get(target, "/metrics")[1]
+    assert re.search(r'^muster_checkpoint_requests_rejected_total\{reason="forbidden"\} 1$',
+                     text, re.M), text
+    assert get(target, "/gangz")[0] == 200, "the job keeps running"
     (job.shared / "release").touch()
     for c in job.containers.values():
         assert c.wait(timeout=120) == 0, job.dump_logs()

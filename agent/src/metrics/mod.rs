@@ -1128,7 +1128,7 @@ impl Metrics {
         names
     }
 
-    pub(super) fn count_http_shed(&self, limit: conns::Shed) {
+    fn count_http_shed(&self, limit: conns::Shed) {
         self.inner
             .http_shed
             .with_label_values(&[limit.as_str()])
