@@ -693,7 +693,10 @@ mod tests {
             0,
         )
         .unwrap();
-        assert_eq!(c.checkpoint_token_file, Some(PathBuf::from("/secrets/token")));
+        assert_eq!(
+            c.checkpoint_token_file,
+            Some(PathBuf::from("/secrets/token"))
+        );
         let c = build_with(
             &["train.py"],
             &[PATH, ("MUSTER_CHECKPOINT_TOKEN_FILE", "/s/t")],
