@@ -123,6 +123,13 @@ impl GangRendezvous {
         })
     }
 
+    /// Whether this node knows, before any lookup, that it hosts the rendezvous store (its rank
+    /// is 0). A node that learns it from the endpoint's addresses needs DNS first, so it cannot
+    /// wait for its own store before it is ready.
+    pub fn hosts_store_first(&self) -> bool {
+        self.claimed_rank == Some(0)
+    }
+
     /// Publishes this node's GPU pre-flight verdict in its registration (every later round).
     pub fn set_gpu_verdict(&mut self, verdict: serde_json::Value) {
         if let Some(r) = self.rdzv.as_mut() {
@@ -388,13 +395,15 @@ impl GangRendezvous {
         } else {
             local.ip()
         };
-        StoreKv::connect(
+        let kv = StoreKv::connect(
             SocketAddr::new(ip, local.port()),
             Duration::from_secs(5),
             op_timeout,
         )
         .await
-        .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))
+        .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))?;
+        crate::metrics::agent::rendezvous_store_accepting();
+        Ok(kv)
     }
 }
 

@@ -1,6 +1,8 @@
 """A tiny authoritative DNS responder for tests, on a loopback address: it answers A queries for
 one name with one address, but only `delay` seconds after it started (NXDOMAIN before, like a
-headless Service record Kubernetes has not published yet); `delay=None` never answers it.
+headless Service record Kubernetes has not published yet); `delay=None` never answers it. With
+`gate`, a callable, the name is answered only while `gate()` is true (a Service without
+`publishNotReadyAddresses`: the record exists while the pod is Ready).
 AAAA queries for the name get an empty NOERROR once the A record exists. Anything else is
 NXDOMAIN. Enough of RFC 1035 for a stub resolver; no recursion, no EDNS."""
 
@@ -22,10 +24,12 @@ def _qname(packet, offset):
 
 
 class DelayedDns:
-    def __init__(self, host, name, address, delay):
+    def __init__(self, host, name, address, delay, gate=None):
         self.name = name.rstrip(".").lower()
         self.address = socket.inet_aton(address)
         self.delay = delay
+        self.gate = gate
+        self.answered = 0
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((host, 53))
         self.sock.settimeout(0.2)
@@ -36,6 +40,11 @@ class DelayedDns:
         self._thread.start()
 
     def _published(self):
+        if self.gate is not None:
+            try:
+                return bool(self.gate())
+            except Exception:  # the gate is a probe: a failed probe means "not published"
+                return False
         return self.delay is not None and time.monotonic() - self._started >= self.delay
 
     def _serve(self):
@@ -66,6 +75,7 @@ class DelayedDns:
             if qtype == 1:  # A
                 answers = struct.pack("!HHHIH", 0xC00C, 1, 1, 0, 4) + self.address
                 count = 1
+                self.answered += 1
         else:
             rcode = 3  # NXDOMAIN
         header = struct.pack("!HHHHHH", qid, 0x8000 | 0x0400 | rd | rcode, 1, count, 0, 0)

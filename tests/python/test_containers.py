@@ -274,7 +274,8 @@ def test_worker0_started_last_gang_trains(job, caps, launcher):
 
 def test_metrics_scraped_over_the_network_by_ip(job, caps):
     """Each pod's /metrics answers on its IP from the start (a pod waiting for DNS is visible),
-    /healthz is OK, /readyz turns ready only after the rendezvous."""
+    /healthz is OK, /readyz is ready without waiting for the other pods (issue #23), /gangz only
+    after the rendezvous."""
     caps.require("launch", "multinode", "metrics")
     start_gang(job, ["--steps", "5", "--hold"], order=(1, 2))
 
@@ -292,17 +293,36 @@ def test_metrics_scraped_over_the_network_by_ip(job, caps):
                what="/metrics of the waiting pods")
     for c in waiting:
         assert get(c, "/healthz")[0] == 200
-        assert get(c, "/readyz")[0] != 200, "ready before the rendezvous"
+        assert get(c, "/gangz")[0] == 503, "gang running before the rendezvous"
+        wait_until(lambda c=c: get(c, "/readyz")[0] == 200, timeout=30,
+                   what=f"{c.name} ready while waiting for its peers")
     start_gang(job, ["--steps", "5", "--hold"], order=(0,))
     world = NNODES * NPROC
     wait_until(lambda: len(list(job.shared.glob("done-a0-*"))) == world, timeout=240,
                what="training")
     for c in job.containers.values():
-        wait_until(lambda c=c: get(c, "/readyz")[0] == 200, timeout=30, what=f"{c.name} ready")
+        wait_until(lambda c=c: get(c, "/gangz")[0] == 200, timeout=30,
+                   what=f"{c.name} gang running")
+        assert get(c, "/readyz")[0] == 200
         status, text = get(c, "/metrics")
         assert status == 200
         sizes = re.findall(r"^muster_world_size(?:\{[^}]*\})? (\S+)$", text, re.M)
         assert sizes and float(sizes[0]) == world, f"{c.name}: muster_world_size {sizes}"
+    # Issue #12: this process reaches the pods from the job network's gateway, not from their
+    # loopback: POST /checkpoint is refused (403), counted, and the job keeps running to the end.
+    target = job.containers[1]
+    request = urllib.request.Request(f"http://{target.ip()}:{METRICS_PORT}/checkpoint",
+                                     data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=5) as r:
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    assert status == 403
+    text = get(target, "/metrics")[1]
+    assert re.search(r'^muster_checkpoint_requests_rejected_total\{reason="forbidden"\} 1$',
+                     text, re.M), text
+    assert get(target, "/gangz")[0] == 200, "the job keeps running"
     (job.shared / "release").touch()
     for c in job.containers.values():
         assert c.wait(timeout=120) == 0, job.dump_logs()

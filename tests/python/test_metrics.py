@@ -4,7 +4,8 @@
 - a real Prometheus server (loopback, temporary config and TSDB) scrapes the agent through an
   injected worker failure and a restart; its HTTP API shows the world size, the restart counters
   moving, and the rendezvous duration histogram;
-- `/readyz` is not ready while the gang restarts and ready when workers run; `/healthz` stays up;
+- `/gangz` is 503 while the gang restarts and 200 when workers run; `/readyz` and `/healthz` stay
+  200 throughout (readiness never depends on the gang, issue #23);
 - every metric the example dashboard uses is defined by the agent;
 - overhead: a scrape's median time, and supervision timing with and without 100 scrapes/s.
 
@@ -65,7 +66,7 @@ if attempt == 0:
         wait_for("fail")
         sys.exit(3)
     # Rank 1 ignores the agent's SIGTERM, so the gang stays in "stopping" until the SIGKILL
-    # after --shutdown-timeout: a window where /readyz must say "not ready".
+    # after --shutdown-timeout: a window where /gangz must say "not running" (and /readyz "ready").
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wait_for("never")
 else:
@@ -270,9 +271,10 @@ def test_prometheus_follows_an_agent_through_a_failure_and_a_restart(tmp_path):
     )
     prom = None
     try:
-        # Served from the start; ready once the first attempt's workers run.
+        # Served from the start; the gang signal once the first attempt's workers run.
         assert agent.get("/healthz")[0] == 200
-        wait_until(lambda: agent.get("/readyz")[0] == 200, 30, what="/readyz ready (attempt 0)")
+        wait_until(lambda: agent.get("/gangz")[0] == 200, 30, what="/gangz (attempt 0)")
+        assert agent.get("/readyz")[0] == 200
         status, headers, body = agent.get("/metrics")
         assert status == 200
         assert headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
@@ -286,15 +288,16 @@ def test_prometheus_follows_an_agent_through_a_failure_and_a_restart(tmp_path):
 
         # Inject the failure: rank 0 exits 3; rank 1 holds the gang in "stopping" for ~3 s.
         (ctl / "fail").touch()
-        wait_until(lambda: agent.get("/readyz")[0] == 503, 10, interval=0.02,
-                   what="/readyz not ready while the gang restarts")
-        status, _, reason = agent.get("/readyz")
-        assert status == 503 and reason.startswith("not ready: phase "), reason
+        wait_until(lambda: agent.get("/gangz")[0] == 503, 10, interval=0.02,
+                   what="/gangz not running while the gang restarts")
+        status, _, reason = agent.get("/gangz")
+        assert status == 503 and reason.startswith("gang not running: phase "), reason
         assert agent.get("/healthz")[0] == 200, "a restart is not a liveness failure"
+        assert agent.get("/readyz")[0] == 200, "a restart is not a readiness failure"
 
         wait_until(lambda: all((ctl / f"reduced-{r}").exists() for r in (0, 1)), 120,
                    what="attempt 1 to all-reduce")
-        assert agent.get("/readyz")[0] == 200
+        assert agent.get("/gangz")[0] == 200
 
         status, _, body = agent.get("/metrics")
         promtool = subprocess.run([need("promtool"), "check", "metrics"], input=body,
@@ -346,7 +349,7 @@ def test_promtool_accepts_the_metrics_of_a_fresh_agent(tmp_path):
     script.write_text("import time\ntime.sleep(60)\n")
     agent = Agent(["--nproc-per-node", "1", str(script)])
     try:
-        wait_until(lambda: agent.get("/readyz")[0] == 200, 30, what="/readyz")
+        wait_until(lambda: agent.get("/gangz")[0] == 200, 30, what="/gangz")
         body = agent.get("/metrics")[2]
         result = subprocess.run([promtool, "check", "metrics"], input=body,
                                 capture_output=True, text=True, timeout=30)
@@ -389,7 +392,7 @@ def test_a_scrape_takes_under_a_millisecond(tmp_path):
     script.write_text("import time\ntime.sleep(60)\n")
     agent = Agent(["--nproc-per-node", "2", str(script)])
     try:
-        wait_until(lambda: agent.get("/readyz")[0] == 200, 30, what="/readyz")
+        wait_until(lambda: agent.get("/gangz")[0] == 200, 30, what="/gangz")
         scrape_times(agent.addr, 20)  # warm up
         times = scrape_times(agent.addr, 200)
         median = statistics.median(times)
@@ -549,7 +552,7 @@ def test_prometheus_scrapes_a_two_node_dry_run_through_a_gang_restart(tmp_path):
     prom = None
     try:
         for addr in job.addrs.values():
-            wait_until(lambda: http_get(addr, "/readyz")[0] == 200, 60, what="/readyz")
+            wait_until(lambda: http_get(addr, "/gangz")[0] == 200, 60, what="/gangz")
         prom = MultiTargetPrometheus(tmp_path, job.addrs)
         prom.wait_for('count(up{job="muster"} == 1)', 2)
         prom.wait_for('sum(muster_local_workers_running)', 4)
@@ -589,31 +592,37 @@ def test_prometheus_scrapes_a_two_node_dry_run_through_a_gang_restart(tmp_path):
         job.stop()
 
 
-def test_readyz_waits_for_the_missing_node(tmp_path):
+def test_gangz_waits_for_the_missing_node_and_readyz_does_not(tmp_path):
     port = free_port()
     script = tmp_path / "wait.py"
     script.write_text("import os, time\n"
                       "while not os.path.exists(os.environ['FINISH']): time.sleep(0.05)\n")
     finish = tmp_path / "finish"
     common = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "readyz",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "gangz",
               "--local-addr", "127.0.0.1", "--rdzv-conf", RDZV_CONF, str(script)]
     env = {"FINISH": str(finish)}
     late = Agent(["--node-rank", "1", *common], env=env)
     first = None
     try:
-        # Node 1 is up, node 0 (the store host) is not: waiting, not ready, but alive.
+        # Node 1 is up, node 0 (the store host) is not: waiting, no gang, but alive and ready
+        # (its readiness must not wait for another pod).
         time.sleep(1)
-        status, _, reason = late.get("/readyz")
-        assert status == 503 and reason.startswith("not ready: phase "), reason
+        status, _, reason = late.get("/gangz")
+        assert status == 503 and reason.startswith("gang not running: phase "), reason
         assert late.get("/healthz")[0] == 200
+        assert late.get("/readyz")[0:3:2] == (200, "ready\n")
+        body = late.get("/metrics")[2]
+        assert value(body, "muster_agent_ready") == 1
+        assert value(body, "muster_gang_running") == 0
         body = late.get("/metrics")[2]
         assert value(body, "muster_agent_phase", phase="running") == 0
         assert value(body, "muster_rendezvous_nodes_waiting") > 0
 
         first = Agent(["--node-rank", "0", *common], env=env)
+        wait_until(lambda: first.get("/readyz")[0] == 200, 60, what="node 0 /readyz")
         for agent in (first, late):
-            wait_until(lambda: agent.get("/readyz")[0] == 200, 60, what="/readyz after the gang formed")
+            wait_until(lambda: agent.get("/gangz")[0] == 200, 60, what="/gangz after the gang formed")
             body = agent.get("/metrics")[2]
             assert value(body, "muster_world_size") == 2
             assert value(body, "muster_rendezvous_nodes_waiting") == 0
@@ -645,7 +654,7 @@ def test_gpu_preflight_results_are_exported(tmp_path):
         },
     )
     try:
-        wait_until(lambda: agent.get("/readyz")[0] == 200, 60, what="/readyz")
+        wait_until(lambda: agent.get("/gangz")[0] == 200, 60, what="/gangz")
         body = agent.get("/metrics")[2]
         result = subprocess.run([need("promtool"), "check", "metrics"], input=body,
                                 capture_output=True, text=True, timeout=30)

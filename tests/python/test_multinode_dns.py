@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import free_port, muster_bin, torch_python
+from test_metrics import http_get
 from dns_responder import DelayedDns
 from test_multinode_gang import CONF, worker  # noqa: F401  (fixture)
 
@@ -33,9 +34,9 @@ pytestmark = pytest.mark.skipif(not can_unshare_mount(),
 def dns(tmp_path):
     servers = []
 
-    def start(delay):
+    def start(delay, gate=None):
         host = f"127.{random.randint(60, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
-        server = DelayedDns(host, NAME, "127.0.0.1", delay)
+        server = DelayedDns(host, NAME, "127.0.0.1", delay, gate)
         servers.append(server)
         rc = tmp_path / "resolv.conf"
         rc.write_text(f"nameserver {host}\nsearch default.svc.cluster.local svc.cluster.local\n"
@@ -47,10 +48,10 @@ def dns(tmp_path):
         s.stop()
 
 
-def agent(rc, port, node_rank, script, conf, nnodes="2"):
-    args = [muster_bin(), "--nnodes", nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+def agent(rc, port, node_rank, script, conf, nnodes="2", nproc="1", extra=()):
+    args = [muster_bin(), "--nnodes", nnodes, "--nproc-per-node", nproc, "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{SHORT}:{port}", "--rdzv-id", "dns", "--local-addr",
-            "127.0.0.1", "--rdzv-conf", conf, "--node-rank", str(node_rank), script]
+            "127.0.0.1", "--rdzv-conf", conf, "--node-rank", str(node_rank), *extra, script]
     prefix = []
     if rc is not None:
         prefix = ["unshare", "-m", "sh", "-c", f'mount --bind {rc} /etc/resolv.conf && exec "$@"',
@@ -91,3 +92,42 @@ def test_a_record_that_never_appears_times_out_naming_the_host(dns, worker):  # 
     assert f"could not resolve the rendezvous host {SHORT}" in out, out
     assert "NXDOMAIN" in out
     assert time.monotonic() - start < 20
+
+
+def test_worker_0_published_only_while_node_0_is_ready_still_forms_the_gang(dns, worker):  # noqa: F811
+    """Issue #23: a Service without publishNotReadyAddresses (the Kubeflow PyTorchJob's) has
+    worker-0's record only while node 0 is Ready. Node 0's /readyz must therefore not wait for
+    the gang: the joiner starts first and sees NXDOMAIN, node 0 turns ready once its store
+    accepts connections, the record appears, the gang forms and trains."""
+    port, metrics_port = free_port(), free_port()
+    node0 = ("127.0.0.1", metrics_port)
+    readiness = []
+
+    def node0_ready():
+        status = http_get(node0, "/readyz", timeout=0.5)[0]
+        readiness.append(status)
+        return status == 200
+
+    server, rc = dns(delay=None, gate=node0_ready)
+    joiner = agent(rc, port, 1, worker, CONF, nproc="2",
+                   extra=("--metrics-addr", "127.0.0.1:0"))
+    host = None
+    try:
+        time.sleep(1.5)  # the joiner looks the name up while node 0 does not even run
+        assert joiner.poll() is None
+        host = agent(rc, port, 0, worker, CONF, nproc="2",
+                     extra=("--metrics-addr", f"127.0.0.1:{metrics_port}"))
+        out1, _ = joiner.communicate(timeout=90)
+        out0, _ = host.communicate(timeout=30)
+    finally:
+        for p in (host, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert joiner.returncode == 0, out1
+    assert host.returncode == 0, out0
+    assert f"waiting for DNS: {SHORT}: NXDOMAIN" in out1, out1
+    assert f"resolved {SHORT} to 127.0.0.1" in out1, out1
+    assert server.answered >= 1 and 200 in readiness, readiness
+    # 4 ranks: the all-reduce of the ranks 0..3 is 6, printed by every rank.
+    assert (out0 + out1).count("sum=6") == 4, out0 + out1

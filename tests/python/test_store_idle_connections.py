@@ -156,3 +156,79 @@ def test_busy_poll_flag_is_honoured_and_checked():
             assert store.stop() == 0, flags
     bad = subprocess.run([muster_bin(), "store", "--busy-poll-us", "soon"], capture_output=True, text=True, timeout=10)
     assert bad.returncode == 202 and "busy-poll-us" in bad.stderr, (bad.returncode, bad.stderr)
+
+
+def _rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(l for l in f if l.startswith("VmRSS:")).split()[1])
+
+
+def _closed_at_once(s, timeout=5):
+    s.settimeout(timeout)
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_a_hostile_client_meets_the_request_limits_and_the_connection_cap():
+    """The bounds docs/store.md § "A hostile client on the pod network" states: a length over the
+    protocol's limits (key 8 KiB, value 8 MiB, 131,072 keys) or a first message that is not
+    VALIDATE closes the connection before anything is allocated for it; connections beyond
+    --max-connections are closed at once, the ones inside keep being served, and the store
+    serves new clients again once the crowd leaves."""
+    store = StoreProcess(["--max-connections", "64"])
+    pid = store.proc.pid
+    addr = ("127.0.0.1", store.port)
+    try:
+        active = socket.create_connection(addr, timeout=10)
+        active.sendall(_hello(1))
+        assert _recv_exact(active, 4) == struct.pack("<I", 1)
+        before = _rss_kib(pid)
+        hostile = [
+            b"\x03" + struct.pack("<Q", 1) + b"k",                        # GET before VALIDATE
+            _hello(2) + b"\x01" + struct.pack("<Q", 1 << 62),             # SET, key of 2^62 bytes
+            _hello(3) + b"\x01" + struct.pack("<Q", 1) + b"k" + struct.pack("<Q", 1 << 40),
+            _hello(4) + b"\x01" + struct.pack("<Q", 8 * 1024 + 1),        # key 8 KiB + 1
+            _hello(5) + b"\x0a" + struct.pack("<Q", 1 << 40),             # MULTI_GET of 2^40 keys
+        ]
+        for payload in hostile:
+            s = socket.create_connection(addr, timeout=10)
+            s.sendall(payload)
+            # The VALIDATE+PING reply may come first; then the close.
+            s.settimeout(5)
+            data = b""
+            try:
+                while chunk := s.recv(64):
+                    data += chunk
+            except ConnectionResetError:
+                pass
+            assert len(data) <= 4, data
+            s.close()
+        grown = _rss_kib(pid) - before
+        assert grown < 8 * 1024, f"the store grew by {grown} KiB on lengths it refused"
+
+        # The connection cap: 63 more fill it (with `active`), the rest are closed at once.
+        held = [socket.create_connection(addr, timeout=10) for _ in range(63)]
+        time.sleep(0.5)
+        extra = [socket.create_connection(addr, timeout=10) for _ in range(16)]
+        assert all(_closed_at_once(s) for s in extra), "connections beyond the cap were kept"
+        assert _add(active, b"/still", 1) == 1, "a client inside the cap is still served"
+        late = socket.create_connection(addr, timeout=10)
+        late.sendall(_hello(9))
+        assert _closed_at_once(late), "a legitimate client beyond the cap is refused too"
+        per_conn = (_rss_kib(pid) - before) / len(held)
+        for s in held + extra + [late]:
+            s.close()
+        time.sleep(0.5)
+        fresh = socket.create_connection(addr, timeout=10)
+        fresh.sendall(_hello(10))
+        assert _recv_exact(fresh, 4) == struct.pack("<I", 10)
+        assert _add(fresh, b"/still", 1) == 2
+        fresh.close()
+        active.close()
+        print(f"refused lengths grew the store by {grown} KiB; ~{per_conn:.1f} KiB RSS per idle "
+              "connection")
+    finally:
+        assert store.stop() == 0

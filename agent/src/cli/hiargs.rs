@@ -530,6 +530,9 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         grace_period,
         preempted_exit_code,
         numa_binding,
+        checkpoint_token_file: get(low, "checkpoint-token-file")
+            .map(|r| PathBuf::from(r.value.trim()))
+            .filter(|p| !p.as_os_str().is_empty()),
     })
 }
 
@@ -678,5 +681,28 @@ mod tests {
         let id = random_run_id();
         assert_eq!(id.as_bytes()[14], b'4');
         assert_ne!(id, random_run_id());
+    }
+
+    #[test]
+    fn checkpoint_token_file_from_flag_or_env() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.checkpoint_token_file, None);
+        let c = build_with(
+            &["--checkpoint-token-file", "/secrets/token", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            c.checkpoint_token_file,
+            Some(PathBuf::from("/secrets/token"))
+        );
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_CHECKPOINT_TOKEN_FILE", "/s/t")],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.checkpoint_token_file, Some(PathBuf::from("/s/t")));
     }
 }

@@ -112,6 +112,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
     value("numa-binding", "node", "Pin each local rank to the CPUs of its GPU's NUMA node (GPUs in PCI bus order)"),
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
+    value("checkpoint-token-file", "PATH", "A file (a mounted Secret) holding a bearer token that lets a non-loopback caller POST /checkpoint; without it only loopback may"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

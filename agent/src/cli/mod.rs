@@ -75,14 +75,34 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     init_tracing(config.logs.format, writer.sink());
     let shutdown = CancellationToken::new();
     let metrics = crate::metrics::Metrics::new();
-    let endpoint =
-        match crate::metrics::agent::start_endpoint(config.metrics_addr, &metrics, &shutdown) {
-            Ok(endpoint) => endpoint,
+    // Read once, at start: a Secret that cannot be read is a configuration error, not a job
+    // that silently refuses its controller later.
+    let checkpoint_token = match config.checkpoint_token_file.as_deref() {
+        None => None,
+        Some(path) => match crate::metrics::CheckpointToken::from_file(path) {
+            Ok(token) => Some(token),
             Err(e) => {
                 writer.finish();
                 return Err(Exit::config(e.to_string()).into());
             }
-        };
+        },
+    };
+    let endpoint_config = crate::metrics::EndpointConfig {
+        checkpoint_token,
+        ..crate::metrics::EndpointConfig::default()
+    };
+    let endpoint = match crate::metrics::agent::start_endpoint(
+        config.metrics_addr,
+        &metrics,
+        endpoint_config,
+        &shutdown,
+    ) {
+        Ok(endpoint) => endpoint,
+        Err(e) => {
+            writer.finish();
+            return Err(Exit::config(e.to_string()).into());
+        }
+    };
     let mut launch = Launch::new(config).with_log_sink(writer.sink());
     // In a fixed-size gang an unhealthy node joins anyway, flagged, so that node 0 ends the job
     // for everyone at once (204, naming it); with spare capacity (MIN < MAX) it leaves instead.
@@ -105,9 +125,13 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             return Err(anyhow::Error::new(exit));
         }
     };
+    // Node 0 is ready once its rendezvous store accepts connections (node.rs says so); every
+    // other agent once its setup below is done. Never later: see `metrics::Readiness`.
+    let mut hosts_rendezvous = false;
     if crate::node::is_multi_node(launch.config()) {
         match crate::node::GangRendezvous::new(launch.config(), false) {
             Ok(mut r) => {
+                hosts_rendezvous = r.hosts_store_first();
                 r.set_gpu_verdict(match gpu.as_ref() {
                     Some(report) if gpu_fatal => {
                         tracing::error!(
@@ -149,6 +173,11 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
         .with_worker_env("PYTHONPATH", preemption.python_path())
         .on_terminate(preemption.terminate_hook());
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
+    metrics.advance_readiness(if hosts_rendezvous {
+        crate::metrics::Readiness::HostingStore
+    } else {
+        crate::metrics::Readiness::Ready
+    });
     let run = launch.run(shutdown.clone());
     let result = crate::metrics::agent::serve_checkpoint_requests(&metrics, run, |reason| {
         preemption.trigger(reason)

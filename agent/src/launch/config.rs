@@ -197,6 +197,8 @@ pub struct Config {
     pub preempted_exit_code: u8,
     /// `--numa-binding node`: pin each local rank to its GPU's NUMA-local CPUs.
     pub numa_binding: bool,
+    /// `--checkpoint-token-file`: a bearer token that lets a non-loopback peer `POST /checkpoint`.
+    pub checkpoint_token_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -233,6 +235,7 @@ impl Config {
             grace_period: None,
             preempted_exit_code: 0,
             numa_binding: false,
+            checkpoint_token_file: None,
         }
     }
 }

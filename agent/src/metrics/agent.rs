@@ -63,7 +63,8 @@ impl AgentEndpoint {
     }
 }
 
-/// Starts the endpoint. `setting` is `--metrics-addr` as given (`None`: not given).
+/// Starts the endpoint with `config`'s limits and token. `setting` is `--metrics-addr` as given
+/// (`None`: not given).
 ///
 /// An address the operator chose that cannot be bound is an error (the caller exits with the
 /// configuration-error code). The *default* port being taken — a model server on 8000, or a
@@ -72,6 +73,7 @@ impl AgentEndpoint {
 pub fn start_endpoint(
     setting: Option<MetricsAddr>,
     metrics: &Metrics,
+    config: EndpointConfig,
     shutdown: &CancellationToken,
 ) -> Result<AgentEndpoint, ServeError> {
     let (addr, chosen) = match setting {
@@ -84,7 +86,7 @@ pub fn start_endpoint(
             announcement: None,
         });
     };
-    match serve_in_thread(addr, metrics.clone(), EndpointConfig::default(), shutdown) {
+    match serve_in_thread(addr, metrics.clone(), config, shutdown) {
         Ok(serving) => Ok(AgentEndpoint {
             announcement: Some(Announcement::Serving(serving.local_addr())),
             serving: Some(serving),
@@ -496,6 +498,14 @@ pub fn rendezvous_store_started(stats: std::sync::Arc<rendezvous::store::server:
     }
 }
 
+/// Node 0's rendezvous store accepted this agent's own connection: others can join, so the pod
+/// is ready (and its DNS record, where readiness gates it, can be published).
+pub fn rendezvous_store_accepting() {
+    if let Some(metrics) = super::installed() {
+        metrics.advance_readiness(super::Readiness::Ready);
+    }
+}
+
 /// `discovery::resolve` started looking up the rendezvous host.
 pub fn dns_started() {
     if let Some(metrics) = super::installed() {
@@ -546,8 +556,13 @@ mod tests {
         config.run_id = "job-7".to_owned();
         let metrics = Metrics::new();
         let shutdown = CancellationToken::new();
-        let endpoint =
-            start_endpoint(Some("127.0.0.1:0".parse().unwrap()), &metrics, &shutdown).unwrap();
+        let endpoint = start_endpoint(
+            Some("127.0.0.1:0".parse().unwrap()),
+            &metrics,
+            EndpointConfig::default(),
+            &shutdown,
+        )
+        .unwrap();
         assert!(endpoint.local_addr().is_some());
         let launch = instrument(Launch::new(config), &metrics, &endpoint, &shutdown);
         let outcome = tokio::time::timeout(Duration::from_secs(20), launch.run(shutdown.clone()))
@@ -599,11 +614,24 @@ mod tests {
     async fn an_explicit_address_in_use_is_an_error_and_the_default_only_a_warning() {
         let metrics = Metrics::new();
         let shutdown = CancellationToken::new();
-        let first =
-            start_endpoint(Some("127.0.0.1:0".parse().unwrap()), &metrics, &shutdown).unwrap();
+        let first = start_endpoint(
+            Some("127.0.0.1:0".parse().unwrap()),
+            &metrics,
+            EndpointConfig::default(),
+            &shutdown,
+        )
+        .unwrap();
         let taken = MetricsAddr::at(first.local_addr().unwrap());
-        assert!(start_endpoint(Some(taken), &metrics, &shutdown).is_err());
-        let off = start_endpoint(Some("none".parse().unwrap()), &metrics, &shutdown).unwrap();
+        assert!(
+            start_endpoint(Some(taken), &metrics, EndpointConfig::default(), &shutdown).is_err()
+        );
+        let off = start_endpoint(
+            Some("none".parse().unwrap()),
+            &metrics,
+            EndpointConfig::default(),
+            &shutdown,
+        )
+        .unwrap();
         assert!(off.local_addr().is_none() && off.announcement.is_none());
         shutdown.cancel();
     }

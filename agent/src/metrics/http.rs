@@ -1,15 +1,22 @@
 //! The metrics endpoint: a small HTTP/1.1 server on tokio serving `/metrics`, `/healthz`,
-//! `/readyz` and `POST /checkpoint`.
+//! `/readyz`, `/gangz` and `POST /checkpoint`.
 //!
 //! Hand-written rather than hyper to keep the PID-1 binary's compile time and dependency tree
 //! small; it only has to serve four fixed routes to Prometheus and the kubelet. It is still a
 //! server facing the pod network, so every input is bounded: a request head over
-//! [`MAX_HEAD_BYTES`] gets 431, a body over [`MAX_BODY_BYTES`] gets 413, a request must arrive
-//! whole within `request_timeout` of its first byte (408), an idle keep-alive connection is closed
-//! after `idle_timeout`, writes time out, at most `max_connections` are served at once (further
-//! ones wait in the kernel's backlog), chunked bodies are refused (501), and anything that does not
-//! parse gets 400 and a close. Nothing in here panics on input. Peers are logged numerically (no
-//! reverse lookups on the request path).
+//! [`MAX_HEAD_BYTES`] gets 431, a body over [`MAX_BODY_BYTES`] gets 413, a new connection must
+//! deliver its first request head within `first_request_timeout` and every later request must
+//! arrive whole within `request_timeout` of its first byte (408), an idle keep-alive connection is
+//! closed after `idle_timeout`, writes time out, chunked bodies are refused (501), line ends must
+//! be CRLF (a bare LF or CR is the leniency request smuggling needs: 400), and anything that does
+//! not parse gets 400 and a close. Nothing in here panics on input. Peers are logged numerically
+//! (no reverse lookups on the request path).
+//!
+//! Every connection is accepted at once and admitted by [`super::conns`]: at most
+//! `max_connections_per_peer` per address and `max_connections` in all, the oldest idle one
+//! giving way to a new one, so that no number of hostile sockets from another address can keep
+//! the kubelet's probes waiting in the kernel's backlog (issue #18). `POST /checkpoint` is only
+//! honoured from loopback, or with the bearer token of `--checkpoint-token-file` ([`super::auth`]).
 //!
 //! Gathering happens in the connection's task: the agent's state is read through atomics and locks
 //! held for a few instructions, so a scrape never waits on supervision, and supervision never
@@ -17,18 +24,19 @@
 
 use std::fmt;
 use std::io;
-use std::net::{Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 use tokio::time::{timeout_at, Instant};
 use tokio_util::sync::CancellationToken;
 
-use super::{CheckpointDelivery, CheckpointTrigger, Metrics, DEFAULT_METRICS_ADDR};
+use super::auth::{self, CheckpointToken, Rejected};
+use super::conns::{Admission, Limits, Table};
+use super::{CheckpointDelivery, CheckpointTrigger, Metrics, Readiness, DEFAULT_METRICS_ADDR};
 
 /// Largest request line plus headers accepted (Prometheus and the kubelet send a few hundred bytes).
 pub const MAX_HEAD_BYTES: usize = 8 * 1024;
@@ -125,8 +133,17 @@ pub struct EndpointConfig {
     pub idle_timeout: Duration,
     /// A request must arrive whole within this long of its first byte; also bounds each write.
     pub request_timeout: Duration,
-    /// Connections served at once.
+    /// A new connection must deliver its first complete request within this long of being
+    /// accepted (Prometheus and the kubelet send theirs at once); silence is closed, a partial
+    /// request gets 408.
+    pub first_request_timeout: Duration,
+    /// Connections open at once, all peers together.
     pub max_connections: usize,
+    /// Connections open at once from one peer address.
+    pub max_connections_per_peer: usize,
+    /// `--checkpoint-token-file`: lets a non-loopback peer with this bearer token trigger a
+    /// checkpoint.
+    pub checkpoint_token: Option<CheckpointToken>,
 }
 
 impl Default for EndpointConfig {
@@ -135,7 +152,10 @@ impl Default for EndpointConfig {
             stale_after: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(90),
             request_timeout: Duration::from_secs(10),
-            max_connections: 64,
+            first_request_timeout: Duration::from_secs(5),
+            max_connections: 256,
+            max_connections_per_peer: 16,
+            checkpoint_token: None,
         }
     }
 }
@@ -183,16 +203,13 @@ impl Endpoint {
 
     /// Serves until `shutdown` is cancelled.
     pub async fn run(self, shutdown: CancellationToken) {
-        let permits = Arc::new(Semaphore::new(self.config.max_connections.max(1)));
+        let table = Arc::new(Mutex::new(Table::default()));
+        let limits = Limits {
+            total: self.config.max_connections,
+            per_peer: self.config.max_connections_per_peer,
+        };
         let mut backoff = Duration::from_millis(10);
         loop {
-            let permit = tokio::select! {
-                () = shutdown.cancelled() => return,
-                permit = Arc::clone(&permits).acquire_owned() => match permit {
-                    Ok(permit) => permit,
-                    Err(_) => return,
-                },
-            };
             let accepted = tokio::select! {
                 () = shutdown.cancelled() => return,
                 accepted = self.listener.accept() => accepted,
@@ -200,12 +217,31 @@ impl Endpoint {
             match accepted {
                 Ok((stream, peer)) => {
                     backoff = Duration::from_millis(10);
+                    let evict = shutdown.child_token();
+                    let ip = peer.ip().to_canonical();
+                    let admission = lock(&table).admit(ip, evict.clone(), limits);
+                    let id = match admission {
+                        Admission::Admitted { id, evicted } => {
+                            if let Some(limit) = evicted {
+                                self.metrics.count_http_shed(limit);
+                            }
+                            id
+                        }
+                        Admission::Refused(limit) => {
+                            // Every candidate is busy writing a response: close the new one.
+                            self.metrics.count_http_shed(limit);
+                            drop(stream);
+                            continue;
+                        }
+                    };
                     let metrics = self.metrics.clone();
                     let config = Arc::clone(&self.config);
-                    let shutdown = shutdown.child_token();
+                    let slot = Slot {
+                        table: Arc::clone(&table),
+                        id,
+                    };
                     tokio::spawn(async move {
-                        serve_connection(stream, peer, &metrics, &config, &shutdown).await;
-                        drop(permit);
+                        serve_connection(stream, peer, &metrics, &config, &evict, &slot).await;
                     });
                 }
                 Err(err) => {
@@ -220,6 +256,29 @@ impl Endpoint {
             }
         }
     }
+}
+
+/// A connection's entry in the admission table, released when its task ends.
+struct Slot {
+    table: Arc<Mutex<Table>>,
+    id: u64,
+}
+
+impl Slot {
+    fn set_busy(&self, busy: bool) {
+        lock(&self.table).set_busy(self.id, busy);
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        lock(&self.table).remove(self.id);
+    }
+}
+
+/// The table is only touched for a few instructions at a time; a poisoned lock is taken over.
+fn lock(table: &Mutex<Table>) -> std::sync::MutexGuard<'_, Table> {
+    table.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// An endpoint serving on a thread of its own (see [`serve_in_thread`]); stops when dropped.
@@ -333,7 +392,9 @@ fn bind_socket(addr: SocketAddr, dual_stack: bool) -> io::Result<std::net::TcpLi
         socket.set_only_v6(!dual_stack)?;
     }
     socket.bind(&addr.into())?;
-    socket.listen(128)?;
+    // Connections are accepted as fast as they come (admission happens after accept), so the
+    // backlog only absorbs bursts; a large one keeps a burst from dropping a probe's SYN.
+    socket.listen(1024)?;
     socket.set_nonblocking(true)?;
     Ok(socket.into())
 }
@@ -346,11 +407,23 @@ enum Method {
     Other,
 }
 
-#[derive(Debug)]
 struct Request {
     method: Method,
     path: String,
     keep_alive: bool,
+    /// The credentials of `Authorization: Bearer …`; never logged (see the `Debug` below).
+    bearer: Option<Vec<u8>>,
+}
+
+impl fmt::Debug for Request {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Request")
+            .field("method", &self.method)
+            .field("path", &self.path)
+            .field("keep_alive", &self.keep_alive)
+            .field("bearer", &self.bearer.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
 }
 
 /// Why a request could not be read; each maps to a status and a close.
@@ -382,19 +455,24 @@ async fn serve_connection(
     peer: SocketAddr,
     metrics: &Metrics,
     config: &EndpointConfig,
-    shutdown: &CancellationToken,
+    evict: &CancellationToken,
+    slot: &Slot,
 ) {
     // Responses are written in one piece, so Nagle would only add latency.
     let _ = stream.set_nodelay(true);
     let mut buf: Vec<u8> = Vec::with_capacity(1024);
+    // The first request must be complete this soon after the accept; later ones only have the
+    // keep-alive idle timeout and `request_timeout`.
+    let mut first_deadline = Some(Instant::now() + config.first_request_timeout);
     loop {
-        let (response, keep_alive) = match read_request(&mut stream, &mut buf, config, shutdown)
-            .await
-        {
+        let read = read_request(&mut stream, &mut buf, config, first_deadline, evict).await;
+        first_deadline = None;
+        slot.set_busy(true);
+        let (response, keep_alive) = match read {
             Ok(None) => return,
             Ok(Some(request)) => {
-                let response = route(&request, metrics, config);
-                let keep = request.keep_alive && !shutdown.is_cancelled();
+                let response = route(&request, peer, metrics, config);
+                let keep = request.keep_alive && !evict.is_cancelled();
                 (response.finish(request.method == Method::Head, keep), keep)
             }
             Err(reject) => {
@@ -406,7 +484,9 @@ async fn serve_connection(
             }
         };
         let deadline = Instant::now() + config.request_timeout;
-        match timeout_at(deadline, stream.write_all(&response)).await {
+        let written = timeout_at(deadline, stream.write_all(&response)).await;
+        slot.set_busy(false);
+        match written {
             Ok(Ok(())) => {}
             Ok(Err(err)) => {
                 tracing::debug!(%peer, "metrics endpoint: write failed: {err}");
@@ -418,7 +498,10 @@ async fn serve_connection(
             }
         }
         if !keep_alive {
-            linger(&mut stream, deadline.min(Instant::now() + LINGER)).await;
+            tokio::select! {
+                () = evict.cancelled() => {}
+                () = linger(&mut stream, deadline.min(Instant::now() + LINGER)) => {}
+            }
             return;
         }
     }
@@ -447,33 +530,41 @@ async fn linger(stream: &mut TcpStream, deadline: Instant) {
 }
 
 /// Reads one request into `buf` (which keeps any pipelined bytes that follow it). `Ok(None)`: the
-/// peer closed, the connection idled out, or the endpoint is shutting down.
+/// peer closed, the connection idled out, or it was evicted or the endpoint is shutting down.
+/// `first_deadline`: the whole request must be in by then (a new connection's first request).
 async fn read_request(
     stream: &mut TcpStream,
     buf: &mut Vec<u8>,
     config: &EndpointConfig,
-    shutdown: &CancellationToken,
+    first_deadline: Option<Instant>,
+    evict: &CancellationToken,
 ) -> Result<Option<Request>, Reject> {
     let mut request_deadline = (!buf.is_empty()).then(|| Instant::now() + config.request_timeout);
     let idle_deadline = Instant::now() + config.idle_timeout;
+    let deadline = |request_deadline: Option<Instant>| {
+        let own = request_deadline.unwrap_or(idle_deadline);
+        first_deadline.map_or(own, |first| own.min(first))
+    };
     let mut chunk = [0u8; 4096];
     loop {
-        if let Some(head_len) = head_end(buf) {
+        if let Some(head_len) = head_end(buf)? {
             let head = parse_head(&buf[..head_len])?;
             let total = head_len + head.content_length;
             if head.expect_continue && buf.len() < total {
                 // curl waits a second for this before sending a body it announced.
-                let deadline = request_deadline.unwrap_or(idle_deadline);
                 if !matches!(
-                    timeout_at(deadline, stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")).await,
+                    timeout_at(
+                        deadline(request_deadline),
+                        stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    )
+                    .await,
                     Ok(Ok(()))
                 ) {
                     return Ok(None);
                 }
             }
             while buf.len() < total {
-                let deadline = request_deadline.unwrap_or(idle_deadline);
-                match read_some(stream, &mut chunk, deadline, shutdown).await {
+                match read_some(stream, &mut chunk, deadline(request_deadline), evict).await {
                     ReadOutcome::Data(n) => buf.extend_from_slice(&chunk[..n]),
                     ReadOutcome::Closed | ReadOutcome::Shutdown => return Ok(None),
                     ReadOutcome::TimedOut => return Err(Reject::Timeout),
@@ -486,8 +577,7 @@ async fn read_request(
         if buf.len() >= MAX_HEAD_BYTES {
             return Err(Reject::HeadTooLarge);
         }
-        let deadline = request_deadline.unwrap_or(idle_deadline);
-        match read_some(stream, &mut chunk, deadline, shutdown).await {
+        match read_some(stream, &mut chunk, deadline(request_deadline), evict).await {
             ReadOutcome::Data(n) => {
                 buf.extend_from_slice(&chunk[..n]);
                 request_deadline.get_or_insert_with(|| Instant::now() + config.request_timeout);
@@ -522,15 +612,22 @@ async fn read_some(
     }
 }
 
-/// Length of the request head including its blank line, if it is complete. Bare `\n` line ends
-/// are accepted, as RFC 9112 §2.2 allows.
-fn head_end(buf: &[u8]) -> Option<usize> {
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
+/// Length of the request head including its blank line, if it is complete. Line ends must be
+/// CRLF: a bare LF or a bare CR anywhere in the head is a 400 at once (RFC 9112 §2.2 allows a
+/// server to accept a bare LF, but a server that does and a proxy that does not disagree on where
+/// a request ends, which is what request smuggling needs).
+fn head_end(buf: &[u8]) -> Result<Option<usize>, Reject> {
+    for (i, &b) in buf.iter().enumerate() {
+        match b {
+            b'\n' if i == 0 || buf[i - 1] != b'\r' => return Err(Reject::BadRequest),
+            b'\r' if buf.get(i + 1).is_some_and(|next| *next != b'\n') => {
+                return Err(Reject::BadRequest)
+            }
+            b'\n' if i >= 3 && &buf[i - 3..=i] == b"\r\n\r\n" => return Ok(Some(i + 1)),
+            _ => {}
+        }
     }
+    Ok(None)
 }
 
 struct Head {
@@ -545,7 +642,13 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
         return Err(Reject::HeadTooLarge);
     }
     let text = std::str::from_utf8(head).map_err(|_| Reject::BadRequest)?;
-    let mut lines = text.split('\n').map(|l| l.strip_suffix('\r').unwrap_or(l));
+    if text.bytes().enumerate().any(|(i, b)| {
+        (b == b'\n' && (i == 0 || head[i - 1] != b'\r'))
+            || (b == b'\r' && head.get(i + 1) != Some(&b'\n'))
+    }) {
+        return Err(Reject::BadRequest);
+    }
+    let mut lines = text.split("\r\n");
     let request_line = lines.next().ok_or(Reject::BadRequest)?;
     let mut parts = request_line.split(' ');
     let (Some(method), Some(target), Some(version), None) =
@@ -568,6 +671,7 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
     let mut connection_close = false;
     let mut connection_keep_alive = false;
     let mut expect_continue = false;
+    let mut bearer = None;
     for line in lines {
         if line.is_empty() {
             continue;
@@ -595,6 +699,19 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
                 connection_close |= token.eq_ignore_ascii_case("close");
                 connection_keep_alive |= token.eq_ignore_ascii_case("keep-alive");
             }
+        } else if name.eq_ignore_ascii_case("authorization") {
+            // Two Authorization headers are ambiguous: honour neither.
+            let credentials = match value.split_once(' ') {
+                Some((scheme, rest)) if scheme.eq_ignore_ascii_case("bearer") => {
+                    Some(rest.trim().as_bytes().to_vec())
+                }
+                _ => None,
+            };
+            bearer = if bearer.is_none() {
+                Some(credentials)
+            } else {
+                Some(None)
+            };
         }
     }
     let method = match method {
@@ -613,6 +730,7 @@ fn parse_head(head: &[u8]) -> Result<Head, Reject> {
             method,
             path,
             keep_alive,
+            bearer: bearer.flatten(),
         },
         content_length: content_length.unwrap_or(0),
         expect_continue,
@@ -641,7 +759,8 @@ struct Response {
     status: u16,
     content_type: &'static str,
     body: Vec<u8>,
-    allow: Option<&'static str>,
+    /// One more header (`Allow` on a 405, `WWW-Authenticate` on a 401).
+    extra: Option<(&'static str, &'static str)>,
 }
 
 impl Response {
@@ -650,7 +769,7 @@ impl Response {
             status,
             content_type: "text/plain; charset=utf-8",
             body: body.into_bytes(),
-            allow: None,
+            extra: None,
         }
     }
 
@@ -667,8 +786,8 @@ impl Response {
             self.body.len(),
             if keep_alive { "keep-alive" } else { "close" },
         );
-        if let Some(allow) = self.allow {
-            let _ = write!(head, "Allow: {allow}\r\n");
+        if let Some((name, value)) = self.extra {
+            let _ = write!(head, "{name}: {value}\r\n");
         }
         head.push_str("\r\n");
         let mut out = head.into_bytes();
@@ -684,6 +803,8 @@ fn reason(status: u16) -> &'static str {
         200 => "OK",
         202 => "Accepted",
         400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -699,10 +820,16 @@ fn reason(status: u16) -> &'static str {
 const INDEX: &str = "muster agent\n\
 GET  /metrics     Prometheus metrics\n\
 GET  /healthz     liveness: the agent loop is alive\n\
-GET  /readyz      readiness: rendezvous complete and local workers running\n\
-POST /checkpoint  ask the gang to checkpoint (when the barrier is enabled)\n";
+GET  /readyz      readiness: this agent can play its part for the others (independent of peers)\n\
+GET  /gangz       the gang has formed and this node's workers are running\n\
+POST /checkpoint  ask the gang to checkpoint (loopback, or a bearer token)\n";
 
-fn route(request: &Request, metrics: &Metrics, config: &EndpointConfig) -> Response {
+fn route(
+    request: &Request,
+    peer: SocketAddr,
+    metrics: &Metrics,
+    config: &EndpointConfig,
+) -> Response {
     let read_only = matches!(request.method, Method::Get | Method::Head);
     let (handler, response) = match request.path.as_str() {
         "/metrics" if read_only => {
@@ -713,9 +840,13 @@ fn route(request: &Request, metrics: &Metrics, config: &EndpointConfig) -> Respo
         }
         "/healthz" if read_only => ("healthz", healthz(metrics, config)),
         "/readyz" if read_only => ("readyz", readyz(metrics)),
-        "/checkpoint" if request.method == Method::Post => ("checkpoint", checkpoint(metrics)),
+        "/gangz" if read_only => ("gangz", gangz(metrics)),
+        "/checkpoint" if request.method == Method::Post => (
+            "checkpoint",
+            checkpoint(request, peer.ip(), metrics, config),
+        ),
         "/" if read_only => ("other", Response::text(200, INDEX.to_owned())),
-        "/metrics" | "/healthz" | "/readyz" | "/" => {
+        "/metrics" | "/healthz" | "/readyz" | "/gangz" | "/" => {
             ("other", not_allowed("GET, HEAD", "use GET\n"))
         }
         "/checkpoint" => ("other", not_allowed("POST", "use POST\n")),
@@ -727,7 +858,7 @@ fn route(request: &Request, metrics: &Metrics, config: &EndpointConfig) -> Respo
 
 fn not_allowed(allow: &'static str, body: &str) -> Response {
     let mut response = Response::text(405, body.to_owned());
-    response.allow = Some(allow);
+    response.extra = Some(("Allow", allow));
     response
 }
 
@@ -748,13 +879,27 @@ fn healthz(metrics: &Metrics, config: &EndpointConfig) -> Response {
 }
 
 fn readyz(metrics: &Metrics) -> Response {
-    if metrics.is_ready() {
-        Response::text(200, "ready\n".to_owned())
+    match metrics.readiness() {
+        Readiness::Ready => Response::text(200, "ready\n".to_owned()),
+        Readiness::Starting => Response::text(
+            503,
+            "not ready: starting (reading the configuration, binding ports)\n".to_owned(),
+        ),
+        Readiness::HostingStore => Response::text(
+            503,
+            "not ready: node 0's rendezvous store is not accepting connections yet\n".to_owned(),
+        ),
+    }
+}
+
+fn gangz(metrics: &Metrics) -> Response {
+    if metrics.is_gang_running() {
+        Response::text(200, "gang running\n".to_owned())
     } else {
         Response::text(
             503,
             format!(
-                "not ready: phase {}, {} local workers running\n",
+                "gang not running: phase {}, {} local workers running\n",
                 metrics.phase().as_str(),
                 metrics.workers_running()
             ),
@@ -762,7 +907,41 @@ fn readyz(metrics: &Metrics) -> Response {
     }
 }
 
-fn checkpoint(metrics: &Metrics) -> Response {
+fn checkpoint(
+    request: &Request,
+    peer: IpAddr,
+    metrics: &Metrics,
+    config: &EndpointConfig,
+) -> Response {
+    match auth::authorize(
+        peer,
+        request.bearer.as_deref(),
+        config.checkpoint_token.as_ref(),
+    ) {
+        Ok(()) => {}
+        Err(rejected) => {
+            metrics.checkpoint_rejected(rejected);
+            tracing::debug!(%peer, reason = rejected.as_str(), "POST /checkpoint refused");
+            return match rejected {
+                Rejected::Forbidden => Response::text(
+                    403,
+                    "forbidden: POST /checkpoint is only accepted from inside the pod \
+                     (kubectl exec POD -- curl -X POST localhost:8000/checkpoint), \
+                     or with the bearer token of --checkpoint-token-file\n"
+                        .to_owned(),
+                ),
+                Rejected::Unauthorized => {
+                    let mut response = Response::text(
+                        401,
+                        "unauthorized: a valid Authorization: Bearer token is required\n"
+                            .to_owned(),
+                    );
+                    response.extra = Some(("WWW-Authenticate", "Bearer realm=\"muster\""));
+                    response
+                }
+            };
+        }
+    }
     match metrics.request_checkpoint(CheckpointTrigger::Http) {
         CheckpointDelivery::Delivered => Response::text(202, "checkpoint requested\n".to_owned()),
         CheckpointDelivery::AlreadyPending => {
@@ -828,11 +1007,27 @@ mod tests {
         let head = parse_head(b"GET http://pod:8000/readyz HTTP/1.0\r\n\r\n").unwrap();
         assert_eq!(head.request.path, "/readyz");
         assert!(!head.request.keep_alive);
-        let head =
-            parse_head(b"POST /checkpoint HTTP/1.1\nContent-Length: 3\nConnection: close\n\n")
-                .unwrap();
+        let head = parse_head(
+            b"POST /checkpoint HTTP/1.1\r\nContent-Length: 3\r\nConnection: close\r\nAuthorization: Bearer t0k\r\n\r\n",
+        )
+        .unwrap();
         assert_eq!(head.content_length, 3);
         assert!(!head.request.keep_alive);
+        assert_eq!(head.request.bearer.as_deref(), Some(&b"t0k"[..]));
+        assert!(
+            !format!("{:?}", head.request).contains("t0k"),
+            "the token is never logged"
+        );
+        let head = parse_head(
+            b"POST / HTTP/1.1\r\nAuthorization: Bearer a\r\nAuthorization: Bearer a\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(
+            head.request.bearer, None,
+            "two Authorization headers: neither counts"
+        );
+        let head = parse_head(b"POST / HTTP/1.1\r\nAuthorization: Basic YTpi\r\n\r\n").unwrap();
+        assert_eq!(head.request.bearer, None);
 
         let cases: [(&[u8], Reject); 8] = [
             (b"\r\n\r\n", Reject::BadRequest),
@@ -891,8 +1086,44 @@ mod tests {
 
     #[test]
     fn head_end_finds_the_first_blank_line() {
-        assert_eq!(head_end(b"GET / HTTP/1.1\r\n\r\nrest"), Some(18));
-        assert_eq!(head_end(b"GET / HTTP/1.1\n\nrest"), Some(16));
-        assert_eq!(head_end(b"GET / HTTP/1.1\r\nHost: x\r\n"), None);
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\n\r\nrest"), Ok(Some(18)));
+        assert_eq!(
+            head_end(b"GET / HTTP/1.1\r\n\r\nbody\nwith\rbare ends"),
+            Ok(Some(18)),
+            "only the head must use CRLF"
+        );
+        assert_eq!(head_end(b"GET / HTTP/1.1\r\nHost: x\r\n"), Ok(None));
+        assert_eq!(
+            head_end(b"GET / HTTP/1.1\r\nHost: x\r"),
+            Ok(None),
+            "a CR may end a read"
+        );
+    }
+
+    #[test]
+    fn bare_line_ends_are_rejected() {
+        for input in [
+            &b"GET / HTTP/1.1\n\n"[..],
+            b"GET / HTTP/1.1\nHost: x\r\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: x\n\r\n",
+            b"GET / HTTP/1.1\r\nHost: x\r\n\n",
+            b"\nGET / HTTP/1.1\r\n\r\n",
+            b"GET / HTTP/1.1\rHost: x\r\n\r\n",
+            b"GET / HTTP/1.1\r\nX: a\rb\r\n\r\n",
+            b"GET / HTTP/1.1\n",
+        ] {
+            assert_eq!(
+                head_end(input),
+                Err(Reject::BadRequest),
+                "{}",
+                String::from_utf8_lossy(input).escape_debug()
+            );
+            assert_eq!(
+                parse_head(input).err(),
+                Some(Reject::BadRequest),
+                "{}",
+                String::from_utf8_lossy(input).escape_debug()
+            );
+        }
     }
 }

@@ -11,9 +11,11 @@
 //! The store hosted by node 0 is observed the same way, through [`StoreStatsSource`] ([`store`]).
 //!
 //! [`Endpoint`] ([`http`]) is a small HTTP/1.1 server on tokio: `GET /metrics`, `GET /healthz`
-//! (the agent loop bumped [`Metrics::heartbeat`] recently), `GET /readyz` (rendezvous complete and
-//! local workers running), `POST /checkpoint` (an operator's checkpoint trigger, forwarded to the
-//! consumer registered with [`Metrics::checkpoint_requests`]).
+//! (liveness: the agent loop bumped [`Metrics::heartbeat`] recently), `GET /readyz` (readiness:
+//! this agent can play its part for the others, [`Readiness`]; never depends on another pod),
+//! `GET /gangz` (the gang has formed and local workers run), `POST /checkpoint` (an operator's
+//! checkpoint trigger from loopback or with the bearer token ([`auth`]), forwarded to the consumer
+//! registered with [`Metrics::checkpoint_requests`]). Connections are admitted by [`conns`].
 //!
 //! # Conventions
 //! Every name starts with `muster_`, uses base units (seconds, bytes), and counters end in
@@ -23,10 +25,13 @@
 //! appear only in `muster_job_info`.
 
 pub mod agent;
+pub mod auth;
+mod conns;
 mod http;
 mod live;
 mod store;
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -38,6 +43,7 @@ use prometheus::{
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+pub use auth::{CheckpointToken, TokenError};
 pub use http::{
     serve_in_thread, AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError, Serving,
     METRICS_CONTENT_TYPE,
@@ -111,6 +117,30 @@ impl Phase {
             .get(usize::from(value))
             .copied()
             .unwrap_or(Phase::Resolving)
+    }
+}
+
+/// What `/readyz` says: whether this agent can play its part for the others. It only ever moves
+/// forward, and it never depends on another pod (issue #23): a pod's readiness gates its DNS
+/// record, and the gang needs node 0's record before it can form.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Readiness {
+    /// Reading the configuration, binding ports, GPU pre-flight.
+    Starting = 0,
+    /// Node 0: everything else is set up, its rendezvous store is not accepting connections yet.
+    HostingStore = 1,
+    /// Ready, and stays so until the process exits (restarts, checkpoint barrier, draining).
+    Ready = 2,
+}
+
+impl Readiness {
+    fn from_u8(value: u8) -> Readiness {
+        match value {
+            0 => Readiness::Starting,
+            1 => Readiness::HostingStore,
+            _ => Readiness::Ready,
+        }
     }
 }
 
@@ -384,6 +414,7 @@ struct Inner {
     store: Arc<store::StoreCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     restart_cause: Mutex<Option<RestartCause>>,
+    readiness: AtomicU8,
 
     job_info: IntGaugeVec,
     dns_attempts: IntCounterVec,
@@ -416,6 +447,10 @@ struct Inner {
     gpu_preflight_healthy: IntGauge,
     gpu_preflight_duration: Gauge,
     http_requests: IntCounterVec,
+    http_shed: IntCounterVec,
+    checkpoint_rejected: IntCounterVec,
+    agent_ready: IntGauge,
+    gang_running: IntGauge,
 }
 
 static INSTALLED: OnceLock<Metrics> = OnceLock::new();
@@ -650,10 +685,29 @@ impl Metrics {
                 "Requests served by the metrics endpoint, by handler and status code.",
                 &["handler", "code"],
             ),
+            http_shed: defs.counter_vec(
+                "muster_http_connections_shed_total",
+                "Connections the metrics endpoint closed to stay within its limits (the oldest idle one of the address at its limit, or a new one when none was idle), by limit (peer, total).",
+                &["limit"],
+            ),
+            checkpoint_rejected: defs.counter_vec(
+                "muster_checkpoint_requests_rejected_total",
+                "POST /checkpoint requests refused: forbidden (not loopback, no token configured) or unauthorized (missing or wrong bearer token).",
+                &["reason"],
+            ),
+            agent_ready: defs.int_gauge(
+                "muster_agent_ready",
+                "1 when /readyz answers 200: this agent can play its part for the others (independent of peers).",
+            ),
+            gang_running: defs.int_gauge(
+                "muster_gang_running",
+                "1 when /gangz answers 200: the gang has formed and this node's workers are running.",
+            ),
             live,
             store,
             checkpoint_tx: Mutex::new(None),
             restart_cause: Mutex::new(None),
+            readiness: AtomicU8::new(Readiness::Starting as u8),
             registry: defs.registry,
             names: defs.names,
         };
@@ -670,6 +724,14 @@ impl Metrics {
             inner
                 .checkpoint_requests
                 .with_label_values(&[trigger.as_str()]);
+        }
+        for limit in conns::Shed::ALL {
+            inner.http_shed.with_label_values(&[limit.as_str()]);
+        }
+        for reason in auth::Rejected::ALL {
+            inner
+                .checkpoint_rejected
+                .with_label_values(&[reason.as_str()]);
         }
         for outcome in CheckpointOutcome::ALL {
             inner.checkpoints.with_label_values(&[outcome.as_str()]);
@@ -714,9 +776,23 @@ impl Metrics {
         self.inner.live.heartbeat_age()
     }
 
-    /// `/readyz`: rendezvous complete and local workers running.
-    pub fn is_ready(&self) -> bool {
-        self.phase() == Phase::Running && self.inner.workers_running.get() > 0
+    /// `/gangz`: the gang has formed and this node's workers are running (also while they save a
+    /// checkpoint).
+    pub fn is_gang_running(&self) -> bool {
+        matches!(self.phase(), Phase::Running | Phase::Checkpointing)
+            && self.inner.workers_running.get() > 0
+    }
+
+    /// `/readyz`'s state.
+    pub fn readiness(&self) -> Readiness {
+        Readiness::from_u8(self.inner.readiness.load(Ordering::Relaxed))
+    }
+
+    /// Moves readiness forward to `readiness` (never back: a later, lesser state is ignored).
+    pub fn advance_readiness(&self, readiness: Readiness) {
+        self.inner
+            .readiness
+            .fetch_max(readiness as u8, Ordering::Relaxed);
     }
 
     /// Records the job's run id (kept out of every other series).
@@ -1027,6 +1103,12 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> Vec<u8> {
+        self.inner
+            .agent_ready
+            .set(i64::from(self.readiness() == Readiness::Ready));
+        self.inner
+            .gang_running
+            .set(i64::from(self.is_gang_running()));
         let families = self.inner.registry.gather();
         let mut out = Vec::with_capacity(16 * 1024);
         // Writing into a Vec cannot fail; the encoder only errors on I/O or invalid families,
@@ -1044,6 +1126,20 @@ impl Metrics {
         names.sort();
         names.dedup();
         names
+    }
+
+    fn count_http_shed(&self, limit: conns::Shed) {
+        self.inner
+            .http_shed
+            .with_label_values(&[limit.as_str()])
+            .inc();
+    }
+
+    pub(super) fn checkpoint_rejected(&self, reason: auth::Rejected) {
+        self.inner
+            .checkpoint_rejected
+            .with_label_values(&[reason.as_str()])
+            .inc();
     }
 
     pub(crate) fn count_http_request(&self, handler: &'static str, code: u16) {

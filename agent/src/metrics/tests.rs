@@ -941,24 +941,224 @@ async fn probes_follow_the_agent_loop() {
     metrics.heartbeat();
     assert_eq!(get("/healthz").await.status, 200);
 
-    let reply = get("/readyz").await;
+    // The gang signal: formed and local workers running (also while they checkpoint).
+    let reply = get("/gangz").await;
     assert_eq!(reply.status, 503);
     assert_eq!(
         reply.body,
-        "not ready: phase resolving, 0 local workers running\n"
+        "gang not running: phase resolving, 0 local workers running\n"
     );
     metrics.set_phase(Phase::Rendezvous);
-    assert_eq!(get("/readyz").await.status, 503);
+    assert_eq!(get("/gangz").await.status, 503);
     metrics.set_phase(Phase::Running);
     assert_eq!(
-        get("/readyz").await.status,
+        get("/gangz").await.status,
         503,
         "running but no workers yet"
     );
     metrics.workers_started(2);
-    assert_eq!(get("/readyz").await.status, 200);
+    assert_eq!(get("/gangz").await.status, 200);
+    metrics.set_phase(Phase::Checkpointing);
+    assert_eq!(get("/gangz").await.status, 200);
     metrics.set_phase(Phase::Stopping);
-    assert_eq!(get("/readyz").await.status, 503);
+    assert_eq!(get("/gangz").await.status, 503);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn readiness_never_depends_on_the_gang() {
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let get = |path: &'static str| async move {
+        send(
+            addr,
+            format!("GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+    };
+    let ready = |metrics: &Metrics| value(&scrape(metrics), "muster_agent_ready", &[]);
+    let reply = get("/readyz").await;
+    assert_eq!(
+        (reply.status, reply.body.as_str()),
+        (
+            503,
+            "not ready: starting (reading the configuration, binding ports)\n"
+        )
+    );
+    assert_eq!(ready(&metrics), Some(0.0));
+    metrics.advance_readiness(Readiness::HostingStore);
+    let reply = get("/readyz").await;
+    assert_eq!(reply.status, 503);
+    assert!(reply.body.contains("rendezvous store"), "{}", reply.body);
+    metrics.advance_readiness(Readiness::Ready);
+    assert_eq!(get("/readyz").await.status, 200);
+    assert_eq!(ready(&metrics), Some(1.0));
+    // Nothing the gang does takes it back: waiting, restarting, draining.
+    for phase in Phase::ALL {
+        metrics.set_phase(phase);
+        assert_eq!(get("/readyz").await.status, 200, "{phase:?}");
+    }
+    metrics.workers_stopped();
+    metrics.advance_readiness(Readiness::HostingStore);
+    assert_eq!(
+        get("/readyz").await.status,
+        200,
+        "readiness only moves forward"
+    );
+    assert_eq!(
+        value(&scrape(&metrics), "muster_gang_running", &[]),
+        Some(0.0)
+    );
+    shutdown.cancel();
+}
+
+/// A client socket bound to `source` (another loopback address: another peer to the server).
+async fn connect_from(source: [u8; 4], addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(SocketAddr::from((source, 0)))
+        .expect("bind a 127/8 source address");
+    socket.connect(addr).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_flood_from_one_address_cannot_keep_another_one_out() {
+    let metrics = Metrics::new();
+    let config = EndpointConfig {
+        max_connections: 8,
+        max_connections_per_peer: 4,
+        ..EndpointConfig::default()
+    };
+    let (addr, shutdown) = start(&metrics, config);
+    // Far more idle connections from 127.0.0.2 than either limit.
+    let mut hostile = Vec::new();
+    for _ in 0..40 {
+        hostile.push(connect_from([127, 0, 0, 2], addr).await);
+    }
+    // The prober on 127.0.0.1 is answered at once.
+    for _ in 0..5 {
+        let reply = timeout(
+            Duration::from_secs(2),
+            send(addr, b"GET /healthz HTTP/1.1\r\nConnection: close\r\n\r\n"),
+        )
+        .await
+        .expect("answered while 40 idle connections are open");
+        assert_eq!(reply.status, 200);
+    }
+    // The hostile address kept at most its limit: the oldest were closed, the newest are open.
+    let mut closed = 0;
+    for stream in &mut hostile[..36] {
+        let mut byte = [0u8; 1];
+        if matches!(
+            timeout(Duration::from_secs(2), stream.read(&mut byte)).await,
+            Ok(Ok(0) | Err(_))
+        ) {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 36, "every connection but the last 4 was evicted");
+    let last = hostile.last_mut().unwrap();
+    last.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(last, &mut Vec::new()).await.unwrap().status, 200);
+    let shed = value(
+        &scrape(&metrics),
+        "muster_http_connections_shed_total",
+        &[("limit", "peer")],
+    )
+    .unwrap();
+    assert!(shed >= 36.0, "{shed}");
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_new_connection_must_send_its_request_soon() {
+    let metrics = Metrics::new();
+    let config = EndpointConfig {
+        first_request_timeout: Duration::from_millis(300),
+        ..EndpointConfig::default()
+    };
+    let (addr, shutdown) = start(&metrics, config);
+    let started = std::time::Instant::now();
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    assert!(closed_by_server(&mut silent).await);
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "closed after the first-request deadline, not the 90 s idle timeout"
+    );
+    // A slow client that trickles its head gets a 408 at the same deadline.
+    let mut slow = TcpStream::connect(addr).await.unwrap();
+    slow.write_all(b"GET /hea").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    slow.write_all(b"lt").await.unwrap();
+    let reply = read_reply(&mut slow, &mut Vec::new()).await.unwrap();
+    assert_eq!(reply.status, 408);
+    // Keep-alive: the deadline is for the first request only.
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    let mut buf = Vec::new();
+    kept.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut kept, &mut buf).await.unwrap().status, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    kept.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut kept, &mut buf).await.unwrap().status, 200);
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn bare_line_ends_get_400_at_once() {
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    for request in [
+        &b"GET /healthz HTTP/1.1\n\n"[..],
+        b"GET /healthz HTTP/1.1\nHost: x\r\n\r\n",
+        b"POST /checkpoint HTTP/1.1\r\nContent-Length: 0\n\r\n",
+    ] {
+        let reply = timeout(Duration::from_secs(2), send(addr, request))
+            .await
+            .expect("answered at once, not at a timeout");
+        assert_eq!(reply.status, 400, "{}", String::from_utf8_lossy(request));
+    }
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn loopback_may_checkpoint_with_or_without_a_token() {
+    let metrics = Metrics::new();
+    let token_file = std::env::temp_dir().join(format!("muster-tok-{}", std::process::id()));
+    std::fs::write(&token_file, "letmein\n").unwrap();
+    let config = EndpointConfig {
+        checkpoint_token: Some(CheckpointToken::from_file(&token_file).unwrap()),
+        ..EndpointConfig::default()
+    };
+    std::fs::remove_file(&token_file).unwrap();
+    let (addr, shutdown) = start(&metrics, config);
+    let mut consumer = metrics.checkpoint_requests();
+    let reply = send(
+        addr,
+        b"POST /checkpoint HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
+    )
+    .await;
+    assert_eq!(reply.status, 202);
+    assert!(timeout(IO_TIMEOUT, consumer.recv())
+        .await
+        .unwrap()
+        .is_some());
+    let samples = scrape(&metrics);
+    for reason in ["forbidden", "unauthorized"] {
+        assert_eq!(
+            value(
+                &samples,
+                "muster_checkpoint_requests_rejected_total",
+                &[("reason", reason)]
+            ),
+            Some(0.0)
+        );
+    }
     shutdown.cancel();
 }
 
