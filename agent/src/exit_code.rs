@@ -7,10 +7,10 @@
 //!
 //! | code | meaning |
 //! |---|---|
-//! | 0 | every worker on every node succeeded (or: preempted and checkpointed, by default) |
+//! | 0 | every worker on every node succeeded |
 //! | 1–127 | the root-cause worker's own exit code |
 //! | 128+N | the root-cause worker died of signal N, or the agent was stopped by signal N |
-//! | 200 | preempted and the checkpoint was committed (when chosen instead of 0) |
+//! | 200 | preempted and the checkpoint was committed (`--preempted-exit-code`, 200 by default) |
 //! | 201 | preempted but the checkpoint was aborted (deadline, or a worker died while saving) |
 //! | 202 | configuration error (bad flag, missing script, unwritable log dir, ...) |
 //! | 203 | rendezvous timeout (nodes missing at the join deadline) |
@@ -22,8 +22,14 @@ use std::process::ExitCode;
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
-/// Preempted, and every rank's checkpoint was committed (opt-in; the default for that outcome is 0
-/// so the Job's backoff budget is not consumed).
+/// Preempted, and every rank's checkpoint was committed: the default of `--preempted-exit-code`.
+///
+/// Not 0: a container that exits 0 makes its pod Succeeded, and every Kubernetes training API
+/// counts a succeeded pod as finished work (an Indexed Job completes the index, a PyTorchJob
+/// whose Master succeeds is Succeeded). The barrier makes every node exit with this code, so 0
+/// would end the whole job as Complete with training unfinished. A non-zero code that the job's
+/// failure policy ignores (`podFailurePolicy` `Ignore`, PyTorchJob `restartPolicy: ExitCode`)
+/// resumes it without consuming the backoff budget; see `examples/kubernetes/README.md`.
 pub const PREEMPTED_CHECKPOINTED: u8 = 200;
 /// Preempted, but the checkpoint could not be committed before the deadline.
 pub const CHECKPOINT_ABORTED: u8 = 201;

@@ -2,9 +2,13 @@
 
 Validation runs tests/containers/k8s_check.py in a small cached virtualenv with kubernetes-validate
 (from PyPI, created on first use like the PyTorch one): core kinds against the Kubernetes schema,
-CRD kinds (PyTorchJob, JobSet, Volcano Job) against closed structural schemas with their pod/job
-templates validated as core kinds, and muster's own rules (flags, grace period, probes, exit codes
-in failure policies). The mutation tests prove each layer rejects a typo.
+CRD kinds (PyTorchJob, JobSet, Volcano Job, Trainer v2 ClusterTrainingRuntime and TrainJob) against
+closed structural schemas with their pod/job templates validated as core kinds, and muster's own
+rules: flags, grace period, probes only on endpoints examples/kubernetes/README.md documents as
+independent of other pods, the restricted securityContext, the NetworkPolicy, exit codes in failure
+policies, and a per-API simulation of what a preempted pod's exit code does to its job (never
+success, never a consumed backoff budget where the API can avoid it). The mutation tests prove
+each rule rejects a mistake.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ pytestmark = pytest.mark.timeout(600)
 EXAMPLES = REPO / "examples" / "kubernetes"
 CHECKER = REPO / "tests" / "containers" / "k8s_check.py"
 EXIT_CODES = REPO / "agent" / "src" / "exit_code.rs"
+# Its endpoint table says which endpoints depend on other pods: the one place the probes rule reads.
+PROBE_DOC = EXAMPLES / "README.md"
 K8S_VALIDATE = "kubernetes-validate==1.37.0"
 # Validate against the oldest Kubernetes the examples target: podFailurePolicy (GA 1.31) and
 # Indexed Jobs' pod hostnames are all they need.
@@ -60,10 +66,10 @@ def k8s_python() -> str:
     return str(python)
 
 
-def check(k8s_python: str, *files: Path) -> dict:
+def check(k8s_python: str, *files: Path, probe_doc: Path = PROBE_DOC) -> dict:
     proc = subprocess.run(
-        [k8s_python, str(CHECKER), "--exit-codes", str(EXIT_CODES), "--k8s-version", K8S_VERSION,
-         *map(str, files)],
+        [k8s_python, str(CHECKER), "--exit-codes", str(EXIT_CODES), "--probe-doc", str(probe_doc),
+         "--k8s-version", K8S_VERSION, *map(str, files)],
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr
@@ -79,7 +85,8 @@ def test_every_example_kind_is_present():
     kinds = set()
     for m in MANIFESTS:
         kinds.update(re.findall(r"^kind: (\w+)", m.read_text(), re.M))
-    assert {"PyTorchJob", "JobSet", "Job", "Service"} <= kinds
+    assert {"PyTorchJob", "JobSet", "Job", "Service", "NetworkPolicy", "ClusterTrainingRuntime",
+            "TrainJob"} <= kinds
     texts = "\n".join(m.read_text() for m in MANIFESTS)
     assert "schedulerName: volcano" in texts and "kueue.x-k8s.io/queue-name" in texts
 
@@ -93,7 +100,7 @@ def test_manifest_is_valid(results, manifest):
     assert len(r["validated"]) >= docs, r["validated"]
 
 
-# Each mutation is one realistic typo; the checker must name it.
+# Each mutation is one realistic mistake; the checker must name it.
 MUTATIONS = [
     ("indexed-job.yaml", "publishNotReadyAddresses: true", "publishNotReadyAdresses: true",
      "publishNotReadyAdresses"),  # core kind, strict OpenAPI schema
@@ -106,6 +113,8 @@ MUTATIONS = [
     ("jobset.yaml", "terminationGracePeriodSeconds: 90", "terminationGracePeriodSeconds: 30",
      "!= muster grace period"),
     ("jobset.yaml", "action: FailJobSet", "action: FailJobset", "FailJobset"),  # CRD enum
+    ("jobset.yaml", "name: config_error_is_final", "name: config-error-is-final",
+     "does not match"),  # CRD pattern: a rule name has no hyphens
     ("jobset.yaml", "          backoffLimit: 0", "          backofLimit: 0", "backofLimit"),  # embedded Job
     ("pytorchjob.yaml", "  runPolicy:", "  runPolicies:", "runPolicies"),  # CRD field
     ("pytorchjob.yaml", "              livenessProbe:", "              livenesProbe:",
@@ -115,17 +124,105 @@ MUTATIONS = [
      "- exitCode: 202\n          action: RestartJob", "config error"),
     ("indexed-job-kueue.yaml", "prometheus.io/port: \"8000\"", "prometheus.io/port: \"9000\"",
      "prometheus.io/port"),
+    ("trainer-v2.yaml", "  runtimeRef:", "  runtimeReference:", "runtimeReference"),  # TrainJob
+    ("trainer-v2.yaml", "    torch: {}", "    pytorch: {}", "pytorch"),  # runtime's mlPolicy
+    ("trainer-v2.yaml", "                    - name: node\n", "                    - name: trainer\n",
+     "container `node`"),
+    ("trainer-v2.yaml", "  trainer:\n    numNodes: 3", "  trainer:\n    env: [{name: PET_NNODES, value: \"3\"}]\n    numNodes: 3",
+     "webhook rejects"),
+]
+
+# What a preempted pod's exit code does to each API (#12): never success, never a budget.
+PREEMPTION_MUTATIONS = [
+    # A user asks for 0: the Job counts the pod as a completion.
+    ("indexed-job.yaml", "            - name: MUSTER_GRACE_PERIOD\n",
+     "            - name: MUSTER_PREEMPTED_EXIT_CODE\n              value: \"0\"\n"
+     "            - name: MUSTER_GRACE_PERIOD\n", "would be taken as success by Job"),
+    ("volcano-job.yaml", "              env:\n",
+     "              env:\n                - name: MUSTER_PREEMPTED_EXIT_CODE\n                  value: \"0\"\n",
+     "would be taken as success by Volcano"),
+    ("pytorchjob.yaml", "              args: [/workspace/train.py]\n",
+     "              args: [--preempted-exit-code=0, /workspace/train.py]\n",
+     "would be taken as success by PyTorchJob"),
+    # 201 without its Ignore rule: counted towards backoffLimit.
+    ("indexed-job.yaml", "values: [200, 201]", "values: [200]",
+     "exit code 201 would consume Job's backoff budget"),
+    # In a JobSet whose Job has backoffLimit 0 a counted 200 restarts the whole JobSet.
+    ("jobset.yaml", "values: [200, 201]", "values: [201]",
+     "exit code 200 would consume JobSet's backoff budget"),
+    ("trainer-v2.yaml", "values: [200, 201]", "values: [201]",
+     "exit code 200 would consume TrainJob's backoff budget"),
+    # A preempted code the operator's ExitCode treats as permanent.
+    ("pytorchjob.yaml", "              args: [/workspace/train.py]\n",
+     "              args: [--preempted-exit-code=100, /workspace/train.py]\n",
+     "exit code 100 would fail the PyTorchJob"),
+    ("pytorchjob.yaml", "      restartPolicy: ExitCode", "      restartPolicy: OnFailure",
+     "would consume PyTorchJob's backoff budget"),
+    ("volcano-job.yaml", "        - exitCode: 201\n          action: RestartJob",
+     "        - exitCode: 201\n          action: CompleteJob", "201 would be taken as success by Volcano"),
+]
+
+# The probes (#23), the restricted container (#21) and the NetworkPolicy (#12).
+POD_MUTATIONS = [
+    ("jobset.yaml", "path: /readyz", "path: /gangz", "documented as depending on other pods"),
+    ("pytorchjob.yaml", "path: /readyz", "path: /ready", "not documented as independent"),
+    ("indexed-job.yaml", "            readOnlyRootFilesystem: true\n", "",
+     "readOnlyRootFilesystem must be true"),
+    ("volcano-job.yaml", "                allowPrivilegeEscalation: false\n",
+     "                allowPrivilegeEscalation: true\n", "allowPrivilegeEscalation must be false"),
+    ("trainer-v2.yaml", "                          drop: [ALL]\n", "                          drop: [NET_RAW]\n",
+     "must drop ALL"),
+    ("indexed-job-kueue.yaml", "            runAsNonRoot: true\n            runAsUser: 1000\n            runAsGroup: 1000\n            allowPrivilegeEscalation",
+     "            runAsNonRoot: true\n            runAsUser: 0\n            runAsGroup: 1000\n            allowPrivilegeEscalation",
+     "non-zero UID"),
+    ("jobset.yaml", "                    - name: tmp\n                      mountPath: /tmp\n", "",
+     "no emptyDir mounted at /tmp"),
+    ("pytorchjob.yaml", "                medium: Memory\n", "", "memory-medium emptyDir"),
+    ("indexed-job.yaml", "        - namespaceSelector:\n            matchLabels:\n              kubernetes.io/metadata.name: monitoring\n",
+     "        - namespaceSelector: {}\n", "namespaceSelector admits other"),
+    ("jobset.yaml", "      ports:\n        - protocol: TCP\n          port: 8000\n", "",
+     "may reach port 8000 only"),
+    ("volcano-job.yaml", "              volcano.sh/job-name: llm-vc\n    - from:",
+     "              app: other\n    - from:", "admits pods outside the job"),
+    ("trainer-v2.yaml", "      jobset.sigs.k8s.io/jobset-name: llm-tj\n  policyTypes",
+     "      jobset.sigs.k8s.io/jobset-name: llm-other\n  policyTypes", "expected one NetworkPolicy"),
 ]
 
 
-@pytest.mark.parametrize("name,old,new,expect", MUTATIONS, ids=[m[3] for m in MUTATIONS])
-def test_checker_rejects_typos(k8s_python, tmp_path, name, old, new, expect):
+@pytest.mark.parametrize("name,old,new,expect", MUTATIONS + PREEMPTION_MUTATIONS + POD_MUTATIONS,
+                         ids=[m[3] for m in MUTATIONS + PREEMPTION_MUTATIONS + POD_MUTATIONS])
+def test_checker_rejects_mistakes(k8s_python, tmp_path, name, old, new, expect):
     text = (EXAMPLES / name).read_text()
     assert old in text, f"mutation target {old!r} not in {name}"
     broken = tmp_path / name
     broken.write_text(text.replace(old, new, 1))
     errors = check(k8s_python, broken)[str(broken)]["errors"]
     assert any(expect in e for e in errors), errors
+
+
+def test_every_example_has_a_network_policy_and_hardened_trainer():
+    """Cheap guard next to the checker: each file with a muster workload holds a NetworkPolicy
+    and runs the trainer with a read-only root (the checker validates both in depth)."""
+    for m in MANIFESTS:
+        text = m.read_text()
+        assert "kind: NetworkPolicy" in text, m.name
+        assert text.count("readOnlyRootFilesystem: true") >= text.count('command: ["muster"]'), m.name
+
+
+def test_the_probe_doc_decides_which_endpoints_a_probe_may_use(k8s_python, tmp_path):
+    """The allowed set comes from the README's endpoint table: marking /readyz as depending on
+    other pods there makes every example's readiness probe an error."""
+    doc = PROBE_DOC.read_text()
+    row = next(line for line in doc.splitlines() if line.startswith("| `/readyz`"))
+    cells = row.split("|")
+    cells[3] = " **yes** "
+    changed = tmp_path / "README.md"
+    changed.write_text(doc.replace(row, "|".join(cells)))
+    results = check(k8s_python, *MANIFESTS, probe_doc=changed)
+    for m in MANIFESTS:
+        errors = results[str(m)]["errors"]
+        assert any("readinessProbe GET /readyz is documented as depending on other pods" in e
+                   for e in errors), (m.name, errors)
 
 
 @pytest.fixture(scope="module")

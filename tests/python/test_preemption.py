@@ -15,7 +15,8 @@ from test_multinode_gang import Agents
 
 WORKER = str(REPO / "tests" / "python" / "scripts" / "ckpt_worker.py")
 CONF = "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3"
-PREEMPTED_OK = 0
+# muster's default for "preempted, checkpoint committed" (never 0: a Job counts 0 as done).
+PREEMPTED_OK = 200
 CHECKPOINT_ABORTED = 201
 
 

@@ -8,7 +8,7 @@
 //!
 //! | verdict | what happens to the workers | agent exit code |
 //! |---|---|---|
-//! | committed | they stop by themselves (the helper told them); stragglers get SIGTERM at the deadline | `--preempted-exit-code` (0 by default) |
+//! | committed | they stop by themselves (the helper told them); stragglers get SIGTERM at the deadline | `--preempted-exit-code` (200 by default) |
 //! | aborted | SIGTERM now, SIGKILL after `--shutdown-timeout` | 201 |
 //! | unsupported (no helper) | SIGTERM now, on every node at once | 0 if they all exit cleanly, else 143 |
 //!

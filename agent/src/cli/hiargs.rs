@@ -433,8 +433,10 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             ))
         }
     };
+    // 200, not 0: in a Job a pod that exits 0 is Succeeded and completes its index, so a
+    // preempted gang would end the Job as Complete with training unfinished.
     let preempted_exit_code = match get(low, "preempted-exit-code") {
-        None => 0,
+        None => crate::exit_code::PREEMPTED_CHECKPOINTED,
         Some(raw) => raw
             .value
             .trim()
@@ -666,6 +668,25 @@ mod tests {
         assert_eq!(p.raw, "SIGTERM,USR1:forward,SIGUSR2:ignore");
         assert!(parse_signals("SIGKILL").is_err());
         assert!(parse_signals("SIGTERM:explode").is_err());
+    }
+
+    #[test]
+    fn a_preempted_pod_exits_200_unless_asked_for_0() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(
+            c.preempted_exit_code,
+            crate::exit_code::PREEMPTED_CHECKPOINTED
+        );
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_PREEMPTED_EXIT_CODE", "0")],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.preempted_exit_code, 0);
+        let c = build_with(&["--preempted-exit-code", "7", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.preempted_exit_code, 7);
+        assert!(build_with(&["--preempted-exit-code", "256", "train.py"], &[PATH], 0).is_err());
     }
 
     #[test]

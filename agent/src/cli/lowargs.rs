@@ -111,7 +111,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("gpu-check", "off|warn|require", "GPU pre-flight before the workers start (default: require when the job asks for GPUs, by --nproc-per-node gpu or NVIDIA_VISIBLE_DEVICES, else off)"),
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
     value("numa-binding", "node", "Pin each local rank to the CPUs of its GPU's NUMA node (GPUs in PCI bus order)"),
-    value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
+    value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 200). WARNING: with 0 a preempted pod is Succeeded, which a Job, JobSet, PyTorchJob or Volcano Job counts as finished work: the job can end Complete with training unfinished"),
     value("checkpoint-token-file", "PATH", "A file (a mounted Secret) holding a bearer token that lets a non-loopback caller POST /checkpoint; without it only loopback may"),
 ];
 
@@ -373,7 +373,8 @@ pub fn help_text() -> String {
          PATH); -m runs `python -u -m module`; --no-python execs the program directly.\n\n\
          Exit codes: 0 all workers succeeded; 1-127 the root-cause worker's code; 128+N the\n\
          root-cause worker died of signal N, or the agent was stopped by signal N (0 if every\n\
-         worker still exited cleanly); 202 configuration error; 203 rendezvous timeout;\n\
+         worker still exited cleanly); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
+         201 preempted, checkpoint aborted; 202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU; 205 store host lost; 206 internal error.\n",
     );
     out

@@ -193,7 +193,8 @@ pub struct Config {
     pub metrics_addr: Option<crate::metrics::MetricsAddr>,
     pub gpu_check: GpuCheck,
     pub grace_period: Option<Duration>,
-    /// Exit code after a committed preemption checkpoint.
+    /// Exit code after a committed preemption checkpoint (200 unless `--preempted-exit-code`
+    /// says otherwise; 0 would make a Job count the preempted pod as a completion).
     pub preempted_exit_code: u8,
     /// `--numa-binding node`: pin each local rank to its GPU's NUMA-local CPUs.
     pub numa_binding: bool,
@@ -233,7 +234,7 @@ impl Config {
             metrics_addr: None,
             gpu_check: GpuCheck::default(),
             grace_period: None,
-            preempted_exit_code: 0,
+            preempted_exit_code: crate::exit_code::PREEMPTED_CHECKPOINTED,
             numa_binding: false,
             checkpoint_token_file: None,
         }
