@@ -131,7 +131,8 @@ impl SignalAction {
 /// `--signals-to-handle`, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SignalPolicy {
-    /// The flag's text, exported to workers as `TORCHELASTIC_SIGNALS_TO_HANDLE` (torchrun does).
+    /// The flag's text, for messages. Workers get the names of [`Self::actions`] in torchrun's
+    /// format instead (`TORCHELASTIC_SIGNALS_TO_HANDLE`), without muster's actions.
     pub raw: String,
     pub actions: Vec<(Signal, SignalAction)>,
 }
@@ -173,7 +174,8 @@ pub struct Config {
     pub node_rank_given: bool,
     pub rdzv_backend: String,
     pub rdzv_endpoint: String,
-    /// `--rdzv-id`; a random UUID in standalone mode (torchrun's behaviour).
+    /// `--rdzv-id`; a random UUID with `--standalone` (torchrun's behaviour), and on one node
+    /// without an endpoint when no id was given.
     pub run_id: String,
     pub rdzv_conf: Vec<(String, String)>,
     /// Effective standalone mode: `--standalone`, or torchrun's silent switch (static backend, no
@@ -197,6 +199,9 @@ pub struct Config {
     pub preempted_exit_code: u8,
     /// `--numa-binding node`: pin each local rank to its GPU's NUMA-local CPUs.
     pub numa_binding: bool,
+    /// Settings the command line gave that another one overrides (`--standalone` replacing an
+    /// explicit `--rdzv-id`, say); the agent logs each once its logging is up.
+    pub warnings: Vec<String>,
 }
 
 impl Config {
@@ -233,6 +238,7 @@ impl Config {
             grace_period: None,
             preempted_exit_code: 0,
             numa_binding: false,
+            warnings: Vec::new(),
         }
     }
 }
