@@ -94,7 +94,10 @@ def test_one_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path, sig
     try:
         pids = rank_pids(tmp_path, 2)
         os.kill(p.pid, sig)
-        os.kill(p.pid, sig)  # the copy a wrapper or `timeout` adds, microseconds later
+        # The copy a wrapper or `timeout` adds. A few milliseconds apart, so the kernel does not
+        # merge the two into one pending signal before the agent has seen the first.
+        time.sleep(0.005)
+        os.kill(p.pid, sig)
         rc, _, err = finish(p)
     finally:
         kill_all([p.pid])
@@ -103,7 +106,9 @@ def test_one_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path, sig
         assert (tmp_path / f"stopped_{r}").exists(), f"rank {r} was killed mid-stop:\n{err}"
     assert rc == 0, err
     assert "killing the workers now" not in err and "sending SIGKILL" not in err, err
-    assert "the same request" in err, err
+    # Normally the agent saw both (the log says so); on a loaded machine the kernel may still
+    # have merged them, and the outcome above is then trivially right.
+    assert "the same request" in err or err.count("received") == 1, err
     assert not any(alive(x) for x in pids)
 
 
