@@ -100,7 +100,10 @@ mod tests {
         assert_eq!(s.arrived(t0), Repeat::First);
         assert_eq!(s.arrived(t0 + Duration::from_millis(3)), Repeat::Duplicate);
         assert!(s.is_recent(t0 + Duration::from_millis(999)));
-        assert_eq!(s.arrived(t0 + Duration::from_millis(999)), Repeat::Duplicate);
+        assert_eq!(
+            s.arrived(t0 + Duration::from_millis(999)),
+            Repeat::Duplicate
+        );
         assert_eq!(s.first(), Some(t0));
     }
 
@@ -110,7 +113,10 @@ mod tests {
         let mut s = StopSignals::default();
         s.arrived(t0);
         // A stream of copies every half second does not push the window forward.
-        assert_eq!(s.arrived(t0 + Duration::from_millis(500)), Repeat::Duplicate);
+        assert_eq!(
+            s.arrived(t0 + Duration::from_millis(500)),
+            Repeat::Duplicate
+        );
         assert_eq!(s.arrived(t0 + REPEAT_WINDOW), Repeat::Insistent);
         assert!(!s.is_recent(t0 + REPEAT_WINDOW));
     }

@@ -132,10 +132,16 @@ mod tests {
 
     #[test]
     fn the_busy_poll_is_bounded() {
-        assert_eq!(parse(&["--busy-poll-us", "10000"]).unwrap().busy_poll_us, 10_000);
+        assert_eq!(
+            parse(&["--busy-poll-us", "10000"]).unwrap().busy_poll_us,
+            10_000
+        );
         assert_eq!(parse(&["--busy-poll-us", "0"]).unwrap().busy_poll_us, 0);
         let err = parse(&["--busy-poll-us", "10000000"]).unwrap_err();
-        assert!(err.contains("--busy-poll-us") && err.contains("at most 10000"), "{err}");
+        assert!(
+            err.contains("--busy-poll-us") && err.contains("at most 10000"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -676,8 +676,8 @@ mod tests {
 
     #[test]
     fn standalone_conflicts_are_errors_or_warnings() {
-        let err = build_with(&["--standalone", "--nnodes", "2", "train.py"], &[PATH], 0)
-            .unwrap_err();
+        let err =
+            build_with(&["--standalone", "--nnodes", "2", "train.py"], &[PATH], 0).unwrap_err();
         assert!(
             err.0.contains("--nnodes `2` (command line)") && err.0.contains("--standalone"),
             "{err}"
@@ -689,8 +689,12 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.0.contains("--node-rank `1`"), "{err}");
-        let err = build_with(&["--standalone", "train.py"], &[PATH, ("PET_NNODES", "2")], 0)
-            .unwrap_err();
+        let err = build_with(
+            &["--standalone", "train.py"],
+            &[PATH, ("PET_NNODES", "2")],
+            0,
+        )
+        .unwrap_err();
         assert!(err.0.contains("environment variable PET_NNODES"), "{err}");
         // Rank 0 of one node, and rendezvous settings it replaces: it runs, with one warning each.
         let c = build_with(

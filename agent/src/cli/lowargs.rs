@@ -498,7 +498,10 @@ mod tests {
         let help = help_text();
         let usage = help.split("Options").next().unwrap_or_default();
         for sub in ["muster dry-run", "muster store", "muster gpu-check"] {
-            assert!(usage.contains(sub), "{sub} missing from the usage:\n{usage}");
+            assert!(
+                usage.contains(sub),
+                "{sub} missing from the usage:\n{usage}"
+            );
         }
     }
 

@@ -120,8 +120,8 @@ mod tests {
     #[test]
     fn workers_get_the_signal_list_in_torchruns_format() {
         let mut c = Config::for_program("/bin/true", vec![], 1);
-        c.signals = crate::cli::hiargs::parse_signals("SIGTERM,usr1:forward,SIGUSR2:ignore,INT")
-            .unwrap();
+        c.signals =
+            crate::cli::hiargs::parse_signals("SIGTERM,usr1:forward,SIGUSR2:ignore,INT").unwrap();
         let env = worker_env(&c, &assignment(), 0, Path::new("e"), &|_| None);
         assert_eq!(
             get(&env, "TORCHELASTIC_SIGNALS_TO_HANDLE"),
