@@ -285,3 +285,28 @@ def test_muster_store_stops_on_sigint_to_its_pid_and_names_itself_in_errors():
     helped = subprocess.run([muster_bin(), "store", "--help"], capture_output=True, text=True,
                             timeout=10)
     assert "Usage: muster store [OPTIONS]" in helped.stdout, helped.stdout
+
+
+def test_a_second_sigint_to_the_dry_run_a_while_later_stops_everything_at_once(tmp_path):
+    p = subprocess.Popen(
+        [muster_bin(), "dry-run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--shutdown-timeout", "30", str(SCRIPTS / "slow_stop.py")],
+        env=clean_env(tmp_path, STOP_S="60"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    agents, ranks = [], []
+    try:
+        agents, ranks = gang(p, tmp_path)
+        os.kill(p.pid, signal.SIGINT)
+        wait_until(lambda: all((tmp_path / f"stopping_{r}").exists() for r in range(2)),
+                   timeout=20, what="the ranks to start their (60 s) graceful stop")
+        time.sleep(1.5)
+        sent = time.monotonic()
+        os.kill(p.pid, signal.SIGINT)
+        rc, _, err = finish(p, timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        kill_all([p.pid, *agents, *ranks])
+    assert rc == 130, err
+    assert took < 20, f"the second SIGINT did not cut the 30 s grace short ({took:.1f} s)"
+    assert not any(alive(x) for x in agents + ranks), err
+    assert not any((tmp_path / f"stopped_{r}").exists() for r in range(2)), err
