@@ -60,3 +60,28 @@ pub fn die_with_parent(cmd: &mut Command, parent: Pid) {
         cmd.pre_exec(hook);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt as _;
+    use std::process::Command;
+
+    use super::die_with_parent;
+
+    #[test]
+    fn a_child_dies_with_the_thread_that_started_it() {
+        // PR_SET_PDEATHSIG follows the forking thread: a thread that exits stands in for a parent
+        // that was SIGKILLed, without killing the test.
+        let child = std::thread::spawn(|| {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("60");
+            die_with_parent(&mut cmd, nix::unistd::getpid());
+            cmd.spawn()
+        })
+        .join()
+        .expect("the spawning thread ran");
+        let mut child = child.expect("sleep starts");
+        let status = child.wait().expect("wait for sleep");
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
+    }
+}
