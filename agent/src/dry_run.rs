@@ -1,18 +1,70 @@
 //! `muster dry-run --nnodes N --nproc-per-node M [muster options] script.py [args]`: the whole
 //! multi-node flow on one machine. N agents run as separate processes on loopback (node ranks
 //! 0..N-1, node 0 hosting the rendezvous store on a free port, each with its own metrics port),
-//! their output is prefixed with `[node i]`, and the exit code is the job's: 0 when every agent
-//! succeeded, else node 0's code when it failed, else the first failing node's.
+//! their output is tagged with the node (a `[node i] ` prefix, or a `node` field of each JSON
+//! line with `--log-format json`), and the exit code is the job's: 0 when every agent succeeded,
+//! else node 0's code when it failed, else the first failing node's.
+//!
+//! The dry run stops as one, like an agent stops its ranks:
+//! - Each agent runs in its own process group, so a terminal's Ctrl-C reaches only the dry run,
+//!   which passes every stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) on to every agent once,
+//!   however it was sent (to the group, or to the dry run's pid alone, as an IDE's stop button,
+//!   `timeout -s INT` or a supervisor does). Copies of one signal within
+//!   [`crate::signals::REPEAT_WINDOW`] are one request; a later one is passed on again (the
+//!   agents then SIGKILL their ranks), and agents still running [`KILL_BACKSTOP`] after it are
+//!   SIGKILLed.
+//! - Each agent dies with the dry run (`PR_SET_PDEATHSIG`), and its ranks die with it, so a
+//!   SIGKILLed dry run leaves nothing running.
+//! - After a stop signal N the exit code is 128+N, unless every agent still exited 0 (a clean
+//!   drain) or an agent reported one of muster's own outcomes (200 and above, e.g. a checkpoint).
 
 use std::ffi::OsString;
 use std::process::Stdio;
+use std::time::Duration;
 
 use anyhow::Context;
-use tokio::io::{AsyncBufReadExt, AsyncRead, AsyncWrite, AsyncWriteExt, BufReader};
-use tokio::process::{Child, Command};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 
 use crate::cli::{self, Parsed};
 use crate::exit_code::{self, Exit};
+use crate::launch::config::{Config, LogFormat};
+use crate::logs::{self, Console, LogSink};
+use crate::signals::{Repeat, StopSignals};
+
+/// How long agents get to end after an insistent second stop signal (they SIGKILL their ranks at
+/// once, then exit) before the dry run SIGKILLs them.
+pub const KILL_BACKSTOP: Duration = Duration::from_secs(5);
+
+/// The stop signals passed on to the agents: the four every agent handles.
+const STOP_SIGNALS: [Signal; 4] = [
+    Signal::SIGTERM,
+    Signal::SIGINT,
+    Signal::SIGHUP,
+    Signal::SIGQUIT,
+];
+
+/// What the dry run takes from the agents' command line.
+struct Plan {
+    nnodes: u32,
+    format: LogFormat,
+    /// `--metrics-addr none` (or `MUSTER_METRICS_ADDR=none`): no agent serves metrics.
+    metrics_off: bool,
+}
+
+impl Plan {
+    fn of(config: &Config) -> Self {
+        Self {
+            nnodes: config.nnodes.max,
+            format: config.logs.format,
+            metrics_off: config.metrics_addr.is_some_and(|a| a.addr().is_none()),
+        }
+    }
+}
 
 pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // args: muster dry-run [options] script [args]
@@ -21,19 +73,28 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
         Ok(Parsed::Launch(c)) => *c,
         Ok(Parsed::Help | Parsed::Version) => {
             println!(
-                "usage: muster dry-run --nnodes N --nproc-per-node M [muster options] script.py [args]\n\
-                 Runs N agents as local processes on loopback: the multi-node flow without a cluster."
+                "Usage: muster dry-run --nnodes N --nproc-per-node M [muster options] script.py [args]\n\
+                 Runs N agents as local processes on loopback: the multi-node flow without a cluster.\n\
+                 SIGINT/SIGTERM stop every agent and rank (a second one, a second or more later: at once);\n\
+                 a killed dry run takes its agents and ranks with it."
             );
             return Ok(exit_code::SUCCESS);
         }
         Err(e) => return Err(Exit::config(e.0).into()),
     };
-    let nnodes = config.nnodes.max;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(drive(&rest, nnodes))
+    // The agents are spawned from this (the main) thread, which lives as long as they do:
+    // PR_SET_PDEATHSIG follows the thread that forked them.
+    runtime.block_on(async {
+        let writer = logs::start().context("cannot start the log writer")?;
+        cli::init_tracing(config.logs.format, writer.sink());
+        let result = drive(&rest, &Plan::of(&config), &writer.sink()).await;
+        writer.finish();
+        result
+    })
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -41,78 +102,181 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(l.local_addr().context("cannot pick a free port")?.port())
 }
 
-async fn drive(rest: &[OsString], nnodes: u32) -> anyhow::Result<u8> {
+/// `1 agent`, `2 agents`.
+fn agents(n: usize) -> String {
+    if n == 1 {
+        "1 agent".to_owned()
+    } else {
+        format!("{n} agents")
+    }
+}
+
+/// One agent's command line: the node's own flags first, so the user's (later) win.
+fn agent_command(
+    me: &std::path::Path,
+    node: u32,
+    port: u16,
+    run_id: &str,
+    plan: &Plan,
+    rest: &[OsString],
+) -> tokio::process::Command {
+    let mut cmd = std::process::Command::new(me);
+    cmd.arg("--node-rank")
+        .arg(node.to_string())
+        .arg("--rdzv-backend")
+        .arg("c10d")
+        .arg("--rdzv-endpoint")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--rdzv-id")
+        .arg(run_id)
+        .arg("--local-addr")
+        .arg("127.0.0.1")
+        // N agents cannot share one port: each takes a free one, unless metrics are off.
+        .arg("--metrics-addr")
+        .arg(if plan.metrics_off {
+            "none"
+        } else {
+            "127.0.0.1:0"
+        })
+        .args(rest)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    {
+        use std::os::unix::process::CommandExt as _;
+        // Its own group: a terminal's Ctrl-C reaches the dry run only, which passes it on once.
+        cmd.process_group(0);
+    }
+    crate::sys::die_with_parent(&mut cmd, nix::unistd::getpid());
+    let mut cmd = tokio::process::Command::from(cmd);
+    cmd.kill_on_drop(true);
+    cmd
+}
+
+async fn drive(rest: &[OsString], plan: &Plan, sink: &LogSink) -> anyhow::Result<u8> {
     let me = std::env::current_exe().context("cannot find the muster binary")?;
     let port = free_port()?;
     let run_id = format!("dryrun-{}", std::process::id());
-    eprintln!(
-        "muster dry-run: {nnodes} agents on 127.0.0.1, rendezvous store on port {port} (run id {run_id})"
-    );
-    let mut children: Vec<Child> = Vec::new();
-    let mut pumps = Vec::new();
-    for node in 0..nnodes {
-        let mut cmd = Command::new(&me);
-        cmd.arg("--node-rank")
-            .arg(node.to_string())
-            .arg("--rdzv-backend")
-            .arg("c10d")
-            .arg("--rdzv-endpoint")
-            .arg(format!("127.0.0.1:{port}"))
-            .arg("--rdzv-id")
-            .arg(&run_id)
-            .arg("--local-addr")
-            .arg("127.0.0.1")
-            .arg("--metrics-addr")
-            .arg("127.0.0.1:0")
-            .args(rest)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = cmd.spawn().context("cannot start an agent")?;
-        let prefix = format!("[node {node}] ");
-        if let Some(out) = child.stdout.take() {
-            pumps.push(tokio::spawn(pump(out, tokio::io::stdout(), prefix.clone())));
-        }
-        if let Some(err) = child.stderr.take() {
-            pumps.push(tokio::spawn(pump(err, tokio::io::stderr(), prefix)));
-        }
-        children.push(child);
+    // Listeners before the first agent starts: no stop signal can fall between the two.
+    let mut listeners = Vec::new();
+    for sig in STOP_SIGNALS {
+        let stream = signal(SignalKind::from_raw(sig as i32))
+            .with_context(|| format!("cannot watch {sig}"))?;
+        listeners.push((sig, stream));
     }
-    let mut codes = Vec::with_capacity(children.len());
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("cannot watch SIGTERM")?;
-    let pids: Vec<i32> = children
-        .iter()
-        .filter_map(Child::id)
-        .filter_map(|p| i32::try_from(p).ok())
-        .collect();
-    for child in &mut children {
-        let status = loop {
-            tokio::select! {
-                status = child.wait() => break status.context("cannot wait for an agent")?,
-                _ = sigterm.recv() => forward_term(&pids),
-                _ = tokio::signal::ctrl_c() => {}
+    let (sig_tx, mut sig_rx) = mpsc::unbounded_channel::<Signal>();
+    for (sig, mut stream) in listeners {
+        let tx = sig_tx.clone();
+        tokio::spawn(async move {
+            while stream.recv().await.is_some() {
+                if tx.send(sig).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+    tracing::info!(
+        "muster dry-run: {} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
+        agents(plan.nnodes as usize)
+    );
+    let (exit_tx, mut exits) = mpsc::unbounded_channel::<(usize, u8)>();
+    let mut pids: Vec<Option<Pid>> = Vec::new();
+    let mut pumps = tokio::task::JoinSet::new();
+    for node in 0..plan.nnodes {
+        let spawned = agent_command(&me, node, port, &run_id, plan, rest).spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                // The ones already started must not run on without the rest of the gang.
+                signal_all(&pids, Signal::SIGKILL);
+                return Err(anyhow::Error::new(e).context("cannot start an agent"));
             }
         };
-        codes.push(exit_code_of(status));
+        if let Some(out) = child.stdout.take() {
+            pumps.spawn(pump(out, sink.clone(), Console::Stdout, node, plan.format));
+        }
+        if let Some(err) = child.stderr.take() {
+            pumps.spawn(pump(err, sink.clone(), Console::Stderr, node, plan.format));
+        }
+        pids.push(
+            child
+                .id()
+                .and_then(|p| i32::try_from(p).ok())
+                .map(Pid::from_raw),
+        );
+        let index = pids.len() - 1;
+        let tx = exit_tx.clone();
+        tokio::spawn(async move {
+            let code = match child.wait().await {
+                Ok(status) => exit_code_of(status),
+                Err(_) => exit_code::INTERNAL_ERROR,
+            };
+            let _ = tx.send((index, code));
+        });
     }
-    for p in pumps {
-        let _ = p.await;
+    drop(exit_tx);
+
+    let mut codes: Vec<Option<u8>> = vec![None; pids.len()];
+    let mut seen = StopSignals::default();
+    let mut stopped_by: Option<Signal> = None;
+    // Armed by an insistent second signal; until then it never fires.
+    let backstop = tokio::time::sleep(KILL_BACKSTOP);
+    tokio::pin!(backstop);
+    let mut backstop_armed = false;
+    while codes.iter().any(Option::is_none) {
+        tokio::select! {
+            exit = exits.recv() => {
+                let Some((index, code)) = exit else { break };
+                if let Some(slot) = codes.get_mut(index) {
+                    *slot = Some(code);
+                }
+                // Reaped: its pid may be reused, so it is never signalled again.
+                if let Some(pid) = pids.get_mut(index) {
+                    *pid = None;
+                }
+            }
+            Some(sig) = sig_rx.recv() => match seen.arrived(Instant::now()) {
+                Repeat::First => {
+                    tracing::info!("muster dry-run: {sig} received: stopping every agent");
+                    stopped_by = Some(sig);
+                    signal_all(&pids, sig);
+                }
+                Repeat::Duplicate => {}
+                Repeat::Insistent => {
+                    tracing::warn!(
+                        "muster dry-run: {sig} again: the agents kill their ranks now \
+                         (SIGKILL to agents still running in {:.0} s)",
+                        KILL_BACKSTOP.as_secs_f64()
+                    );
+                    signal_all(&pids, sig);
+                    if !backstop_armed {
+                        backstop.as_mut().reset(Instant::now() + KILL_BACKSTOP);
+                        backstop_armed = true;
+                    }
+                }
+            },
+            () = &mut backstop, if backstop_armed => {
+                tracing::warn!("muster dry-run: agents still running; sending SIGKILL");
+                signal_all(&pids, Signal::SIGKILL);
+                backstop_armed = false;
+            }
+        }
     }
-    let job = job_code(&codes);
-    eprintln!("muster dry-run: agents exited with {codes:?}; job exit code {job}");
+    // The pipes close when the agents (and their ranks) are gone.
+    while pumps.join_next().await.is_some() {}
+    let codes: Vec<u8> = codes
+        .into_iter()
+        .map(|c| c.unwrap_or(exit_code::INTERNAL_ERROR))
+        .collect();
+    let job = stopped_code(job_code(&codes), stopped_by);
+    tracing::info!("muster dry-run: agents exited with {codes:?}; job exit code {job}");
     Ok(job)
 }
 
-/// The agents share our process group, so a terminal's Ctrl-C already reaches them; a SIGTERM
-/// (from a supervisor) is passed on to each agent.
-fn forward_term(pids: &[i32]) {
-    for &pid in pids {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(pid),
-            nix::sys::signal::Signal::SIGTERM,
-        );
+/// Sends `sig` to every agent still running.
+fn signal_all(pids: &[Option<Pid>], sig: Signal) {
+    for pid in pids.iter().flatten() {
+        let _ = kill(*pid, sig);
     }
 }
 
@@ -133,24 +297,61 @@ pub fn job_code(codes: &[u8]) -> u8 {
     }
 }
 
-async fn pump<R, W>(from: R, mut to: W, prefix: String)
+/// The job's code after the dry run was stopped by `signal`: 128+N says which signal, unless the
+/// agents still all succeeded (a clean drain) or one reported one of muster's own outcomes.
+pub fn stopped_code(job: u8, signal: Option<Signal>) -> u8 {
+    match signal {
+        Some(sig) if job != exit_code::SUCCESS && job < exit_code::PREEMPTED_CHECKPOINTED => {
+            exit_code::for_signal(sig as i32)
+        }
+        _ => job,
+    }
+}
+
+/// One agent output line, tagged with its node: a `node` field first in a JSON object line (with
+/// `--log-format json`, unless the object already has one), else a `[node N] ` prefix.
+pub fn tag_line(line: &str, node: u32, format: LogFormat) -> String {
+    if format == LogFormat::Json {
+        if let Ok(serde_json::Value::Object(fields)) = serde_json::from_str(line) {
+            if fields.contains_key("node") {
+                return line.to_owned();
+            }
+            // Splice the field in rather than re-serialising: the agent's field order and number
+            // formatting stay exactly as written.
+            let body = line.trim_start().strip_prefix('{').unwrap_or_default();
+            return if fields.is_empty() {
+                format!("{{\"node\":{node}}}")
+            } else {
+                format!("{{\"node\":{node},{body}")
+            };
+        }
+    }
+    format!("[node {node}] {line}")
+}
+
+async fn pump<R>(from: R, sink: LogSink, console: Console, node: u32, format: LogFormat)
 where
     R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
 {
-    let mut lines = BufReader::new(from).lines();
-    while let Ok(Some(line)) = lines.next_line().await {
-        let text = format!("{prefix}{line}\n");
-        if to.write_all(text.as_bytes()).await.is_err() {
-            break;
+    let mut reader = BufReader::new(from);
+    let mut raw = Vec::new();
+    loop {
+        raw.clear();
+        match reader.read_until(b'\n', &mut raw).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
         }
-        let _ = to.flush().await;
+        let text = String::from_utf8_lossy(&raw);
+        let line = text.trim_end_matches(['\n', '\r']);
+        let mut out = tag_line(line, node, format);
+        out.push('\n');
+        sink.write(console, out.into_bytes()).await;
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::job_code;
+    use super::*;
 
     #[test]
     fn the_job_code_is_node_0s_failure_or_the_first_one() {
@@ -158,5 +359,47 @@ mod tests {
         assert_eq!(job_code(&[3, 1, 0]), 3);
         assert_eq!(job_code(&[0, 205, 7]), 205);
         assert_eq!(job_code(&[]), 0);
+    }
+
+    #[test]
+    fn a_stop_signal_sets_the_code_unless_the_drain_was_clean() {
+        assert_eq!(stopped_code(130, Some(Signal::SIGINT)), 130);
+        assert_eq!(stopped_code(137, Some(Signal::SIGINT)), 130);
+        assert_eq!(stopped_code(1, Some(Signal::SIGTERM)), 143);
+        assert_eq!(stopped_code(0, Some(Signal::SIGTERM)), 0);
+        assert_eq!(stopped_code(201, Some(Signal::SIGTERM)), 201);
+        assert_eq!(stopped_code(3, None), 3);
+    }
+
+    #[test]
+    fn json_lines_get_a_node_field_and_other_lines_a_prefix() {
+        assert_eq!(
+            tag_line(r#"{"ts":"t","line":"x"}"#, 1, LogFormat::Json),
+            r#"{"node":1,"ts":"t","line":"x"}"#
+        );
+        let tagged: serde_json::Value =
+            serde_json::from_str(&tag_line(r#" { "a" : [1, 2] }"#, 0, LogFormat::Json)).unwrap();
+        assert_eq!(tagged["node"], 0);
+        assert_eq!(tagged["a"][1], 2);
+        assert_eq!(tag_line("{}", 2, LogFormat::Json), r#"{"node":2}"#);
+        assert_eq!(
+            tag_line(r#"{"node":5}"#, 2, LogFormat::Json),
+            r#"{"node":5}"#
+        );
+        assert_eq!(
+            tag_line("Traceback (most recent call last):", 1, LogFormat::Json),
+            "[node 1] Traceback (most recent call last):"
+        );
+        assert_eq!(tag_line("[1]", 1, LogFormat::Json), "[node 1] [1]");
+        assert_eq!(
+            tag_line(r#"{"ts":"t"}"#, 0, LogFormat::Text),
+            r#"[node 0] {"ts":"t"}"#
+        );
+    }
+
+    #[test]
+    fn agent_counts_read_right() {
+        assert_eq!(agents(1), "1 agent");
+        assert_eq!(agents(3), "3 agents");
     }
 }

@@ -20,7 +20,8 @@
 //! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
 //! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
-//! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
+//! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
+//!   SIGTERM/SIGINT → cancellation for the simple subcommands.
 #![deny(unsafe_code)]
 
 pub mod checkpoint;

@@ -253,13 +253,12 @@ impl GangRendezvous {
         };
         let a = joined.assignment;
         info!(
-            "round {}: node {} is group rank {} of {}, global ranks {}..{} of {} (restarts used {})",
+            "round {}: node {} is group rank {} of {}, global {} of {} (restarts used {})",
             a.generation,
             a.node_rank,
             a.group_rank,
             a.group_world_size,
-            a.base_global_rank,
-            a.base_global_rank + a.local_world_size,
+            rank_range(a.base_global_rank, a.local_world_size),
             a.world_size,
             a.restart_count
         );
@@ -471,4 +470,28 @@ pub fn hostname() -> String {
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_else(|| "localhost".to_owned())
+}
+
+/// `count` global ranks from `first`, read as written: `rank 4`, `ranks 4, 5`, `ranks 4–7`
+/// (inclusive; a Rust range `4..8` read as five ranks to users).
+pub fn rank_range(first: u32, count: u32) -> String {
+    match count {
+        0 => "ranks: none".to_owned(),
+        1 => format!("rank {first}"),
+        2 => format!("ranks {first}, {}", first + 1),
+        n => format!("ranks {first}–{}", first + n - 1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rank_range;
+
+    #[test]
+    fn rank_ranges_are_inclusive() {
+        assert_eq!(rank_range(0, 2), "ranks 0, 1");
+        assert_eq!(rank_range(4, 1), "rank 4");
+        assert_eq!(rank_range(4, 4), "ranks 4–7");
+        assert_eq!(rank_range(0, 0), "ranks: none");
+    }
 }

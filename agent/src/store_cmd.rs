@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use rendezvous::store::server::{Config, Server, DEFAULT_MAX_CONNECTIONS};
 use tokio_util::sync::CancellationToken;
 
@@ -29,10 +29,30 @@ struct StoreArgs {
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS, env = "MUSTER_STORE_MAX_CONNECTIONS")]
     max_connections: usize,
     /// Microseconds the store keeps polling its sockets instead of sleeping after the last
-    /// request it served (0 = never). Saves a thread wake-up per request for clients that send
-    /// one request at a time; costs at most this much of one CPU after each burst.
-    #[arg(long, default_value_t = DEFAULT_BUSY_POLL_US, env = "MUSTER_STORE_BUSY_POLL_US", value_name = "MICROSECONDS")]
+    /// request it served (0 = never, at most 10000). Saves a thread wake-up per request for
+    /// clients that send one request at a time; costs at most this much of one CPU after each
+    /// burst.
+    #[arg(long, default_value_t = DEFAULT_BUSY_POLL_US, env = "MUSTER_STORE_BUSY_POLL_US", value_name = "MICROSECONDS", value_parser = parse_busy_poll)]
     busy_poll_us: u64,
+}
+
+/// The longest busy poll accepted: 10 ms, 100 times the default. A wake-up costs tens of
+/// microseconds, so a longer window saves nothing more and only burns a CPU after every burst
+/// (`--busy-poll-us 10000000` would spin 10 s after each request).
+pub const MAX_BUSY_POLL_US: u64 = 10_000;
+
+fn parse_busy_poll(text: &str) -> Result<u64, String> {
+    let us: u64 = text
+        .trim()
+        .parse()
+        .map_err(|_| "expected a whole number of microseconds".to_owned())?;
+    if us > MAX_BUSY_POLL_US {
+        return Err(format!(
+            "at most {MAX_BUSY_POLL_US} µs (10 ms): a longer busy poll saves nothing and keeps a \
+             CPU spinning after every request"
+        ));
+    }
+    Ok(us)
 }
 
 /// Long enough to cover a client's turn-around on a VM (reading the reply, sending the next
@@ -41,15 +61,20 @@ struct StoreArgs {
 const DEFAULT_BUSY_POLL_US: u64 = 100;
 
 pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
-    // argv[0] is "muster", argv[1] "store": clap sees "muster store" as the program name.
-    let args = match StoreArgs::try_parse_from(args.into_iter().skip(1)) {
+    // argv[0] is "muster", argv[1] "store": clap reads "store" as the program name, and its
+    // usage line says `muster store` only when the binary name is set explicitly.
+    let parsed = StoreArgs::command()
+        .bin_name("muster store")
+        .try_get_matches_from(args.into_iter().skip(1))
+        .and_then(|matches| StoreArgs::from_arg_matches(&matches));
+    let args = match parsed {
         Ok(args) => args,
         Err(err) if !err.use_stderr() => {
             // --help / --version
             print!("{err}");
             return Ok(exit_code::SUCCESS);
         }
-        Err(err) => return Err(Exit::config(err.to_string().trim_end().to_owned()).into()),
+        Err(err) => return Err(Exit::config(clap_message(&err)).into()),
     };
     logging::init(logging::LogFormat::Text);
     // One thread, like libuv's event loop: requests are served in arrival order across
@@ -59,6 +84,14 @@ pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(serve(args))
+}
+
+/// clap's message without its own `error: ` (the one place that prints errors adds
+/// `muster: error: `), on one line per clap line as clap wrote it.
+fn clap_message(err: &clap::Error) -> String {
+    let text = err.to_string();
+    let text = text.trim_end();
+    text.strip_prefix("error: ").unwrap_or(text).to_owned()
 }
 
 async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
@@ -83,4 +116,43 @@ async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
     server.run(shutdown).await?;
     signals.abort();
     Ok(exit_code::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<StoreArgs, String> {
+        StoreArgs::command()
+            .bin_name("muster store")
+            .try_get_matches_from(std::iter::once("store").chain(args.iter().copied()))
+            .and_then(|m| StoreArgs::from_arg_matches(&m))
+            .map_err(|e| clap_message(&e))
+    }
+
+    #[test]
+    fn the_busy_poll_is_bounded() {
+        assert_eq!(
+            parse(&["--busy-poll-us", "10000"]).unwrap().busy_poll_us,
+            10_000
+        );
+        assert_eq!(parse(&["--busy-poll-us", "0"]).unwrap().busy_poll_us, 0);
+        let err = parse(&["--busy-poll-us", "10000000"]).unwrap_err();
+        assert!(
+            err.contains("--busy-poll-us") && err.contains("at most 10000"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn errors_and_usage_name_muster_store_once() {
+        let err = parse(&["--bogus"]).unwrap_err();
+        assert!(!err.starts_with("error:"), "{err}");
+        assert!(err.contains("Usage: muster store [OPTIONS]"), "{err}");
+        let help = StoreArgs::command()
+            .bin_name("muster store")
+            .render_help()
+            .to_string();
+        assert!(help.contains("Usage: muster store [OPTIONS]"), "{help}");
+    }
 }

@@ -1,6 +1,9 @@
 //! The agent's only `unsafe`: the code that runs in a freshly forked worker between `fork` and
 //! `exec`.
 //!
+//! [`die_with_parent`] does the same parent-death half for muster's other children (the dry
+//! run's agents, the GPU pre-flight's helper), so a SIGKILLed parent leaves none of them behind.
+//!
 //! It puts the worker in its own session and process group (so a stop signal reaches the
 //! worker's own children too, and a terminal's Ctrl-C reaches only the agent), and asks the kernel
 //! to SIGKILL the worker when the agent dies (`PR_SET_PDEATHSIG`), so no worker outlives a
@@ -37,5 +40,48 @@ pub fn isolate_worker(cmd: &mut Command, agent: Pid, cpus: Option<nix::sched::Cp
     // getppid) and does not allocate (the CPU set was built before the fork); the error it may return is built from a raw errno.
     unsafe {
         cmd.pre_exec(hook);
+    }
+}
+
+/// Asks the kernel to SIGKILL the child started by `cmd` when `parent` (the calling process, whose
+/// calling *thread* must outlive the child: see the module doc) dies.
+pub fn die_with_parent(cmd: &mut Command, parent: Pid) {
+    let hook = move || -> std::io::Result<()> {
+        nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+        // The parent may have died between fork and prctl; then nobody would ever kill us.
+        if nix::unistd::getppid() != parent {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only makes async-signal-safe system calls (prctl, getppid) and does not
+    // allocate; the error it may return is built from a raw errno.
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt as _;
+    use std::process::Command;
+
+    use super::die_with_parent;
+
+    #[test]
+    fn a_child_dies_with_the_thread_that_started_it() {
+        // PR_SET_PDEATHSIG follows the forking thread: a thread that exits stands in for a parent
+        // that was SIGKILLed, without killing the test.
+        let child = std::thread::spawn(|| {
+            let mut cmd = Command::new("sleep");
+            cmd.arg("60");
+            die_with_parent(&mut cmd, nix::unistd::getpid());
+            cmd.spawn()
+        })
+        .join()
+        .expect("the spawning thread ran");
+        let mut child = child.expect("sleep starts");
+        let status = child.wait().expect("wait for sleep");
+        assert_eq!(status.signal(), Some(libc::SIGKILL), "{status}");
     }
 }

@@ -250,8 +250,11 @@ pub fn parse_signals(text: &str) -> Result<SignalPolicy, String> {
                 }
             },
         };
-        policy.actions.retain(|(s, _)| *s != sig);
-        policy.actions.push((sig, action));
+        // In place when already listed, so the order (exported to workers) stays torchrun's.
+        match policy.actions.iter_mut().find(|(s, _)| *s == sig) {
+            Some(entry) => entry.1 = action,
+            None => policy.actions.push((sig, action)),
+        }
     }
     Ok(policy)
 }
@@ -402,18 +405,34 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         Some(raw) => parse_rdzv_conf(&raw.value).map_err(|e| bad(raw, "rdzv-conf", e))?,
     };
     // torchrun: --standalone, or the static default with nothing pointing elsewhere on one node.
-    let standalone = switch("standalone")
+    let explicit_standalone = switch("standalone");
+    let standalone = explicit_standalone
         || (rdzv_backend == "static"
             && rdzv_endpoint.is_empty()
             && master_port.is_none()
             && nnodes.max == 1);
+    let warnings = if explicit_standalone {
+        standalone_conflicts(low, nnodes)?
+    } else {
+        Vec::new()
+    };
+    let given_id = get(low, "rdzv-id")
+        .map(|r| r.value.trim().to_owned())
+        .filter(|id| !id.is_empty());
     let (rdzv_backend, rdzv_endpoint, run_id) = if standalone {
-        ("c10d".to_owned(), "localhost:0".to_owned(), random_run_id())
+        // `--standalone` always draws a fresh id (torchrun's rule, and what `--help` says); a
+        // single node that is standalone only because nothing points elsewhere keeps the id the
+        // user gave.
+        let run_id = match given_id {
+            Some(id) if !explicit_standalone => id,
+            _ => random_run_id(),
+        };
+        ("c10d".to_owned(), "localhost:0".to_owned(), run_id)
     } else {
         (
             rdzv_backend.to_owned(),
             rdzv_endpoint.to_owned(),
-            get(low, "rdzv-id").map_or_else(|| "none".to_owned(), |r| r.value.trim().to_owned()),
+            given_id.unwrap_or_else(|| "none".to_owned()),
         )
     };
 
@@ -535,7 +554,53 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         checkpoint_token_file: get(low, "checkpoint-token-file")
             .map(|r| PathBuf::from(r.value.trim()))
             .filter(|p| !p.as_os_str().is_empty()),
+        warnings,
     })
+}
+
+/// What `--standalone` overrides. A multi-node `--nnodes` or a node rank other than 0 cannot
+/// have been meant with a single private node (each pod would train alone, silently): a
+/// configuration error. The rendezvous settings it replaces (`--rdzv-id`, `--rdzv-endpoint`, a
+/// non-c10d `--rdzv-backend`, `--master-addr`, `--master-port`) are often injected for every
+/// container (Kubeflow's `PET_*`), so those are warnings: torchrun's rule holds, out loud.
+fn standalone_conflicts(low: &LowArgs, nnodes: NodeRange) -> Result<Vec<String>, ConfigError> {
+    if nnodes.max > 1 {
+        let raw = get(low, "nnodes").ok_or_else(|| ConfigError("--nnodes".into()))?;
+        return Err(bad(
+            raw,
+            "nnodes",
+            "--standalone runs a single node; drop --standalone for a multi-node job",
+        ));
+    }
+    if let Some(raw) = get(low, "node-rank").filter(|r| r.value.trim() != "0") {
+        return Err(bad(
+            raw,
+            "node-rank",
+            "--standalone runs a single node, rank 0; drop --standalone for a multi-node job",
+        ));
+    }
+    let replaced = |flag: &str, by: &str| {
+        get(low, flag).map(|raw| {
+            format!(
+                "--standalone {by}: --{flag} `{}` ({}) is ignored",
+                raw.value.trim(),
+                raw.source
+            )
+        })
+    };
+    let backend = get(low, "rdzv-backend")
+        .filter(|r| r.value.trim() != "c10d")
+        .and(replaced("rdzv-backend", "uses the c10d backend"));
+    Ok([
+        replaced("rdzv-id", "draws a random run id"),
+        replaced("rdzv-endpoint", "hosts a private store on a free port"),
+        backend,
+        replaced("master-addr", "hosts a private store on a free port"),
+        replaced("master-port", "hosts a private store on a free port"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect())
 }
 
 #[cfg(test)]
@@ -588,6 +653,80 @@ mod tests {
         .unwrap();
         assert!(!c.standalone);
         assert_eq!(c.run_id, "job");
+    }
+
+    #[test]
+    fn rdzv_id_survives_on_one_node_without_an_endpoint() {
+        let c = build_with(&["--rdzv-id", "myjob", "train.py"], &[PATH], 0).unwrap();
+        assert!(c.standalone);
+        assert_eq!(c.run_id, "myjob");
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let c = build_with(&["train.py"], &[PATH, ("PET_RDZV_ID", "envjob")], 0).unwrap();
+        assert_eq!(c.run_id, "envjob");
+        // --standalone draws a fresh one, and says that it ignores the given id.
+        let c = build_with(
+            &["--standalone", "--rdzv-id", "myjob", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.run_id.len(), 36);
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+        assert!(
+            c.warnings[0].contains("--rdzv-id `myjob` (command line) is ignored"),
+            "{:?}",
+            c.warnings
+        );
+    }
+
+    #[test]
+    fn standalone_conflicts_are_errors_or_warnings() {
+        let err =
+            build_with(&["--standalone", "--nnodes", "2", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(
+            err.0.contains("--nnodes `2` (command line)") && err.0.contains("--standalone"),
+            "{err}"
+        );
+        let err = build_with(
+            &["--standalone", "--node-rank", "1", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap_err();
+        assert!(err.0.contains("--node-rank `1`"), "{err}");
+        let err = build_with(
+            &["--standalone", "train.py"],
+            &[PATH, ("PET_NNODES", "2")],
+            0,
+        )
+        .unwrap_err();
+        assert!(err.0.contains("environment variable PET_NNODES"), "{err}");
+        // Rank 0 of one node, and rendezvous settings it replaces: it runs, with one warning each.
+        let c = build_with(
+            &[
+                "--standalone",
+                "--node-rank",
+                "0",
+                "--nnodes",
+                "1",
+                "--rdzv-endpoint",
+                "10.0.0.1:29400",
+                "--rdzv-backend",
+                "c10d",
+                "--master-port",
+                "29500",
+                "train.py",
+            ],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.rdzv_endpoint, "localhost:0");
+        assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
+        assert!(c.warnings[0].contains("--rdzv-endpoint `10.0.0.1:29400`"));
+        assert!(c.warnings[1].contains("--master-port `29500`"));
+        let c = build_with(&["--standalone", "train.py"], &[PATH], 0).unwrap();
+        assert!(c.warnings.is_empty());
     }
 
     #[test]

@@ -71,9 +71,9 @@ pub const FLAGS: &[FlagDef] = &[
     value("node-rank", "RANK", "Rank of this node (static rendezvous) (default 0)"),
     value("rdzv-backend", "NAME", "Rendezvous backend: static or c10d (default static)"),
     value("rdzv-endpoint", "HOST[:PORT]", "Rendezvous endpoint"),
-    value("rdzv-id", "ID", "Job id shared by all nodes (default `none`; random with --standalone)"),
+    value("rdzv-id", "ID", "Job id shared by all nodes (default `none`; random with --standalone, which ignores this flag with a warning, and on one node with no endpoint when not given)"),
     value("rdzv-conf", "K=V,...", "Rendezvous settings (join_timeout, last_call_timeout, ...)"),
-    switch("standalone", "Single node with a private store on a free port and a random run id"),
+    switch("standalone", "Single node with a private store on a free port and a random run id (with --nnodes above 1 or --node-rank other than 0: error 202)"),
     value("max-restarts", "N", "Restarts of the local worker group after a failure (default 0)"),
     value("monitor-interval", "SECS", "Accepted for torchrun compatibility; worker exits are events here"),
     value("start-method", "METHOD", "Accepted for torchrun compatibility; scripts are always exec'd"),
@@ -160,7 +160,7 @@ pub enum LowArgsError {
     UnexpectedValue(String),
     #[error("option `{0}` is not valid UTF-8")]
     NotUtf8(String),
-    #[error("{origin}: `{value}` is not a yes/no value for --{flag} (use 1 or 0)")]
+    #[error("{origin}: `{value}` is not a yes/no value for --{flag} (use 1/0, true/false, yes/no or on/off)")]
     BadSwitch {
         flag: &'static str,
         value: String,
@@ -350,7 +350,9 @@ pub fn help_text() -> String {
     out.push_str(
         "muster: a drop-in replacement for torchrun (supervises the workers like PID 1 should)\n\n\
          Usage: muster [OPTIONS] <script.py | -m module | --no-python program> [ARGS]...\n\
-         \x20      muster store [OPTIONS]      a standalone TCPStore server\n\n\
+         \x20      muster dry-run --nnodes N [OPTIONS] script.py [ARGS]...   N agents on loopback\n\
+         \x20      muster store [OPTIONS]       a standalone TCPStore server\n\
+         \x20      muster gpu-check [OPTIONS]   the GPU pre-flight alone\n\n\
          Options (each also as --name_with_underscores):\n",
     );
     for def in FLAGS {
@@ -477,10 +479,30 @@ mod tests {
         let env = |name: &str| (name == "PET_STANDALONE").then(|| OsString::from("true"));
         assert_eq!(parse(&[], &env).unwrap().values["standalone"].value, "1");
         let env = |name: &str| (name == "PET_STANDALONE").then(|| OsString::from("maybe"));
-        assert!(matches!(
-            parse(&[], &env).unwrap_err(),
-            LowArgsError::BadSwitch { .. }
-        ));
+        let err = parse(&[], &env).unwrap_err();
+        assert!(matches!(err, LowArgsError::BadSwitch { .. }));
+        // The message lists every spelling that is accepted.
+        let text = err.to_string();
+        for accepted in ["1/0", "true/false", "yes/no", "on/off"] {
+            assert!(text.contains(accepted), "{text}");
+            let (yes, no) = accepted.split_once('/').unwrap();
+            for v in [yes, no] {
+                let env = |name: &str| (name == "PET_STANDALONE").then(|| OsString::from(v));
+                assert!(parse(&[], &env).is_ok(), "{v}");
+            }
+        }
+    }
+
+    #[test]
+    fn help_names_every_subcommand() {
+        let help = help_text();
+        let usage = help.split("Options").next().unwrap_or_default();
+        for sub in ["muster dry-run", "muster store", "muster gpu-check"] {
+            assert!(
+                usage.contains(sub),
+                "{sub} missing from the usage:\n{usage}"
+            );
+        }
     }
 
     #[test]

@@ -3,6 +3,8 @@
 //! configuration ([`hiargs`]), and the edge that runs [`crate::launch`] and turns its outcome into
 //! an exit code.
 
+#[cfg(test)]
+mod doc_check;
 pub mod hiargs;
 pub mod lowargs;
 
@@ -73,6 +75,9 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
 async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
     init_tracing(config.logs.format, writer.sink());
+    for warning in &config.warnings {
+        tracing::warn!("{warning}");
+    }
     let shutdown = CancellationToken::new();
     let metrics = crate::metrics::Metrics::new();
     // Read once, at start: a Secret that cannot be read is a configuration error, not a job
@@ -195,7 +200,8 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
 }
 
 /// The agent's own messages go through the console writer, so they never split a worker line.
-fn init_tracing(format: LogFormat, sink: LogSink) {
+/// `muster dry-run` writes its own messages the same way.
+pub(crate) fn init_tracing(format: LogFormat, sink: LogSink) {
     let filter = ["MUSTER_LOG", "RUST_LOG"]
         .iter()
         .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))

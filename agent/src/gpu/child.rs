@@ -26,6 +26,10 @@ pub fn run_json<T: DeserializeOwned>(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    // Its own group also keeps it from a terminal's Ctrl-C, so it must die with us instead: a
+    // `muster gpu-check` or agent killed mid-check leaves no hung CUDA helper behind. This thread
+    // waits for the child below, so it outlives it (PR_SET_PDEATHSIG is per thread).
+    crate::sys::die_with_parent(&mut cmd, nix::unistd::getpid());
     let mut child = cmd.spawn().map_err(|e| format!("spawn: {e}"))?;
     // Drain both pipes while the child runs: a report larger than the pipe buffer would
     // otherwise block the child until the timeout.

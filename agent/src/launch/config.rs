@@ -131,7 +131,8 @@ impl SignalAction {
 /// `--signals-to-handle`, parsed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SignalPolicy {
-    /// The flag's text, exported to workers as `TORCHELASTIC_SIGNALS_TO_HANDLE` (torchrun does).
+    /// The flag's text, for messages. Workers get the names of [`Self::actions`] in torchrun's
+    /// format instead (`TORCHELASTIC_SIGNALS_TO_HANDLE`), without muster's actions.
     pub raw: String,
     pub actions: Vec<(Signal, SignalAction)>,
 }
@@ -173,7 +174,8 @@ pub struct Config {
     pub node_rank_given: bool,
     pub rdzv_backend: String,
     pub rdzv_endpoint: String,
-    /// `--rdzv-id`; a random UUID in standalone mode (torchrun's behaviour).
+    /// `--rdzv-id`; a random UUID with `--standalone` (torchrun's behaviour), and on one node
+    /// without an endpoint when no id was given.
     pub run_id: String,
     pub rdzv_conf: Vec<(String, String)>,
     /// Effective standalone mode: `--standalone`, or torchrun's silent switch (static backend, no
@@ -200,6 +202,9 @@ pub struct Config {
     pub numa_binding: bool,
     /// `--checkpoint-token-file`: a bearer token that lets a non-loopback peer `POST /checkpoint`.
     pub checkpoint_token_file: Option<PathBuf>,
+    /// Settings the command line gave that another one overrides (`--standalone` replacing an
+    /// explicit `--rdzv-id`, say); the agent logs each once its logging is up.
+    pub warnings: Vec<String>,
 }
 
 impl Config {
@@ -237,6 +242,7 @@ impl Config {
             preempted_exit_code: crate::exit_code::PREEMPTED_CHECKPOINTED,
             numa_binding: false,
             checkpoint_token_file: None,
+            warnings: Vec::new(),
         }
     }
 }

@@ -43,9 +43,11 @@ pub fn worker_env(
                 .unwrap_or_else(|| "1".into()),
         ),
         ("TORCHELASTIC_ERROR_FILE", error_file.as_os_str().to_owned()),
+        // torchrun's format, which torch code in the worker parses: signal names only. The
+        // actions (`SIGUSR1:forward`) are muster's own syntax and stay with the agent.
         (
             "TORCHELASTIC_SIGNALS_TO_HANDLE",
-            config.signals.raw.clone().into(),
+            torchrun_signal_list(config).into(),
         ),
     ];
     if inherited("OMP_NUM_THREADS").is_none() && config.nproc_per_node > 1 {
@@ -53,6 +55,17 @@ pub fn worker_env(
         env.push(("OMP_NUM_THREADS", "1".into()));
     }
     env
+}
+
+/// The handled signals as torchrun exports them: `SIGTERM,SIGINT,SIGHUP,SIGQUIT[,...]`.
+fn torchrun_signal_list(config: &Config) -> String {
+    config
+        .signals
+        .actions
+        .iter()
+        .map(|(sig, _)| sig.as_str())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 #[cfg(test)]
@@ -102,6 +115,18 @@ mod tests {
         );
         assert_eq!(get(&env, "OMP_NUM_THREADS"), Some("1"));
         assert_eq!(get(&env, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("1"));
+    }
+
+    #[test]
+    fn workers_get_the_signal_list_in_torchruns_format() {
+        let mut c = Config::for_program("/bin/true", vec![], 1);
+        c.signals =
+            crate::cli::hiargs::parse_signals("SIGTERM,usr1:forward,SIGUSR2:ignore,INT").unwrap();
+        let env = worker_env(&c, &assignment(), 0, Path::new("e"), &|_| None);
+        assert_eq!(
+            get(&env, "TORCHELASTIC_SIGNALS_TO_HANDLE"),
+            Some("SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2")
+        );
     }
 
     #[test]

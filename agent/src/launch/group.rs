@@ -452,6 +452,7 @@ impl PendingExits<'_> {
         for w in workers.iter().filter(|w| w.status.is_none()) {
             let _ = killpg(w.pid, sig);
         }
+        let sent = tokio::time::Instant::now();
         self.wait(workers, grace, stop, true).await;
         let stubborn: Vec<String> = workers
             .iter()
@@ -462,10 +463,16 @@ impl PendingExits<'_> {
             return;
         }
         if sig != Signal::SIGKILL {
+            // The time that really passed: a second stop signal cuts the grace period short.
+            let why = if stop.is_killed_now() {
+                "; a second stop signal asked for it"
+            } else {
+                ""
+            };
             tracing::warn!(
-                "rank(s) {} still running {:.1}s after {sig}: sending SIGKILL",
+                "rank(s) {} still running {:.1}s after {sig}: sending SIGKILL{why}",
                 stubborn.join(","),
-                grace.as_secs_f64()
+                sent.elapsed().as_secs_f64()
             );
         }
         for w in workers.iter().filter(|w| w.status.is_none()) {

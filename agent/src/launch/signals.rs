@@ -2,7 +2,9 @@
 //!
 //! - `terminate` (torchrun's only behaviour; the default except for SIGTERM): stop the group with
 //!   that signal, SIGKILL after `--shutdown-timeout`. A second stop signal while stopping sends
-//!   SIGKILL at once (the impatient Ctrl-C).
+//!   SIGKILL at once (the impatient Ctrl-C), unless it came within
+//!   [`crate::signals::REPEAT_WINDOW`] of the first: then it is the same request delivered twice
+//!   (coreutils `timeout`, a terminal and a forwarding wrapper all do that) and changes nothing.
 //! - `checkpoint` (SIGTERM's default): a [`TerminateHook`] (the preemption checkpoint barrier)
 //!   takes over; it decides when to call [`StopRequest::request`]. Without a hook, as `terminate`.
 //! - `forward`: pass it to every worker's process group and keep running.
@@ -17,11 +19,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::config::{SignalAction, SignalPolicy};
 use super::observe::{Event, Publisher};
 use super::reaper::Reaper;
+use crate::signals::{Repeat, StopSignals, REPEAT_WINDOW};
 
 /// A request to stop the worker group: which signal to stop it with, and whether to skip the
 /// grace period. Cheap to clone; the first request wins.
@@ -132,19 +136,35 @@ pub fn install(
     hook: Option<&TerminateHook>,
 ) -> std::io::Result<Listeners> {
     let mut tasks = Vec::new();
+    // Shared by every listener: a SIGINT and a SIGTERM from one wrapper are one request too.
+    let seen = Arc::new(Mutex::new(StopSignals::default()));
     for &(sig, action) in &policy.actions {
         let mut stream = signal(SignalKind::from_raw(sig as i32))?;
         let stop = stop.clone();
         let reaper = reaper.clone();
         let publisher = publisher.clone();
         let hook = hook.cloned();
+        let seen = Arc::clone(&seen);
         tasks.push(tokio::spawn(async move {
             while stream.recv().await.is_some() {
                 publisher.event(Event::SignalReceived {
                     signal: sig,
                     action,
                 });
+                let stopping = matches!(action, SignalAction::Terminate | SignalAction::Checkpoint);
+                let repeat = stopping.then(|| {
+                    seen.lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .arrived(Instant::now())
+                });
                 match action {
+                    _ if repeat == Some(Repeat::Duplicate) => {
+                        tracing::info!(
+                            "{sig} again within {:.0}s of the first stop signal: the same request, \
+                             still stopping gracefully",
+                            REPEAT_WINDOW.as_secs_f64()
+                        );
+                    }
                     SignalAction::Terminate | SignalAction::Checkpoint if stop.is_requested() => {
                         tracing::warn!("{sig} again while stopping: killing the workers now");
                         stop.kill_now();
