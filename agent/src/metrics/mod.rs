@@ -25,6 +25,7 @@
 pub mod agent;
 mod http;
 mod live;
+pub mod script;
 mod store;
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -42,6 +43,7 @@ pub use http::{
     serve_in_thread, AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError, Serving,
     METRICS_CONTENT_TYPE,
 };
+pub use script::ScriptMetrics;
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 
 use live::Live;
@@ -384,6 +386,8 @@ struct Inner {
     store: Arc<store::StoreCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     restart_cause: Mutex<Option<RestartCause>>,
+    /// The training script's own metrics, merged into `/metrics` when attached.
+    script: OnceLock<Arc<ScriptMetrics>>,
 
     job_info: IntGaugeVec,
     dns_attempts: IntCounterVec,
@@ -654,6 +658,7 @@ impl Metrics {
             store,
             checkpoint_tx: Mutex::new(None),
             restart_cause: Mutex::new(None),
+            script: OnceLock::new(),
             registry: defs.registry,
             names: defs.names,
         };
@@ -1027,7 +1032,10 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn encode(&self) -> Vec<u8> {
-        let families = self.inner.registry.gather();
+        let mut families = self.inner.registry.gather();
+        if let Some(script) = self.inner.script.get() {
+            families.extend(script.families());
+        }
         let mut out = Vec::with_capacity(16 * 1024);
         // Writing into a Vec cannot fail; the encoder only errors on I/O or invalid families,
         // which gather() does not produce.
@@ -1035,6 +1043,12 @@ impl Metrics {
             tracing::warn!("encoding metrics failed: {err}");
         }
         out
+    }
+
+    /// Serves the training script's own metrics (see [`script`]) next to muster's from now on;
+    /// a second call is ignored.
+    pub fn attach_script_metrics(&self, script: Arc<ScriptMetrics>) {
+        let _first = self.inner.script.set(script);
     }
 
     /// Every metric name this registry defines, whether or not it has a sample yet (for checking
