@@ -64,9 +64,19 @@ struct HistogramSeries {
 }
 
 /// An `le` bound ordered as a number (`f64` has no `Ord`; NaN is never a bound).
-#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+#[derive(Debug, Clone, Copy)]
 struct Bound(f64);
+impl PartialEq for Bound {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == std::cmp::Ordering::Equal
+    }
+}
 impl Eq for Bound {}
+impl PartialOrd for Bound {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
 impl Ord for Bound {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&other.0)
@@ -90,9 +100,9 @@ struct Family {
 /// Merges `sources` into metric families, leaving out families whose names `reserved` holds and
 /// files of dead processes in `live*` modes. Returns the families (sorted by name, none empty)
 /// and what was left out.
-pub fn merge(
+pub fn merge<S: std::hash::BuildHasher>(
     sources: &[Source],
-    reserved: &HashSet<String>,
+    reserved: &HashSet<String, S>,
     is_alive: &dyn Fn(u32) -> bool,
 ) -> (Vec<MetricFamily>, BTreeSet<Skipped>) {
     let mut families: BTreeMap<String, Family> = BTreeMap::new();
@@ -197,10 +207,10 @@ fn merge_directory(
                     let Some(suffix) = entry.sample.strip_prefix(entry.metric.as_str()) else {
                         continue;
                     };
-                    let series = family
-                        .series
-                        .entry(labels)
-                        .or_insert(Series::Summary { count: 0.0, sum: 0.0 });
+                    let series = family.series.entry(labels).or_insert(Series::Summary {
+                        count: 0.0,
+                        sum: 0.0,
+                    });
                     if let Series::Summary { count, sum } = series {
                         match suffix {
                             "_count" => *count += entry.value,
@@ -210,8 +220,7 @@ fn merge_directory(
                     }
                 }
                 Kind::Histogram => {
-                    let family =
-                        family(&mut families, &entry.metric, FamilyType::Histogram, entry);
+                    let family = family(&mut families, &entry.metric, FamilyType::Histogram, entry);
                     let mut labels = labels;
                     let le = labels
                         .iter()

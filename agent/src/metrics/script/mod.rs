@@ -35,9 +35,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use prometheus::proto::MetricFamily;
 
 use self::file::FileName;
+use self::merge::{Skipped, Source};
 use super::Metrics;
 use crate::launch::Launch;
-use self::merge::{Skipped, Source};
 
 /// The variable prometheus_client reads to enter multiprocess mode.
 pub const MULTIPROC_DIR_ENV: &str = "PROMETHEUS_MULTIPROC_DIR";
@@ -96,7 +96,7 @@ impl ScriptMetrics {
     pub fn create(
         tmp: &Path,
         port: u16,
-        reserved: HashSet<String>,
+        reserved: impl IntoIterator<Item = String>,
         user_dir: Option<PathBuf>,
     ) -> io::Result<ScriptMetrics> {
         let home = tmp.join(format!(
@@ -113,7 +113,7 @@ impl ScriptMetrics {
         };
         // A histogram or summary of muster's also owns its `_bucket`, `_count` and `_sum` samples.
         let reserved = reserved
-            .iter()
+            .into_iter()
             .flat_map(|n| ["", "_bucket", "_count", "_sum"].map(|s| format!("{n}{s}")))
             .collect();
         Ok(ScriptMetrics {
@@ -311,11 +311,14 @@ impl ScriptMetrics {
 /// (`--metrics-addr none`, or a default port someone else holds: nothing, and the script keeps
 /// the port and its environment, as under torchrun). A private directory that cannot be made
 /// costs only the script's metrics: a warning.
-pub fn attach(served: Option<std::net::SocketAddr>, metrics: &Metrics) -> Option<Arc<ScriptMetrics>> {
+pub fn attach(
+    served: Option<std::net::SocketAddr>,
+    metrics: &Metrics,
+) -> Option<Arc<ScriptMetrics>> {
     let addr = served?;
-    let reserved = metrics.metric_names().into_iter().collect();
     let user_dir = user_multiproc_dir(&|k| std::env::var_os(k));
-    match ScriptMetrics::create(&std::env::temp_dir(), addr.port(), reserved, user_dir) {
+    let tmp = std::env::temp_dir();
+    match ScriptMetrics::create(&tmp, addr.port(), metrics.metric_names(), user_dir) {
         Ok(script) => {
             let script = Arc::new(script);
             metrics.attach_script_metrics(Arc::clone(&script));
