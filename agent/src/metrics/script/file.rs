@@ -17,9 +17,10 @@
 //! A writer appends an entry and only then raises the used count, so a reader that trusts the
 //! header sees whole entries; a value may be torn only in the sense that it is older or newer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::Path;
+use std::sync::Arc;
 
 /// prometheus_client's gauge multiprocess modes (`Gauge(..., multiprocess_mode=...)`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -82,9 +83,9 @@ impl FileName {
     }
 }
 
-/// One value of a file.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Entry {
+/// What an entry's key says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Key {
     /// The metric's (family's) name, e.g. `requests` for a counter.
     pub metric: String,
     /// The sample's name, e.g. `requests_total`, `latency_seconds_bucket`.
@@ -92,8 +93,44 @@ pub struct Entry {
     /// The sample's labels, sorted by name.
     pub labels: BTreeMap<String, String>,
     pub help: String,
+}
+
+/// One value of a file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    pub key: Arc<Key>,
     pub value: f64,
     pub timestamp: f64,
+}
+
+/// Keys already decoded, by their JSON bytes: the same few hundred keys come back at every scrape,
+/// and decoding them is most of a scrape's work (prometheus_client keeps the same cache).
+#[derive(Debug, Default)]
+pub struct KeyCache(HashMap<Box<[u8]>, Arc<Key>>);
+
+/// Keys kept at most; past it the cache starts over (a script inventing label values forever
+/// must not grow the agent without bound).
+const MAX_CACHED_KEYS: usize = 100_000;
+
+impl KeyCache {
+    fn get(&mut self, raw: &[u8]) -> Result<Arc<Key>, serde_json::Error> {
+        if let Some(key) = self.0.get(raw) {
+            return Ok(Arc::clone(key));
+        }
+        let (metric, sample, labels, help): (String, String, BTreeMap<String, String>, String) =
+            serde_json::from_slice(raw)?;
+        let key = Arc::new(Key {
+            metric,
+            sample,
+            labels,
+            help,
+        });
+        if self.0.len() >= MAX_CACHED_KEYS {
+            self.0.clear();
+        }
+        self.0.insert(raw.into(), Arc::clone(&key));
+        Ok(key)
+    }
 }
 
 /// A file that cannot be read, or whose contents are not prometheus_client's format.
@@ -119,7 +156,7 @@ pub const MAX_FILE_BYTES: usize = 256 * 1024 * 1024;
 
 /// Reads the used part of `path`: the header first, then only what it says is in use (the rest
 /// of a preallocated file is zeros).
-pub fn read(path: &Path) -> Result<Vec<Entry>, FileError> {
+pub fn read(path: &Path, keys: &mut KeyCache) -> Result<Vec<Entry>, FileError> {
     let mut file = std::fs::File::open(path)?;
     let mut head = [0u8; 8];
     let mut got = 0;
@@ -134,7 +171,7 @@ pub fn read(path: &Path) -> Result<Vec<Entry>, FileError> {
     data.extend_from_slice(&head);
     file.take(used.saturating_sub(head.len()) as u64)
         .read_to_end(&mut data)?;
-    parse(&data)
+    parse(&data, keys)
 }
 
 fn used_bytes(data: &[u8]) -> usize {
@@ -153,7 +190,7 @@ fn f64_at(data: &[u8], at: usize) -> Option<f64> {
 }
 
 /// The entries of a file's bytes (at least the used part of it).
-pub fn parse(data: &[u8]) -> Result<Vec<Entry>, FileError> {
+pub fn parse(data: &[u8], keys: &mut KeyCache) -> Result<Vec<Entry>, FileError> {
     if data.len() < 8 {
         return Err(FileError::NoHeader(data.len()));
     }
@@ -175,17 +212,15 @@ pub fn parse(data: &[u8]) -> Result<Vec<Entry>, FileError> {
         let Some(key) = data.get(key_start..key_start + len) else {
             return Err(truncated);
         };
-        let (metric, sample, labels, help): (String, String, BTreeMap<String, String>, String) =
-            serde_json::from_slice(key).map_err(|source| FileError::Key { at: pos, source })?;
+        let key = keys
+            .get(key)
+            .map_err(|source| FileError::Key { at: pos, source })?;
         let (Some(value), Some(timestamp)) = (f64_at(data, value_at), f64_at(data, value_at + 8))
         else {
             return Err(truncated);
         };
         entries.push(Entry {
-            metric,
-            sample,
-            labels,
-            help,
+            key,
             value,
             timestamp,
         });

@@ -174,25 +174,27 @@ fn merge_directory(
             }
         }
         for entry in entries {
-            if !valid_metric_name(&entry.sample)
-                || !entry.labels.keys().all(|l| valid_label_name(l))
+            if !valid_metric_name(&entry.key.sample)
+                || !entry.key.labels.keys().all(|l| valid_label_name(l))
             {
-                skipped.insert(Skipped::InvalidName(entry.sample.clone()));
+                skipped.insert(Skipped::InvalidName(entry.key.sample.clone()));
                 continue;
             }
             let labels: Labels = entry
+                .key
                 .labels
                 .iter()
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect();
             match file.kind {
                 Kind::Counter => {
-                    let family = family(&mut families, &entry.sample, FamilyType::Counter, entry);
-                    add_value(family, labels, entry.value, skipped, &entry.sample);
+                    let family =
+                        family(&mut families, &entry.key.sample, FamilyType::Counter, entry);
+                    add_value(family, labels, entry.value, skipped, &entry.key.sample);
                 }
                 Kind::Gauge(mode, _) => {
                     gauges
-                        .entry((entry.metric.clone(), labels))
+                        .entry((entry.key.metric.clone(), labels))
                         .or_insert_with(|| (mode, Vec::new()))
                         .1
                         .push(GaugeValue {
@@ -200,11 +202,13 @@ fn merge_directory(
                             value: entry.value,
                             timestamp: entry.timestamp,
                         });
-                    family(&mut families, &entry.metric, FamilyType::Gauge, entry);
+                    family(&mut families, &entry.key.metric, FamilyType::Gauge, entry);
                 }
                 Kind::Summary => {
-                    let family = family(&mut families, &entry.metric, FamilyType::Summary, entry);
-                    let Some(suffix) = entry.sample.strip_prefix(entry.metric.as_str()) else {
+                    let family =
+                        family(&mut families, &entry.key.metric, FamilyType::Summary, entry);
+                    let Some(suffix) = entry.key.sample.strip_prefix(entry.key.metric.as_str())
+                    else {
                         continue;
                     };
                     let series = family.series.entry(labels).or_insert(Series::Summary {
@@ -220,7 +224,12 @@ fn merge_directory(
                     }
                 }
                 Kind::Histogram => {
-                    let family = family(&mut families, &entry.metric, FamilyType::Histogram, entry);
+                    let family = family(
+                        &mut families,
+                        &entry.key.metric,
+                        FamilyType::Histogram,
+                        entry,
+                    );
                     let mut labels = labels;
                     let le = labels
                         .iter()
@@ -239,11 +248,11 @@ fn merge_directory(
                             None => {
                                 skipped.insert(Skipped::InvalidName(format!(
                                     "{}{{le={le:?}}}",
-                                    entry.sample
+                                    entry.key.sample
                                 )));
                             }
                         },
-                        None if entry.sample.ends_with("_sum") => h.sum += entry.value,
+                        None if entry.key.sample.ends_with("_sum") => h.sum += entry.value,
                         None => {}
                     }
                 }
@@ -289,7 +298,7 @@ fn family<'a>(
 ) -> &'a mut Family {
     families.entry(name.to_owned()).or_insert_with(|| Family {
         kind,
-        help: entry.help.clone(),
+        help: entry.key.help.clone(),
         series: BTreeMap::new(),
     })
 }

@@ -84,6 +84,8 @@ pub struct ScriptMetrics {
     current: Mutex<Current>,
     /// Family names of muster's own, which a script's must not repeat.
     reserved: HashSet<String>,
+    /// Decoded file keys, reused from scrape to scrape.
+    keys: Mutex<file::KeyCache>,
     /// What has been logged already (each problem once per agent).
     reported: Mutex<HashSet<String>>,
 }
@@ -122,6 +124,7 @@ impl ScriptMetrics {
             port,
             current: Mutex::new(Current::default()),
             reserved,
+            keys: Mutex::new(file::KeyCache::default()),
             reported: Mutex::new(HashSet::new()),
         })
     }
@@ -244,20 +247,23 @@ impl ScriptMetrics {
             })
             .collect();
         names.sort();
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         names
             .into_iter()
-            .filter_map(|(name, parsed)| match file::read(&dir.join(&name)) {
-                Ok(entries) => Some((parsed, entries)),
-                // Removed between the listing and the read (a new attempt, mark_process_dead).
-                Err(file::FileError::Io(err)) if err.kind() == io::ErrorKind::NotFound => None,
-                Err(err) => {
-                    self.report_once(&format!(
-                        "skipping the training script's metrics file {}: {err}",
-                        dir.join(&name).display()
-                    ));
-                    None
-                }
-            })
+            .filter_map(
+                |(name, parsed)| match file::read(&dir.join(&name), &mut keys) {
+                    Ok(entries) => Some((parsed, entries)),
+                    // Removed between the listing and the read (a new attempt, mark_process_dead).
+                    Err(file::FileError::Io(err)) if err.kind() == io::ErrorKind::NotFound => None,
+                    Err(err) => {
+                        self.report_once(&format!(
+                            "skipping the training script's metrics file {}: {err}",
+                            dir.join(&name).display()
+                        ));
+                        None
+                    }
+                },
+            )
             .collect()
     }
 

@@ -30,7 +30,12 @@ fn read_source(dir: &Path, labels: &[(&str, &str)]) -> Source {
             .collect(),
         files: names
             .iter()
-            .filter_map(|n| Some((FileName::parse(n)?, file::read(&dir.join(n)).unwrap())))
+            .filter_map(|n| {
+                Some((
+                    FileName::parse(n)?,
+                    file::read(&dir.join(n), &mut file::KeyCache::default()).unwrap(),
+                ))
+            })
             .collect(),
     }
 }
@@ -135,14 +140,15 @@ fn file_names_are_parsed_like_prometheus_client_writes_them() {
 
 #[test]
 fn a_real_counter_file_is_read_entry_by_entry() {
-    let entries = file::read(&fixtures().join("pooled/counter_1002.db")).unwrap();
+    let mut keys = file::KeyCache::default();
+    let entries = file::read(&fixtures().join("pooled/counter_1002.db"), &mut keys).unwrap();
     let got: Vec<_> = entries
         .iter()
         .map(|e| {
             (
-                e.metric.as_str(),
-                e.sample.as_str(),
-                e.labels.get("path").map(String::as_str),
+                e.key.metric.as_str(),
+                e.key.sample.as_str(),
+                e.key.labels.get("path").map(String::as_str),
                 e.value,
             )
         })
@@ -154,7 +160,11 @@ fn a_real_counter_file_is_read_entry_by_entry() {
             ("requests", "requests_total", Some("/q\"uote\\"), 1.0),
         ]
     );
-    assert_eq!(entries[0].help, "Requests served.");
+    assert_eq!(entries[0].key.help, "Requests served.");
+    // Read again: the same keys, shared from the cache.
+    let again = file::read(&fixtures().join("pooled/counter_1002.db"), &mut keys).unwrap();
+    assert_eq!(again, entries);
+    assert!(std::sync::Arc::ptr_eq(&again[0].key, &entries[0].key));
 }
 
 #[test]
@@ -249,28 +259,32 @@ fn a_dead_child_drops_out_of_live_gauges_only() {
 fn a_damaged_file_is_an_error_not_a_panic() {
     let good = std::fs::read(fixtures().join("pooled/counter_1002.db")).unwrap();
     assert!(matches!(
-        file::parse(&good[..4]),
+        parse_fresh(&good[..4]),
         Err(file::FileError::NoHeader(4))
     ));
     // Used count says more than the entries hold: whole entries only.
     let mut cut = good[..good.len() - 8].to_vec();
     cut[..4].copy_from_slice(&i32::try_from(good.len()).unwrap().to_le_bytes());
-    assert!(file::parse(&cut).is_err());
+    assert!(parse_fresh(&cut).is_err());
     // A negative key length.
     let mut bad = good.clone();
     bad[8..12].copy_from_slice(&(-5i32).to_le_bytes());
-    assert!(file::parse(&bad).is_err());
+    assert!(parse_fresh(&bad).is_err());
     // A key that is not JSON.
     let mut bad = good.clone();
     bad[12] = b'{';
     assert!(matches!(
-        file::parse(&bad),
+        parse_fresh(&bad),
         Err(file::FileError::Key { .. })
     ));
     // An empty (fresh) file: no entries.
     let mut fresh = vec![0u8; 64];
     fresh[..4].copy_from_slice(&8i32.to_le_bytes());
-    assert_eq!(file::parse(&fresh).unwrap(), vec![]);
+    assert_eq!(parse_fresh(&fresh).unwrap(), vec![]);
+}
+
+fn parse_fresh(data: &[u8]) -> Result<Vec<file::Entry>, file::FileError> {
+    file::parse(data, &mut file::KeyCache::default())
 }
 
 fn copy_dir(from: &Path, to: &Path) {
