@@ -9,6 +9,8 @@
 //! of the grace budget is left, the current phase as a state set) are kept as raw atomics and
 //! turned into metric families only when `/metrics` is gathered, inside the HTTP task ([`live`]).
 //! The store hosted by node 0 is observed the same way, through [`StoreStatsSource`] ([`store`]).
+//! The training script's own prometheus_client metrics are read from the ranks' multiprocess
+//! files at each scrape and served next to muster's, with `rank` labels ([`script`]).
 //!
 //! [`Endpoint`] ([`http`]) is a small HTTP/1.1 server on tokio: `GET /metrics`, `GET /healthz`
 //! (the agent loop bumped [`Metrics::heartbeat`] recently), `GET /readyz` (rendezvous complete and
