@@ -11,7 +11,7 @@
 //!   directory holding `sitecustomize.py` (python/muster_sitecustomize.py) to put first on
 //!   `PYTHONPATH`: it turns `start_http_server(<that port>)` into a no-op with one log line;
 //! - at every scrape, [`ScriptMetrics::families`] reads the current attempt's files
-//!   ([`file`]) and merges them the way prometheus_client's `MultiProcessCollector` does, per rank,
+//!   ([`file`](mod@file)) and merges them the way prometheus_client's `MultiProcessCollector` does, per rank,
 //!   adding `rank` and `local_rank` labels ([`merge`]).
 //!
 //! If the user set `PROMETHEUS_MULTIPROC_DIR` (or the older `prometheus_multiproc_dir`) for the
