@@ -177,6 +177,10 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
         )
         .with_worker_env("PYTHONPATH", preemption.python_path())
         .on_terminate(preemption.terminate_hook());
+    let script_metrics = crate::metrics::script::attach(endpoint.local_addr(), &metrics);
+    if let Some(script) = &script_metrics {
+        launch = script.plug_into(launch, &preemption.python_path());
+    }
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
     metrics.advance_readiness(if hosts_rendezvous {
         crate::metrics::Readiness::HostingStore
@@ -189,6 +193,9 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     })
     .await;
     drop(endpoint);
+    if let Some(script) = &script_metrics {
+        script.remove_files();
+    }
     writer.finish();
     match result {
         Ok(outcome) => Ok(preemption.exit_code(outcome.exit_code)),

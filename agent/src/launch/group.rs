@@ -51,6 +51,8 @@ pub struct WorkerGroupSpec {
     pub extra_env: Vec<(String, OsString)>,
     /// `--numa-binding`: the CPUs local rank `i` is pinned to (`rank_cpus[i]`); empty: no pinning.
     pub rank_cpus: Vec<Vec<u32>>,
+    /// Per-rank variables, set last (see [`super::RankEnv`]).
+    pub rank_env: Option<super::RankEnv>,
 }
 
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
@@ -144,6 +146,13 @@ fn spawn_worker(
     cmd.args(&config.entrypoint.args)
         .envs(worker_env)
         .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
+        .envs(spec.rank_env.as_ref().map_or_else(Vec::new, |f| {
+            f(
+                assignment.restart_count,
+                assignment.base_global_rank + local_rank,
+                local_rank,
+            )
+        }))
         .stdin(Stdio::inherit())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());

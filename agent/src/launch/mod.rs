@@ -295,7 +295,12 @@ pub struct Launch {
     logs: Option<LogSink>,
     extra_env: Vec<(String, OsString)>,
     rank_cpus: Vec<Vec<u32>>,
+    rank_env: Option<RankEnv>,
 }
+
+/// Variables for one rank of one attempt, computed just before it starts:
+/// `(restart_count, rank, local_rank)` to `(name, value)` pairs, set after every other variable.
+pub type RankEnv = Arc<dyn Fn(u32, u32, u32) -> Vec<(String, OsString)> + Send + Sync>;
 
 impl Launch {
     pub fn new(config: Config) -> Self {
@@ -307,6 +312,7 @@ impl Launch {
             logs: None,
             extra_env: Vec::new(),
             rank_cpus: Vec::new(),
+            rank_env: None,
         }
     }
 
@@ -315,6 +321,14 @@ impl Launch {
     #[must_use]
     pub fn with_worker_env(mut self, key: impl Into<String>, value: impl Into<OsString>) -> Self {
         self.extra_env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Sets the variables `rank_env` returns in each rank's environment as it starts (e.g. its
+    /// own `PROMETHEUS_MULTIPROC_DIR`).
+    #[must_use]
+    pub fn with_rank_env(mut self, rank_env: RankEnv) -> Self {
+        self.rank_env = Some(rank_env);
         self
     }
 
@@ -365,6 +379,7 @@ impl Launch {
             logs,
             extra_env,
             rank_cpus,
+            rank_env,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -421,6 +436,7 @@ impl Launch {
             publisher: publisher.clone(),
             extra_env,
             rank_cpus,
+            rank_env,
         };
         let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
         if let Ok(outcome) = &result {

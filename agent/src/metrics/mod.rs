@@ -9,6 +9,8 @@
 //! of the grace budget is left, the current phase as a state set) are kept as raw atomics and
 //! turned into metric families only when `/metrics` is gathered, inside the HTTP task ([`live`]).
 //! The store hosted by node 0 is observed the same way, through [`StoreStatsSource`] ([`store`]).
+//! The training script's own prometheus_client metrics are read from the ranks' multiprocess
+//! files at each scrape and served next to muster's, with `rank` labels ([`script`]).
 //!
 //! [`Endpoint`] ([`http`]) is a small HTTP/1.1 server on tokio: `GET /metrics`, `GET /healthz`
 //! (liveness: the agent loop bumped [`Metrics::heartbeat`] recently), `GET /readyz` (readiness:
@@ -29,6 +31,7 @@ pub mod auth;
 mod conns;
 mod http;
 mod live;
+pub mod script;
 mod store;
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -48,6 +51,7 @@ pub use http::{
     serve_in_thread, AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError, Serving,
     METRICS_CONTENT_TYPE,
 };
+pub use script::ScriptMetrics;
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 
 use live::Live;
@@ -415,6 +419,8 @@ struct Inner {
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     restart_cause: Mutex<Option<RestartCause>>,
     readiness: AtomicU8,
+    /// The training script's own metrics, merged into `/metrics` when attached.
+    script: OnceLock<Arc<ScriptMetrics>>,
 
     job_info: IntGaugeVec,
     dns_attempts: IntCounterVec,
@@ -708,6 +714,7 @@ impl Metrics {
             checkpoint_tx: Mutex::new(None),
             restart_cause: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
+            script: OnceLock::new(),
             registry: defs.registry,
             names: defs.names,
         };
@@ -1109,7 +1116,10 @@ impl Metrics {
         self.inner
             .gang_running
             .set(i64::from(self.is_gang_running()));
-        let families = self.inner.registry.gather();
+                let mut families = self.inner.registry.gather();
+        if let Some(script) = self.inner.script.get() {
+            families.extend(script.families());
+        }
         let mut out = Vec::with_capacity(16 * 1024);
         // Writing into a Vec cannot fail; the encoder only errors on I/O or invalid families,
         // which gather() does not produce.
@@ -1117,6 +1127,12 @@ impl Metrics {
             tracing::warn!("encoding metrics failed: {err}");
         }
         out
+    }
+
+    /// Serves the training script's own metrics (see [`script`]) next to muster's from now on;
+    /// a second call is ignored.
+    pub fn attach_script_metrics(&self, script: Arc<ScriptMetrics>) {
+        let _first = self.inner.script.set(script);
     }
 
     /// Every metric name this registry defines, whether or not it has a sample yet (for checking

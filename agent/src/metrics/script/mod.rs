@@ -1,0 +1,379 @@
+//! The training script's own prometheus_client metrics, served on muster's `/metrics`.
+//!
+//! # Theory of operation
+//! A script that calls `prometheus_client.start_http_server(8000)` would collide with muster's
+//! endpoint on the same port (and with every other rank of the pod). Instead muster runs the
+//! ranks in prometheus_client's multiprocess mode and serves their values itself:
+//! - [`ScriptMetrics::rank_env`] gives each rank `PROMETHEUS_MULTIPROC_DIR=<dir>/attempt-<N>/rank-<R>`
+//!   (created empty before the rank starts; the previous attempt's directory is removed when a
+//!   new attempt starts, so served values are the current attempt's);
+//! - [`ScriptMetrics::worker_env`] gives `MUSTER_METRICS_PORT` (the port muster serves on) and a
+//!   directory holding `sitecustomize.py` (python/muster_sitecustomize.py) to put first on
+//!   `PYTHONPATH`: it turns `start_http_server(<that port>)` into a no-op with one log line;
+//! - at every scrape, [`ScriptMetrics::families`] reads the current attempt's files
+//!   ([`file`](mod@file)) and merges them the way prometheus_client's `MultiProcessCollector` does, per rank,
+//!   adding `rank` and `local_rank` labels ([`merge`]).
+//!
+//! If the user set `PROMETHEUS_MULTIPROC_DIR` (or the older `prometheus_multiproc_dir`) for the
+//! agent, muster leaves it and the ranks' environment alone and serves that directory as
+//! `MultiProcessCollector` would (no rank labels, `pid` labels in gauge mode `all`); it never
+//! deletes files there (prometheus_client's docs leave wiping it between runs to the user).
+//!
+//! A scrape never fails because of a script's files: a file that cannot be read or parsed is
+//! skipped, and what was skipped (a file, a name colliding with muster's own, a type conflict) is
+//! logged once.
+
+pub mod file;
+pub mod merge;
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use prometheus::proto::MetricFamily;
+
+use self::file::FileName;
+use self::merge::{Skipped, Source};
+use super::Metrics;
+use crate::launch::Launch;
+
+/// The variable prometheus_client reads to enter multiprocess mode.
+pub const MULTIPROC_DIR_ENV: &str = "PROMETHEUS_MULTIPROC_DIR";
+/// The name prometheus_client read before 0.10 (still honoured by it).
+const LEGACY_MULTIPROC_DIR_ENV: &str = "prometheus_multiproc_dir";
+/// The port muster serves `/metrics` on, for the workers' `sitecustomize` hook.
+pub const METRICS_PORT_ENV: &str = "MUSTER_METRICS_PORT";
+
+/// The workers' start-up hook, shipped inside the binary.
+const SITECUSTOMIZE: &str = include_str!("../../../../python/muster_sitecustomize.py");
+
+/// Where the ranks' files are.
+#[derive(Debug)]
+enum Layout {
+    /// muster's: `<base>/attempt-<N>/rank-<R>`, one directory per rank and attempt.
+    PerRank { base: PathBuf },
+    /// The user's own directory, served as a whole and never touched.
+    User(PathBuf),
+}
+
+#[derive(Debug, Clone)]
+struct RankDir {
+    rank: u32,
+    local_rank: u32,
+    path: PathBuf,
+}
+
+#[derive(Debug, Default)]
+struct Current {
+    attempt: Option<u32>,
+    /// By local rank.
+    ranks: BTreeMap<u32, RankDir>,
+}
+
+/// The script metrics of one agent. Created once per launch; shared by the launch (which calls
+/// [`ScriptMetrics::rank_env`] before each rank starts) and the endpoint (which calls
+/// [`ScriptMetrics::families`] at each scrape).
+#[derive(Debug)]
+pub struct ScriptMetrics {
+    layout: Layout,
+    /// muster's private directory: the hook's `python/` and (per-rank layout) the attempts.
+    home: PathBuf,
+    port: u16,
+    current: Mutex<Current>,
+    /// Family names of muster's own, which a script's must not repeat.
+    reserved: HashSet<String>,
+    /// Decoded file keys, reused from scrape to scrape.
+    keys: Mutex<file::KeyCache>,
+    /// What has been logged already (each problem once per agent).
+    reported: Mutex<HashSet<String>>,
+}
+
+impl ScriptMetrics {
+    /// Creates muster's private directory under `tmp` (the hook and, unless `user_dir` is given,
+    /// the ranks' files) for an endpoint on `port`. `reserved` are the names muster itself
+    /// serves. `user_dir` is the agent's `PROMETHEUS_MULTIPROC_DIR`, if set (see
+    /// [`user_multiproc_dir`]).
+    pub fn create(
+        tmp: &Path,
+        port: u16,
+        reserved: impl IntoIterator<Item = String>,
+        user_dir: Option<PathBuf>,
+    ) -> io::Result<ScriptMetrics> {
+        let home = tmp.join(format!(
+            "muster-metrics-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        let python = home.join("python");
+        std::fs::create_dir_all(&python)?;
+        std::fs::write(python.join("sitecustomize.py"), SITECUSTOMIZE)?;
+        let layout = match user_dir {
+            Some(dir) => Layout::User(dir),
+            None => Layout::PerRank { base: home.clone() },
+        };
+        // A histogram or summary of muster's also owns its `_bucket`, `_count` and `_sum` samples.
+        let reserved = reserved
+            .into_iter()
+            .flat_map(|n| ["", "_bucket", "_count", "_sum"].map(|s| format!("{n}{s}")))
+            .collect();
+        Ok(ScriptMetrics {
+            layout,
+            home,
+            port,
+            current: Mutex::new(Current::default()),
+            reserved,
+            keys: Mutex::new(file::KeyCache::default()),
+            reported: Mutex::new(HashSet::new()),
+        })
+    }
+
+    /// The directory holding `sitecustomize.py`, to put first on the workers' `PYTHONPATH`.
+    pub fn python_dir(&self) -> PathBuf {
+        self.home.join("python")
+    }
+
+    /// Variables for every worker: the port the hook recognises.
+    pub fn worker_env(&self) -> Vec<(String, OsString)> {
+        vec![(METRICS_PORT_ENV.to_owned(), self.port.to_string().into())]
+    }
+
+    /// The variables of rank `rank` (local rank `local_rank`) of attempt `attempt`, called just
+    /// before it starts: its own empty `PROMETHEUS_MULTIPROC_DIR`. The first rank of a new attempt
+    /// removes the previous attempt's files. With the user's own directory: nothing.
+    ///
+    /// A directory that cannot be made costs only the script's metrics: a warning, and the rank
+    /// starts without multiprocess mode.
+    pub fn rank_env(&self, attempt: u32, rank: u32, local_rank: u32) -> Vec<(String, OsString)> {
+        let Layout::PerRank { base } = &self.layout else {
+            return Vec::new();
+        };
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if current.attempt != Some(attempt) {
+            if let Some(old) = current.attempt {
+                remove_dir(&attempt_dir(base, old));
+            }
+            current.attempt = Some(attempt);
+            current.ranks.clear();
+        }
+        let path = attempt_dir(base, attempt).join(format!("rank-{rank}"));
+        // A rank started twice in one attempt starts from nothing too.
+        remove_dir(&path);
+        if let Err(err) = std::fs::create_dir_all(&path) {
+            tracing::warn!(
+                "cannot create {} for rank {rank}'s prometheus_client files ({err}); its metrics \
+                 will not be served",
+                path.display()
+            );
+            current.ranks.remove(&local_rank);
+            return Vec::new();
+        }
+        current.ranks.insert(
+            local_rank,
+            RankDir {
+                rank,
+                local_rank,
+                path: path.clone(),
+            },
+        );
+        vec![(MULTIPROC_DIR_ENV.to_owned(), path.into_os_string())]
+    }
+
+    /// The script's metric families now, merged; empty when there are none.
+    pub fn families(&self) -> Vec<MetricFamily> {
+        let sources = self.sources();
+        let (families, skipped) = merge::merge(&sources, &self.reserved, &process_alive);
+        for s in skipped {
+            match s {
+                Skipped::Collision(name) => self.report_once(&format!(
+                    "the training script's metric {name} has the name of one of muster's own; \
+                     only muster's is served (rename the script's)"
+                )),
+                Skipped::TypeConflict(name) => self.report_once(&format!(
+                    "the training script's metric {name} was written with two different types; \
+                     one is served"
+                )),
+                Skipped::InvalidName(name) => self.report_once(&format!(
+                    "the training script's metric {name} has a name or label the exposition \
+                     format does not allow; it is not served"
+                )),
+            }
+        }
+        families
+    }
+
+    fn sources(&self) -> Vec<Source> {
+        match &self.layout {
+            Layout::User(dir) => vec![Source {
+                labels: Vec::new(),
+                files: self.read_dir(dir),
+            }],
+            Layout::PerRank { .. } => {
+                let ranks: Vec<RankDir> = self
+                    .current
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .ranks
+                    .values()
+                    .cloned()
+                    .collect();
+                ranks
+                    .into_iter()
+                    .map(|r| Source {
+                        labels: vec![
+                            ("rank".to_owned(), r.rank.to_string()),
+                            ("local_rank".to_owned(), r.local_rank.to_string()),
+                        ],
+                        files: self.read_dir(&r.path),
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Every prometheus_client file in `dir`, read; sorted by name so merges are deterministic.
+    fn read_dir(&self, dir: &Path) -> Vec<(FileName, Vec<file::Entry>)> {
+        let Ok(listing) = std::fs::read_dir(dir) else {
+            // Not there yet (the rank has not imported prometheus_client) or already replaced.
+            return Vec::new();
+        };
+        let mut names: Vec<(String, FileName)> = listing
+            .filter_map(Result::ok)
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                let parsed = FileName::parse(&name)?;
+                Some((name, parsed))
+            })
+            .collect();
+        names.sort();
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        names
+            .into_iter()
+            .filter_map(
+                |(name, parsed)| match file::read(&dir.join(&name), &mut keys) {
+                    Ok(entries) => Some((parsed, entries)),
+                    // Removed between the listing and the read (a new attempt, mark_process_dead).
+                    Err(file::FileError::Io(err)) if err.kind() == io::ErrorKind::NotFound => None,
+                    Err(err) => {
+                        self.report_once(&format!(
+                            "skipping the training script's metrics file {}: {err}",
+                            dir.join(&name).display()
+                        ));
+                        None
+                    }
+                },
+            )
+            .collect()
+    }
+
+    fn report_once(&self, message: &str) {
+        let mut reported = self.reported.lock().unwrap_or_else(PoisonError::into_inner);
+        if reported.insert(message.to_owned()) {
+            tracing::warn!("{message}");
+        }
+    }
+}
+
+impl Drop for ScriptMetrics {
+    fn drop(&mut self) {
+        self.remove_files();
+    }
+}
+
+impl ScriptMetrics {
+    /// Removes muster's private directory (the hook and the ranks' files, never the user's own
+    /// directory); the script's metrics are gone from `/metrics` from then on.
+    pub fn remove_files(&self) {
+        self.current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .ranks
+            .clear();
+        remove_dir(&self.home);
+    }
+
+    /// Gives `launch`'s workers what they need: `PYTHONPATH` = the hook's directory, then
+    /// `python_path` (what the workers would have had otherwise), the port, and each rank's
+    /// directory.
+    pub fn plug_into(self: &Arc<Self>, launch: Launch, python_path: &OsString) -> Launch {
+        let mut path = self.python_dir().into_os_string();
+        if !python_path.is_empty() {
+            path.push(":");
+            path.push(python_path);
+        }
+        let mut launch = launch.with_worker_env("PYTHONPATH", path);
+        for (key, value) in self.worker_env() {
+            launch = launch.with_worker_env(key, value);
+        }
+        let this = Arc::clone(self);
+        launch.with_rank_env(Arc::new(move |attempt, rank, local_rank| {
+            this.rank_env(attempt, rank, local_rank)
+        }))
+    }
+}
+
+/// Starts serving the training script's metrics on `metrics`' endpoint, if it serves anything
+/// (`--metrics-addr none`, or a default port someone else holds: nothing, and the script keeps
+/// the port and its environment, as under torchrun). A private directory that cannot be made
+/// costs only the script's metrics: a warning.
+pub fn attach(
+    served: Option<std::net::SocketAddr>,
+    metrics: &Metrics,
+) -> Option<Arc<ScriptMetrics>> {
+    let addr = served?;
+    let user_dir = user_multiproc_dir(&|k| std::env::var_os(k));
+    let tmp = std::env::temp_dir();
+    match ScriptMetrics::create(&tmp, addr.port(), metrics.metric_names(), user_dir) {
+        Ok(script) => {
+            let script = Arc::new(script);
+            metrics.attach_script_metrics(Arc::clone(&script));
+            Some(script)
+        }
+        Err(err) => {
+            tracing::warn!(
+                "cannot set up serving the training script's prometheus_client metrics: {err}"
+            );
+            None
+        }
+    }
+}
+
+/// The agent's own `PROMETHEUS_MULTIPROC_DIR` (or the legacy lower-case name), if set and not
+/// empty: the user's choice, which muster then serves and leaves alone.
+pub fn user_multiproc_dir(env: &dyn Fn(&str) -> Option<OsString>) -> Option<PathBuf> {
+    [MULTIPROC_DIR_ENV, LEGACY_MULTIPROC_DIR_ENV]
+        .iter()
+        .find_map(|k| env(k).filter(|v| !v.is_empty()))
+        .map(PathBuf::from)
+}
+
+fn attempt_dir(base: &Path, attempt: u32) -> PathBuf {
+    base.join(format!("attempt-{attempt}"))
+}
+
+fn remove_dir(path: &Path) {
+    match std::fs::remove_dir_all(path) {
+        Ok(()) => {}
+        Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+        Err(err) => tracing::debug!("cannot remove {}: {err}", path.display()),
+    }
+}
+
+/// Whether `pid` is a running process (a `live*` gauge's file counts only then). A pid that
+/// exists but is not ours to signal (EPERM) is running.
+fn process_alive(pid: u32) -> bool {
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
+    if raw <= 0 {
+        return false;
+    }
+    match nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None) {
+        Ok(()) => true,
+        Err(errno) => errno != nix::errno::Errno::ESRCH,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,164 @@
+"""muster's start-up hook for worker processes, installed as `sitecustomize.py`.
+
+muster writes this file as `sitecustomize.py` into a private directory that it puts first on the
+workers' PYTHONPATH, so Python's `site` module runs it when every worker interpreter starts. It
+does one thing: a training script's `prometheus_client.start_http_server(PORT)` (also spelled
+`start_wsgi_server`) on the port muster itself serves `/metrics` on (MUSTER_METRICS_PORT) becomes
+a no-op with one log line, because muster already serves that process's metrics there, merged
+from prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR) with `rank` and
+`local_rank` labels. Every other port, and every other use of prometheus_client, is untouched.
+
+It costs nothing until the script imports prometheus_client: it installs an import hook that
+patches `prometheus_client.exposition` right after that module runs (before
+`prometheus_client/__init__.py` copies `start_http_server` out of it), and removes itself.
+
+A `sitecustomize` of the user's own (later on sys.path: in site-packages, the distribution's, or
+another PYTHONPATH entry) still runs: this file looks it up past its own directory and executes
+it under the name `sitecustomize`, as if muster's were not there.
+
+Standard library only; outside muster (MUSTER_METRICS_PORT unset) it only chains.
+"""
+
+import os
+import sys
+
+_PORT_ENV = "MUSTER_METRICS_PORT"
+_TARGET = "prometheus_client.exposition"
+
+
+def _muster_port():
+    try:
+        port = int(os.environ.get(_PORT_ENV, ""))
+    except ValueError:
+        return None
+    return port if 0 < port < 65536 else None
+
+
+class _NoServer:
+    """Stands in for the WSGI server start_http_server returns (prometheus_client >= 0.20)."""
+
+    def __init__(self, port, addr):
+        self.server_address = (addr, port)
+
+    def shutdown(self):
+        pass
+
+    def server_close(self):
+        pass
+
+
+def _patch(module, port):
+    original = getattr(module, "start_http_server", None)
+    if original is None:
+        return
+    returns_pair = getattr(original, "__annotations__", {}).get("return") is not None
+    logged = []
+
+    def start_http_server(*args, **kwargs):
+        requested = args[0] if args else kwargs.get("port")
+        try:
+            same_port = int(requested) == port
+        except (TypeError, ValueError):
+            same_port = False
+        if not same_port:
+            return original(*args, **kwargs)
+        if not logged:
+            logged.append(True)
+            print(
+                f"muster: start_http_server({requested}) skipped: muster serves this process's "
+                f"metrics on port {port} at /metrics (with rank and local_rank labels)",
+                file=sys.stderr,
+                flush=True,
+            )
+        if not returns_pair:
+            return None
+        import threading
+
+        thread = threading.Thread(target=lambda: None, name="muster-no-metrics-server", daemon=True)
+        thread.start()
+        addr = args[1] if len(args) > 1 else kwargs.get("addr", "0.0.0.0")
+        return _NoServer(port, addr), thread
+
+    start_http_server.__wrapped__ = original
+    start_http_server.__doc__ = original.__doc__
+    module.start_http_server = start_http_server
+    if getattr(module, "start_wsgi_server", None) is original:
+        module.start_wsgi_server = start_http_server
+
+
+class _PatchingLoader:
+    """Runs the real loader, then patches the module; everything else goes to the real loader."""
+
+    def __init__(self, loader, port):
+        self._loader = loader
+        self._port = port
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            _patch(module, self._port)
+        except Exception as err:  # never break the user's import over this hook
+            print(f"muster: cannot patch start_http_server: {err!r}", file=sys.stderr, flush=True)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    """A meta-path finder that only answers for prometheus_client.exposition, once."""
+
+    def __init__(self, port):
+        self._port = port
+
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        for finder in sys.meta_path:
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchingLoader(spec.loader, self._port)
+        return spec
+
+
+def _install():
+    port = _muster_port()
+    if port is None:
+        return
+    module = sys.modules.get(_TARGET)
+    if module is not None:
+        _patch(module, port)
+        return
+    sys.meta_path.insert(0, _Finder(port))
+
+
+def _chain():
+    """Runs the next `sitecustomize` on sys.path, the one this file shadows, if any."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    spec.loader.exec_module(module)
+
+
+_install()
+_chain()
