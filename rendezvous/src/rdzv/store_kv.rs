@@ -118,6 +118,18 @@ impl Kv for StoreKv {
         let r = self.client().await?.wait(&keys, timeout).await;
         r.map_err(|e| self.fail(e))
     }
+
+    fn local_addr(&self) -> Option<SocketAddr> {
+        self.client.as_ref().and_then(Client::local_addr)
+    }
+}
+
+/// The store host's own view of its connections: node 0's watcher asks it whether a member's
+/// heartbeat connection is still open.
+impl super::Presence for crate::store::server::Stats {
+    fn is_open(&self, peer: SocketAddr) -> bool {
+        crate::store::server::Stats::is_open(self, peer)
+    }
 }
 
 #[cfg(test)]
