@@ -545,6 +545,7 @@ pub enum Report {
     TooLate,
 }
 
+/// A member's reading of its own report: completer, waiter, or too late to count.
 pub fn decide_report(after: i64, group_size: u32) -> (Report, String) {
     let n = i64::from(group_size);
     if after >= ABORT {
@@ -583,6 +584,8 @@ pub enum Abort {
     Follow,
 }
 
+/// An aborter's reading of its own abort: only the first one, made while the barrier was open,
+/// may end the generation.
 pub fn decide_abort(after: i64, group_size: u32) -> (Abort, String) {
     let before = after - ABORT;
     if before >= ABORT {
