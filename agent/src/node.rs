@@ -72,6 +72,7 @@ impl GangRendezvous {
             .map(|(k, v)| format!("{k}={v}"))
             .collect::<Vec<_>>()
             .join(",");
+        cfg.barrier_observe_delay = test_barrier_observe_delay();
         for (key, _) in cfg.apply_conf(&conf).map_err(|e| cfg_err(&e))? {
             // torchrun's c10d keys that have no meaning here are accepted quietly.
             if !matches!(
@@ -272,7 +273,13 @@ impl GangRendezvous {
             })?;
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
-        let task = tokio::spawn(rdzv.watcher(watch_kv, &a).run(stop.clone(), fired.clone()));
+        let mut watcher = rdzv.watcher(watch_kv, &a);
+        if let Some(hosted) = &self.hosted {
+            // Node 0 hosts the store: a silent member whose connection is still open is late,
+            // not lost; one whose connection closed is lost at once.
+            watcher = watcher.with_presence(hosted.stats());
+        }
+        let task = tokio::spawn(watcher.run(stop.clone(), fired.clone()));
         let assignment = RankAssignment {
             node_rank: a.group_rank,
             group_world_size: a.group_world_size,
@@ -360,7 +367,9 @@ impl GangRendezvous {
                 code: exit_code::STORE_HOST_LOST,
                 message: format!("lost the store host (node 0): {why}"),
             }),
-            Ok(Event::Stopped) | Err(_) => Ok(AfterGroup::Finish(outcome.exit_code())),
+            Ok(Event::Stopped | Event::Completed) | Err(_) => {
+                Ok(AfterGroup::Finish(outcome.exit_code()))
+            }
         }
     }
 }
@@ -381,11 +390,15 @@ impl GangRendezvous {
             IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
         };
         let addr = SocketAddr::new(bind_ip, self.endpoint.port);
-        let server = ServerThread::start(addr, server::Config::default())
-            .await
-            .map_err(|e| {
-                LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
-            })?;
+        let config = server::Config {
+            // A member whose host vanished without closing its connection shows as closed
+            // after about three keep-alive intervals (the idle time, then two probes).
+            tcp_keepalive: Some(self.cfg.keep_alive_interval),
+            ..server::Config::default()
+        };
+        let server = ServerThread::start(addr, config).await.map_err(|e| {
+            LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
+        })?;
         let local = server.local_addr();
         crate::metrics::agent::rendezvous_store_started(server.stats());
         self.hosted = Some(server);
@@ -462,6 +475,18 @@ fn timeout_error(e: &discovery::DiscoveryError) -> LaunchError {
         code: exit_code::RENDEZVOUS_TIMEOUT,
         message: format!("rendezvous timed out: {e}"),
     }
+}
+
+/// Test hook, not a user setting: `MUSTER_TEST_BARRIER_OBSERVE_DELAY=<seconds>` makes this
+/// agent look for the exit barrier's completion that long after its own report, standing in for
+/// a node that is slow to observe it (docs/multinode.md § Test hooks). Unset, empty or not a
+/// non-negative number: no delay.
+fn test_barrier_observe_delay() -> Duration {
+    std::env::var("MUSTER_TEST_BARRIER_OBSERVE_DELAY")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s >= 0.0)
+        .map_or(Duration::ZERO, Duration::from_secs_f64)
 }
 
 /// The full host name (identity and messages).

@@ -101,6 +101,7 @@ async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
         Config {
             max_connections: args.max_connections,
             busy_poll: Duration::from_micros(args.busy_poll_us),
+            ..Config::default()
         },
     )
     .await

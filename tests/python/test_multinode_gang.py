@@ -277,3 +277,28 @@ def test_an_early_finisher_waits_in_the_exit_barrier_and_is_not_taken_for_dead(a
         assert code == 0, text
         assert "silent for" not in text and "re-forms" not in text, text
     assert all(len(results(text)) == 2 for _, text in out)
+
+
+def test_completion_is_terminal_when_node_0_observes_it_late_at_64_agents():
+    """64 real agents with trivial ranks. Node 0 reports its workers finished, then (test hook)
+    looks for the exit barrier's completion only after several heartbeat timeouts, while every
+    other agent sees it and leaves. A completed barrier decides the generation: node 0 must not
+    take the departed nodes for lost and re-form the gang; every agent exits 0 (issue #17)."""
+    n = 64
+    conf = "join_timeout=60,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=1"
+    a = Agents(free_port(), str(n), "true")
+    try:
+        for i in range(n):
+            env = {"MUSTER_TEST_BARRIER_OBSERVE_DELAY": "3"} if i == 0 else {}
+            a.start(node_rank=i, env=env, nproc=1, conf=conf,
+                    extra=("--metrics-addr", "none", "--no-python"))
+        out = a.finish(timeout=120)
+    finally:
+        a.kill_all()
+    failed = [(i, code, text) for i, (code, text) in enumerate(out) if code != 0]
+    assert not failed, failed[:3]
+    node0 = out[0][1]
+    assert "every node finished" in node0, node0
+    for word in ("lost node", "re-forms", "starting round 1", "silent for"):
+        assert word not in node0, node0
+    assert all("every node finished" in text for _, text in out), [t for _, t in out][:3]

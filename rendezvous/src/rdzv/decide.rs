@@ -248,6 +248,11 @@ pub fn members(state: &RoundState, membership: &Membership) -> Vec<(u32, String)
         .collect()
 }
 
+/// A member whose heartbeat connection is open but whose counter has not moved for this many
+/// heartbeat timeouts is lost all the same: a hung process (stopped, deadlocked) whose kernel
+/// still answers keep-alives. Long, because an open connection is strong evidence of life.
+pub const STALL_FACTOR: u32 = 4;
+
 /// What the coordinator last saw of one member's heartbeat counter.
 #[derive(Debug, Clone)]
 pub struct Beat {
@@ -256,30 +261,63 @@ pub struct Beat {
     pub last_value: Vec<u8>,
     /// When `last_value` was first seen (by the coordinator's clock).
     pub changed_at: Instant,
+    /// The state of the connection the member heartbeats on, as of this tick.
+    pub link: Link,
 }
 
-/// Members whose counter has not moved for the heartbeat timeout. Only the observer's clock is
-/// used, so clock skew between machines cannot kill anyone.
+/// How long a member may be silent before it is lost, given what is known of its connection:
+/// closed → one keep-alive interval (time to re-beat after a reconnect); unknown → the heartbeat
+/// timeout; open → [`STALL_FACTOR`] heartbeat timeouts.
+pub fn silence_allowed(link: Link, cfg: &Config) -> std::time::Duration {
+    match link {
+        Link::Closed => cfg.keep_alive_interval,
+        Link::Unknown => cfg.heartbeat_timeout,
+        Link::Open => cfg.heartbeat_timeout * STALL_FACTOR,
+    }
+}
+
+/// Members that are lost: silent for longer than their connection's evidence allows
+/// ([`silence_allowed`]). Only the observer's clock is used, so clock skew between machines
+/// cannot kill anyone.
 pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, String) {
     let dead: Vec<&Beat> = beats
         .iter()
-        .filter(|b| now.saturating_duration_since(b.changed_at) >= cfg.heartbeat_timeout)
+        .filter(|b| now.saturating_duration_since(b.changed_at) >= silence_allowed(b.link, cfg))
         .collect();
     if dead.is_empty() {
-        return (
-            Vec::new(),
-            format!("all {} watched nodes alive", beats.len()),
-        );
+        let late = beats
+            .iter()
+            .filter(|b| {
+                b.link == Link::Open
+                    && now.saturating_duration_since(b.changed_at) >= cfg.heartbeat_timeout
+            })
+            .count();
+        let mut reason = format!("all {} watched nodes alive", beats.len());
+        if late > 0 {
+            let _ = write!(
+                reason,
+                " ({late} late past the heartbeat timeout, their connections open)"
+            );
+        }
+        return (Vec::new(), reason);
     }
     let names: Vec<String> = dead
         .iter()
         .map(|b| {
-            format!(
-                "node {} ({}) silent for {:.1}s",
-                b.node_rank,
-                b.who,
-                now.saturating_duration_since(b.changed_at).as_secs_f64()
-            )
+            let silent = now.saturating_duration_since(b.changed_at).as_secs_f64();
+            match b.link {
+                Link::Closed => format!(
+                    "node {} ({}) silent for {silent:.1}s, its connection closed",
+                    b.node_rank, b.who
+                ),
+                Link::Open => format!(
+                    "node {} ({}) silent for {silent:.1}s although its connection is open (stall limit {:.1}s)",
+                    b.node_rank,
+                    b.who,
+                    silence_allowed(Link::Open, cfg).as_secs_f64()
+                ),
+                Link::Unknown => format!("node {} ({}) silent for {silent:.1}s", b.node_rank, b.who),
+            }
         })
         .collect();
     (
@@ -290,6 +328,40 @@ pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, Strin
             cfg.heartbeat_timeout.as_secs_f64()
         ),
     )
+}
+
+/// Node 0's verdict on a running generation in one watcher tick.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Liveness {
+    /// The exit barrier is complete: the outcome is decided and nobody is judged any more.
+    /// Members that left after it are not silent peers.
+    Completed,
+    Alive,
+    /// These node ranks are lost; the generation must be aborted (see [`decide_abort`]).
+    Lost(Vec<u32>),
+}
+
+/// Completion first, then the heartbeats: a member is never judged once the exit barrier of its
+/// generation is complete, however late the observer looks.
+pub fn decide_liveness(
+    now: Instant,
+    beats: &[Beat],
+    barrier: Barrier,
+    cfg: &Config,
+) -> (Liveness, String) {
+    if barrier == Barrier::Complete {
+        return (
+            Liveness::Completed,
+            "exit barrier complete: the generation succeeded; nodes that left are not judged"
+                .into(),
+        );
+    }
+    let (dead, reason) = find_dead(now, beats, cfg);
+    if dead.is_empty() {
+        (Liveness::Alive, reason)
+    } else {
+        (Liveness::Lost(dead), reason)
+    }
 }
 
 /// Whether nodes that registered while a round runs justify a new round: yes when there is room
@@ -429,6 +501,129 @@ pub fn membership_bump(current: &GenRecord, by: u32, reason: String) -> GenRecor
     }
 }
 
+/// What `g<G>/done` is raised by when a generation is ended early (a lost node, a worker
+/// failure, a newcomer): far above any gang size. Reports add 1, an abort adds this, and both go
+/// through one ADD on one key, so the store itself orders them and each side learns from the
+/// value its own ADD returns which came first. Completion is then a fact no later observer can
+/// undo: the N-th report before any abort.
+pub const ABORT: i64 = 1 << 40;
+
+/// The exit barrier of one generation, as one read of `g<G>/done` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Barrier {
+    /// `reported` of the members have reported their workers finished; no abort yet.
+    Open { reported: u64 },
+    /// Every member reported before any abort: the generation succeeded, whatever follows.
+    Complete,
+    /// An abort reached the key; whether it came before or after completion is told by the
+    /// first aborter's own ADD (see [`decide_abort`]), not by a later read.
+    Aborted,
+}
+
+/// Reads a value of `g<G>/done` for a gang of `group_size`.
+pub fn barrier_state(value: i64, group_size: u32) -> Barrier {
+    if value >= ABORT {
+        Barrier::Aborted
+    } else if value >= i64::from(group_size) {
+        Barrier::Complete
+    } else {
+        Barrier::Open {
+            reported: u64::try_from(value).unwrap_or(0),
+        }
+    }
+}
+
+/// What a member's own report (`ADD g<G>/done 1`, returning `after`) means for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Report {
+    /// Ours was the last report: the barrier is complete; we wake the others.
+    Completed,
+    /// Others have yet to report: wait for completion (or for an abort's new generation).
+    Waiting { reported: u64 },
+    /// The generation was aborted before we reported: our report does not count; follow the new
+    /// generation.
+    TooLate,
+}
+
+/// A member's reading of its own report: completer, waiter, or too late to count.
+pub fn decide_report(after: i64, group_size: u32) -> (Report, String) {
+    let n = i64::from(group_size);
+    if after >= ABORT {
+        return (
+            Report::TooLate,
+            "the generation was ended before this node reported; following the next one".into(),
+        );
+    }
+    if after >= n {
+        return (
+            Report::Completed,
+            format!(
+                "exit barrier complete: all {group_size} nodes reported their workers finished"
+            ),
+        );
+    }
+    let reported = u64::try_from(after).unwrap_or(0);
+    (
+        Report::Waiting { reported },
+        format!("exit barrier: {reported} of {group_size} nodes reported; waiting"),
+    )
+}
+
+/// What an abort (`ADD g<G>/done ABORT`, returning `after`) means for whoever wants to end the
+/// generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Abort {
+    /// The barrier completed first: the generation succeeded and nothing may follow it — no
+    /// lost-node decision, no re-form, no restart. The aborter wakes the barrier in case the
+    /// last reporter has not yet.
+    Completed,
+    /// Ours is the first abort and the barrier was open: the barrier can never complete now
+    /// (every later report sees the abort), so bumping the generation is safe.
+    Won,
+    /// Someone aborted before us; they decide (they bump the generation or wake the barrier).
+    Follow,
+}
+
+/// An aborter's reading of its own abort: only the first one, made while the barrier was open,
+/// may end the generation.
+pub fn decide_abort(after: i64, group_size: u32) -> (Abort, String) {
+    let before = after - ABORT;
+    if before >= ABORT {
+        return (
+            Abort::Follow,
+            "another node already ended this generation".into(),
+        );
+    }
+    if before >= i64::from(group_size) {
+        return (
+            Abort::Completed,
+            format!(
+                "the exit barrier had completed (all {group_size} nodes reported): the generation succeeded; nothing follows it"
+            ),
+        );
+    }
+    (
+        Abort::Won,
+        format!(
+            "ended the generation with {} of {group_size} nodes reported",
+            before.max(0)
+        ),
+    )
+}
+
+/// What node 0 knows about the connection a member heartbeats on (the store runs in node 0's
+/// process, so it sees its own sockets).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// No evidence either way (no address published, or the store is not ours to look at).
+    Unknown,
+    /// The member's heartbeat connection is open: the kernel keeps it (TCP keep-alive answers,
+    /// pending requests), so the process is alive, only late.
+    Open,
+    /// Seen open before, gone now: the process closed it, died, or TCP keep-alive reset it.
+    Closed,
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -440,6 +635,7 @@ mod tests {
         c.join_timeout = Duration::from_secs(60);
         c.last_call_timeout = Duration::from_secs(5);
         c.heartbeat_timeout = Duration::from_secs(3);
+        c.keep_alive_interval = Duration::from_secs(1);
         c.max_restarts = 1;
         c
     }
@@ -604,12 +800,14 @@ mod tests {
                 who: "w1".into(),
                 last_value: b"5".to_vec(),
                 changed_at: t0,
+                link: Link::Unknown,
             },
             Beat {
                 node_rank: 2,
                 who: "w2".into(),
                 last_value: b"9".to_vec(),
                 changed_at: t0 + Duration::from_secs(2),
+                link: Link::Unknown,
             },
         ];
         let c = cfg(1, 3);
@@ -673,5 +871,117 @@ mod tests {
         warned.gpu = serde_json::json!({"verdict": "unhealthy"});
         assert_eq!(fatal_registration(&warned), None);
         assert_eq!(fatal_registration(&reg(Some(0), "worker-0")), None);
+    }
+
+    fn beat(rank: u32, changed_at: Instant, link: Link) -> Beat {
+        Beat {
+            node_rank: rank,
+            who: format!("w{rank}"),
+            last_value: b"1".to_vec(),
+            changed_at,
+            link,
+        }
+    }
+
+    #[test]
+    fn the_nth_report_before_any_abort_completes_the_barrier_and_an_abort_after_it_changes_nothing()
+    {
+        // Reports 1..=3 of 3, then node 0's watcher (late) wants to end the generation.
+        assert!(matches!(
+            decide_report(1, 3).0,
+            Report::Waiting { reported: 1 }
+        ));
+        assert!(matches!(
+            decide_report(2, 3).0,
+            Report::Waiting { reported: 2 }
+        ));
+        let (r, why) = decide_report(3, 3);
+        assert_eq!(r, Report::Completed, "{why}");
+        let (a, why) = decide_abort(3 + ABORT, 3);
+        assert_eq!(a, Abort::Completed, "{why}");
+        assert!(why.contains("nothing follows"), "{why}");
+        // A second aborter only follows the first one's decision.
+        assert_eq!(decide_abort(3 + 2 * ABORT, 3).0, Abort::Follow);
+    }
+
+    #[test]
+    fn an_abort_before_the_last_report_wins_and_the_late_report_does_not_count() {
+        let (a, why) = decide_abort(2 + ABORT, 3);
+        assert_eq!(a, Abort::Won, "{why}");
+        assert!(why.contains("2 of 3"), "{why}");
+        assert_eq!(decide_report(3 + ABORT, 3).0, Report::TooLate);
+        assert_eq!(barrier_state(3 + ABORT, 3), Barrier::Aborted);
+    }
+
+    #[test]
+    fn a_node_that_left_right_after_completion_is_not_judged_while_node_0_has_not_observed_it() {
+        // Node 7 saw the barrier complete and left (its connection closed); node 0 looks much
+        // later, past every timeout.
+        let t0 = Instant::now();
+        let c = cfg(1, 8);
+        let beats = vec![beat(7, t0, Link::Closed), beat(3, t0, Link::Unknown)];
+        let now = t0 + c.heartbeat_timeout * 10;
+        let (v, why) = decide_liveness(now, &beats, barrier_state(8, 8), &c);
+        assert_eq!(v, Liveness::Completed, "{why}");
+        // The same silence before completion is a loss.
+        let (v, _) = decide_liveness(now, &beats, barrier_state(7, 8), &c);
+        assert_eq!(v, Liveness::Lost(vec![7, 3]));
+    }
+
+    #[test]
+    fn the_watcher_firing_between_the_last_report_and_the_wake_up_finds_the_barrier_complete() {
+        // The last reporter's ADD made the count 4 of 4 but it has not yet SET done_all; node 0's
+        // watcher judged a member lost from an earlier read and now tries to end the generation.
+        assert_eq!(barrier_state(4, 4), Barrier::Complete);
+        assert_eq!(decide_abort(4 + ABORT, 4).0, Abort::Completed);
+        // And a waiter woken by its own watcher in that window reads the counter: complete.
+        assert_eq!(barrier_state(4, 4), Barrier::Complete);
+    }
+
+    #[test]
+    fn a_node_that_reported_and_then_died_before_completion_is_a_failure() {
+        let t0 = Instant::now();
+        let c = cfg(1, 3);
+        // Node 2 reported (2 of 3 in), then its process died: the kernel closed its connection.
+        let beats = vec![
+            beat(1, t0 + c.keep_alive_interval, Link::Open),
+            beat(2, t0, Link::Closed),
+        ];
+        let now = t0 + c.keep_alive_interval;
+        let (v, why) = decide_liveness(now, &beats, Barrier::Open { reported: 2 }, &c);
+        assert_eq!(v, Liveness::Lost(vec![2]), "{why}");
+        assert!(
+            why.contains("node 2 (w2) silent for") && why.contains("connection closed"),
+            "{why}"
+        );
+        // Node 0 aborts from 2 of 3: the abort wins, the gang re-forms.
+        assert_eq!(decide_abort(2 + ABORT, 3).0, Abort::Won);
+    }
+
+    #[test]
+    fn an_open_connection_keeps_a_late_node_alive_until_the_stall_limit_and_a_closed_one_is_lost_at_once(
+    ) {
+        let t0 = Instant::now();
+        let c = cfg(1, 3);
+        let open = [beat(1, t0, Link::Open)];
+        let (dead, why) = find_dead(t0 + c.heartbeat_timeout * 2, &open, &c);
+        assert!(dead.is_empty(), "{why}");
+        assert!(why.contains("1 late past the heartbeat timeout"), "{why}");
+        let (dead, why) = find_dead(t0 + c.heartbeat_timeout * STALL_FACTOR, &open, &c);
+        assert_eq!(dead, vec![1], "{why}");
+        assert!(why.contains("although its connection is open"), "{why}");
+        let closed = [beat(1, t0, Link::Closed)];
+        assert!(find_dead(t0 + c.keep_alive_interval / 2, &closed, &c)
+            .0
+            .is_empty());
+        assert_eq!(
+            find_dead(t0 + c.keep_alive_interval, &closed, &c).0,
+            vec![1]
+        );
+        let unknown = [beat(1, t0, Link::Unknown)];
+        assert!(find_dead(t0 + c.keep_alive_interval, &unknown, &c)
+            .0
+            .is_empty());
+        assert_eq!(find_dead(t0 + c.heartbeat_timeout, &unknown, &c).0, vec![1]);
     }
 }

@@ -8,13 +8,17 @@
 //! - [`Rendezvous::exit_barrier`]: leave together after success.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::{sleep, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::decide::{self, Arrival, Beat, RoundDecision, RoundState};
+use super::decide::{
+    self, Abort, Arrival, Barrier, Beat, Link, Liveness, Report, RoundDecision, RoundState,
+};
 use super::keys::Keys;
 use super::kv::{Kv, KvError};
 use super::{Answer, Assignment, BumpKind, Config, GenRecord, RdzvError, Registration};
@@ -29,8 +33,17 @@ pub enum Event {
     Generation(GenRecord),
     /// The store (node 0) stopped answering for the heartbeat timeout.
     StoreLost(String),
+    /// Node 0 only: the round's exit barrier completed, so the generation succeeded and there is
+    /// nothing left to judge. Not a reason to stop anything (`fired` is not cancelled).
+    Completed,
     /// Asked to stop.
     Stopped,
+}
+
+/// Whether a store connection, named by the peer address the store host sees, is open now.
+/// Node 0 hosts the store, so it can answer this for every member.
+pub trait Presence: Send + Sync {
+    fn is_open(&self, peer: SocketAddr) -> bool;
 }
 
 /// The result of a completed round for this node.
@@ -398,7 +411,8 @@ impl<K: Kv> Rendezvous<K> {
                         .collect::<Result<Vec<_>, _>>()?;
                     let others = pairs.len() as i64;
                     self.kv.multi_set(&pairs).await.map_err(lost)?;
-                    self.linger(&self.keys.acks(gen), others).await;
+                    self.linger(&self.keys.acks(gen), others, Duration::ZERO)
+                        .await;
                     return Err(RdzvError::Timeout(message));
                 }
             }
@@ -429,10 +443,12 @@ impl<K: Kv> Rendezvous<K> {
         self.kv.multi_set(&pairs).await.map_err(lost)
     }
 
-    /// Node 0 keeps the store up until `expected` agents counted themselves out on `key`, or a
-    /// couple of keep-alive intervals passed.
-    async fn linger(&mut self, key: &[u8], expected: i64) {
-        let until = Instant::now() + self.cfg.keep_alive_interval * 2;
+    /// Node 0 keeps the store up until `expected` agents counted themselves out on `key`, or
+    /// `at_least` (and never less than a couple of keep-alive intervals) passed. After a
+    /// completed exit barrier it waits up to the heartbeat timeout: a loaded node may be slow
+    /// to observe the completion, and leaving earlier would turn its success into "store lost".
+    async fn linger(&mut self, key: &[u8], expected: i64, at_least: Duration) {
+        let until = Instant::now() + at_least.max(self.cfg.keep_alive_interval * 2);
         while Instant::now() < until {
             match self.kv.add(key, 0).await {
                 Ok(n) if n >= expected => return,
@@ -466,28 +482,51 @@ impl<K: Kv> Rendezvous<K> {
     }
 
     /// Waits until every member's workers succeeded. `interrupt` fires when the watcher saw
-    /// the generation move on (someone failed after we finished): the caller re-joins.
+    /// the generation move on (someone failed after we finished): the caller re-joins. A new
+    /// generation only follows an abort made while the barrier was open ([`decide::decide_abort`]),
+    /// so once this node's report completed the barrier, or it reads the barrier complete, it
+    /// leaves with success whatever its watcher saw.
     pub async fn exit_barrier(
         &mut self,
         a: &Assignment,
         interrupt: &CancellationToken,
     ) -> Result<BarrierOutcome, RdzvError> {
         let gen = a.generation;
-        let n = self.kv.add(&self.keys.done(gen), 1).await.map_err(lost)?;
-        if n >= i64::from(a.group_world_size) {
-            self.kv
-                .set(&self.keys.done_all(gen), b"1")
-                .await
-                .map_err(lost)?;
+        let size = a.group_world_size;
+        let after = self.kv.add(&self.keys.done(gen), 1).await.map_err(lost)?;
+        let (report, why) = decide::decide_report(after, size);
+        debug!("{why}");
+        match report {
+            Report::TooLate => return Ok(BarrierOutcome::Interrupted),
+            Report::Completed => self.wake_barrier(gen).await?,
+            Report::Waiting { .. } => {}
+        }
+        if !self.cfg.barrier_observe_delay.is_zero() {
+            // Test hook (see `Config::barrier_observe_delay`): observe completion late.
+            sleep(self.cfg.barrier_observe_delay).await;
         }
         let deadline = Instant::now() + self.cfg.exit_barrier_timeout;
         let key = self.keys.done_all(gen);
         let outcome = loop {
-            let wait = self.cfg.poll_interval.max(Duration::from_millis(100));
-            match self.kv.wait(std::slice::from_ref(&key), wait).await {
+            // One long WAIT per keep-alive interval rather than short polls: thousands of agents
+            // waiting here would otherwise keep the store host busy with WAIT/CANCEL pairs just
+            // when it is busiest. The watcher's `interrupt` cuts the WAIT short (the store
+            // connection drops the cancelled operation and reconnects).
+            let waited = tokio::select! {
+                r = self.kv.wait(std::slice::from_ref(&key), self.cfg.keep_alive_interval) => r,
+                () = interrupt.cancelled() => Err(KvError::WaitTimeout),
+            };
+            match waited {
                 Ok(()) => break BarrierOutcome::Done,
                 Err(KvError::WaitTimeout) => {
                     if interrupt.is_cancelled() {
+                        // The watcher fired. The counter, not the order in which this node
+                        // happens to see things, says whether the barrier completed.
+                        let value = self.kv.add(&self.keys.done(gen), 0).await.map_err(lost)?;
+                        if decide::barrier_state(value, size) == Barrier::Complete {
+                            self.wake_barrier(gen).await?;
+                            break BarrierOutcome::Done;
+                        }
                         return Ok(BarrierOutcome::Interrupted);
                     }
                     if Instant::now() >= deadline {
@@ -502,12 +541,21 @@ impl<K: Kv> Rendezvous<K> {
             }
         };
         if self.reg.coordinator {
-            let others = i64::from(a.group_world_size) - 1;
-            self.linger(&self.keys.left(gen), others).await;
+            let others = i64::from(size) - 1;
+            self.linger(&self.keys.left(gen), others, self.cfg.heartbeat_timeout)
+                .await;
         } else {
             let _ = self.kv.add(&self.keys.left(gen), 1).await;
         }
         Ok(outcome)
+    }
+
+    /// SETs `g<G>/done_all`, which releases every waiter of the barrier (idempotent).
+    async fn wake_barrier(&mut self, gen: u64) -> Result<(), RdzvError> {
+        self.kv
+            .set(&self.keys.done_all(gen), b"1")
+            .await
+            .map_err(lost)
     }
 
     /// A watcher for the round just joined, on its own store connection `kv`.
@@ -522,7 +570,9 @@ impl<K: Kv> Rendezvous<K> {
             gen: a.generation,
             gen_raw: self.gen_raw.clone(),
             members: a.members.clone(),
+            group_size: a.group_world_size,
             answered: self.last_round.map_or(0, |(_, n)| n),
+            presence: None,
         }
     }
 }
@@ -554,17 +604,49 @@ pub struct Watcher<K: Kv> {
     gen: u64,
     gen_raw: Vec<u8>,
     members: Vec<(u32, String)>,
+    group_size: u32,
     answered: u64,
+    /// Node 0's view of the members' connections (it hosts the store); `None` elsewhere.
+    presence: Option<Arc<dyn Presence>>,
+}
+
+/// What node 0 knows of the connection one member heartbeats on.
+#[derive(Debug, Clone, Default)]
+struct Conn {
+    /// The address the member published with its last heartbeat.
+    addr: Option<SocketAddr>,
+    /// Whether that address was ever seen open: only then does "not open" mean "closed".
+    seen_open: bool,
+}
+
+/// A heartbeat value: the counter, then the address of the connection it was sent on.
+fn heartbeat_value(seq: u64, addr: Option<SocketAddr>) -> Vec<u8> {
+    match addr {
+        Some(addr) => format!("{seq} {addr}").into_bytes(),
+        None => seq.to_string().into_bytes(),
+    }
+}
+
+fn heartbeat_addr(value: &[u8]) -> Option<SocketAddr> {
+    let text = std::str::from_utf8(value).ok()?;
+    text.split_once(' ')?.1.parse().ok()
 }
 
 impl<K: Kv> Watcher<K> {
+    /// Lets node 0's watcher ask the store whether a silent member's connection is open.
+    #[must_use]
+    pub fn with_presence(mut self, presence: Arc<dyn Presence>) -> Self {
+        self.presence = Some(presence);
+        self
+    }
+
     /// Every keep-alive interval: heartbeat, read the generation; on node 0 also judge the
     /// members' heartbeats and look for newcomers. Returns at the first event; `stop` is only
     /// looked at between ticks, so a store operation is never cut in half. `fired` is cancelled
     /// just before an event is returned, so the caller can stop its workers at once.
     pub async fn run(mut self, stop: CancellationToken, fired: CancellationToken) -> Event {
         let event = self.watch(&stop).await;
-        if event != Event::Stopped {
+        if !matches!(event, Event::Stopped | Event::Completed) {
             fired.cancel();
         }
         event
@@ -583,8 +665,10 @@ impl<K: Kv> Watcher<K> {
                 who: id.clone(),
                 last_value: Vec::new(),
                 changed_at: started,
+                link: Link::Unknown,
             })
             .collect();
+        let mut conns = vec![Conn::default(); beats.len()];
         let mut last_ok = Instant::now();
         let mut seq: u64 = 0;
         let mut seen_slots = self.answered;
@@ -592,7 +676,8 @@ impl<K: Kv> Watcher<K> {
             let tick: Result<Option<Event>, KvError> = async {
                 seq += 1;
                 if !self.coordinator {
-                    self.kv.set(&hb_key, seq.to_string().as_bytes()).await?;
+                    let value = heartbeat_value(seq, self.kv.local_addr());
+                    self.kv.set(&hb_key, &value).await?;
                 }
                 let raw = self.kv.get(&gen_key).await?;
                 if raw != self.gen_raw {
@@ -602,7 +687,9 @@ impl<K: Kv> Watcher<K> {
                     }));
                 }
                 if self.coordinator {
-                    return self.coordinate_tick(&mut beats, &mut seen_slots).await;
+                    return self
+                        .coordinate_tick(&mut beats, &mut conns, &mut seen_slots)
+                        .await;
                 }
                 Ok(None)
             }
@@ -635,22 +722,46 @@ impl<K: Kv> Watcher<K> {
     async fn coordinate_tick(
         &mut self,
         beats: &mut [Beat],
+        conns: &mut [Conn],
         seen_slots: &mut u64,
     ) -> Result<Option<Event>, KvError> {
+        // Completion first: once every member reported, nobody is judged, however late this
+        // tick comes.
+        let done = self.kv.add(&self.keys.done(self.gen), 0).await?;
+        let barrier = decide::barrier_state(done, self.group_size);
+        if barrier == Barrier::Aborted {
+            // Someone ended this generation; its new record is on its way.
+            return Ok(None);
+        }
         if !beats.is_empty() {
             let keys: Vec<Vec<u8>> = beats.iter().map(|b| self.keys.heartbeat(&b.who)).collect();
             let values = self.kv.multi_get(&keys).await?;
             let now = Instant::now();
-            for (beat, value) in beats.iter_mut().zip(values) {
+            for ((beat, conn), value) in beats.iter_mut().zip(conns.iter_mut()).zip(values) {
                 if value != beat.last_value {
+                    let addr = heartbeat_addr(&value);
+                    if addr != conn.addr {
+                        *conn = Conn {
+                            addr,
+                            seen_open: false,
+                        };
+                    }
                     beat.last_value = value;
                     beat.changed_at = now;
                 }
+                beat.link = self.link(conn);
             }
-            let (dead, reason) = decide::find_dead(now, beats, &self.cfg);
-            if !dead.is_empty() {
-                return self.bump_membership(format!("lost {reason}")).await;
+            let (verdict, reason) = decide::decide_liveness(now, beats, barrier, &self.cfg);
+            match verdict {
+                Liveness::Completed => {
+                    debug!("{reason}");
+                    return Ok(Some(Event::Completed));
+                }
+                Liveness::Lost(_) => return self.end_generation(format!("lost {reason}")).await,
+                Liveness::Alive => {}
             }
+        } else if barrier == Barrier::Complete {
+            return Ok(Some(Event::Completed));
         }
         let count = self.kv.add(&self.keys.slots(self.gen), 0).await? as u64;
         if count > *seen_slots {
@@ -666,7 +777,7 @@ impl<K: Kv> Watcher<K> {
             let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
             let (restart, reason) = decide::decide_newcomers(&members, &newcomers, &self.cfg);
             if restart {
-                return self.bump_membership(reason).await;
+                return self.end_generation(reason).await;
             }
             // Spares stay registered; tell them once and stop re-reading them.
             let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
@@ -681,6 +792,44 @@ impl<K: Kv> Watcher<K> {
             }
         }
         Ok(None)
+    }
+
+    /// What node 0 knows of one member's connection now.
+    fn link(&self, conn: &mut Conn) -> Link {
+        let (Some(presence), Some(addr)) = (&self.presence, conn.addr) else {
+            return Link::Unknown;
+        };
+        if presence.is_open(addr) {
+            conn.seen_open = true;
+            Link::Open
+        } else if conn.seen_open {
+            Link::Closed
+        } else {
+            Link::Unknown
+        }
+    }
+
+    /// Ends the running generation early, unless its exit barrier completed first: the abort
+    /// and the reports meet on one counter ([`decide::decide_abort`]).
+    async fn end_generation(&mut self, reason: String) -> Result<Option<Event>, KvError> {
+        let after = self
+            .kv
+            .add(&self.keys.done(self.gen), decide::ABORT)
+            .await?;
+        let (abort, why) = decide::decide_abort(after, self.group_size);
+        match abort {
+            Abort::Won => self.bump_membership(reason).await,
+            Abort::Completed => {
+                info!("not acting on \"{reason}\": {why}");
+                // The last reporter may not have woken the barrier yet.
+                self.kv.set(&self.keys.done_all(self.gen), b"1").await?;
+                Ok(Some(Event::Completed))
+            }
+            Abort::Follow => {
+                debug!("{why}");
+                Ok(None)
+            }
+        }
     }
 
     async fn bump_membership(&mut self, reason: String) -> Result<Option<Event>, KvError> {
@@ -1070,5 +1219,277 @@ mod tests {
         let (out, at) = early.await.expect("task");
         assert_eq!(out.expect("barrier"), BarrierOutcome::Done);
         assert!(at >= finished);
+    }
+
+    /// Node 0's view of which connections are open, set by hand.
+    #[derive(Default)]
+    struct FakePresence(std::sync::Mutex<std::collections::HashSet<SocketAddr>>);
+
+    impl FakePresence {
+        fn set(&self, addr: SocketAddr, open: bool) {
+            let mut set = self.0.lock().expect("lock");
+            if open {
+                set.insert(addr);
+            } else {
+                set.remove(&addr);
+            }
+        }
+    }
+
+    impl Presence for FakePresence {
+        fn is_open(&self, peer: SocketAddr) -> bool {
+            self.0.lock().expect("lock").contains(&peer)
+        }
+    }
+
+    /// A store connection on which another member's report lands just before this connection's
+    /// abort: the interleaving "the watcher fires between the last report and the completion".
+    struct ReportBeforeAbort {
+        inner: MemKv,
+        done_key: Vec<u8>,
+    }
+
+    impl Kv for ReportBeforeAbort {
+        async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+            self.inner.get(key).await
+        }
+        async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+            self.inner.set(key, value).await
+        }
+        async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
+            if delta == decide::ABORT && key == self.done_key.as_slice() {
+                // The last member's report (its ADD) lands first; it has not woken anyone yet.
+                self.inner.connect().add(key, 1).await?;
+            }
+            self.inner.add(key, delta).await
+        }
+        async fn compare_set(
+            &mut self,
+            key: &[u8],
+            expected: &[u8],
+            desired: &[u8],
+        ) -> Result<Vec<u8>, KvError> {
+            self.inner.compare_set(key, expected, desired).await
+        }
+        async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
+            self.inner.multi_get(keys).await
+        }
+        async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+            self.inner.multi_set(pairs).await
+        }
+        async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
+            self.inner.wait(keys, timeout).await
+        }
+    }
+
+    fn gen_record(kv: &MemKv) -> GenRecord {
+        let raw = kv.raw_get(&Keys::new("job").gen()).expect("gen written");
+        serde_json::from_slice(&raw).expect("gen record")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_leaves_right_after_completion_is_not_lost_while_node_0_has_not_observed_it(
+    ) {
+        let kv = MemKv::default();
+        let mut c = cfg(3, 3);
+        let mut formed = form(&kv, (0..3).map(|r| agent(&kv, &c, Some(r), 1)).collect()).await;
+        let (mut r2, j2) = formed.pop().expect("node 2");
+        let (mut r1, j1) = formed.pop().expect("node 1");
+        let (mut r0, j0) = formed.pop().expect("node 0");
+        // Node 0 reports, then looks for completion only much later (past every timeout).
+        c.barrier_observe_delay = c.heartbeat_timeout * 10;
+        r0.cfg = c.clone();
+        let fired0 = CancellationToken::new();
+        let presence = Arc::new(FakePresence::default());
+        let w0 = tokio::spawn(
+            r0.watcher(kv.clone(), &j0.assignment)
+                .with_presence(presence.clone())
+                .run(CancellationToken::new(), fired0.clone()),
+        );
+        let stop1 = CancellationToken::new();
+        let stop2 = CancellationToken::new();
+        let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
+        let w2 = spawn_watcher(&r2, &kv, &j2, &stop2);
+        let f0 = fired0.clone();
+        let b0 = tokio::spawn(async move { r0.exit_barrier(&j0.assignment, &f0).await });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let b1 = tokio::spawn(async move {
+            r1.exit_barrier(&j1.assignment, &CancellationToken::new())
+                .await
+        });
+        let b2 = tokio::spawn(async move {
+            r2.exit_barrier(&j2.assignment, &CancellationToken::new())
+                .await
+        });
+        for (b, stop, w) in [(b1, &stop1, w1), (b2, &stop2, w2)] {
+            assert_eq!(
+                b.await.expect("task").expect("barrier"),
+                BarrierOutcome::Done
+            );
+            // The node leaves: its watcher stops and its heartbeats with it.
+            stop.cancel();
+            assert_eq!(w.await.expect("task"), Event::Stopped);
+        }
+        let ev = w0.await.expect("task");
+        assert_eq!(
+            ev,
+            Event::Completed,
+            "node 0's watcher must not judge after completion"
+        );
+        assert!(!fired0.is_cancelled(), "completion stops nothing");
+        assert_eq!(
+            b0.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        assert_eq!(gen_record(&kv).gen, 0, "no re-form after completion");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_watcher_firing_between_the_last_report_and_the_completion_changes_nothing() {
+        let kv = MemKv::default();
+        let c = cfg(3, 3);
+        let mut formed = form(&kv, (0..3).map(|r| agent(&kv, &c, Some(r), 1)).collect()).await;
+        let (_r2, j2) = formed.pop().expect("node 2");
+        let (mut r1, j1) = formed.pop().expect("node 1");
+        let (mut r0, j0) = formed.pop().expect("node 0");
+        // Node 2 never heartbeats, so node 0's watcher judges it lost; its report lands between
+        // that judgement and node 0's abort.
+        let done_key = Keys::new("job").done(j2.assignment.generation);
+        let watch_kv = ReportBeforeAbort {
+            inner: kv.connect(),
+            done_key,
+        };
+        let fired0 = CancellationToken::new();
+        let w0 = tokio::spawn(
+            r0.watcher(watch_kv, &j0.assignment)
+                .run(CancellationToken::new(), fired0.clone()),
+        );
+        let stop1 = CancellationToken::new();
+        let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
+        let f0 = fired0.clone();
+        let b0 = tokio::spawn(async move { r0.exit_barrier(&j0.assignment, &f0).await });
+        let b1 = tokio::spawn(async move {
+            r1.exit_barrier(&j1.assignment, &CancellationToken::new())
+                .await
+        });
+        assert_eq!(w0.await.expect("task"), Event::Completed);
+        assert!(!fired0.is_cancelled());
+        assert_eq!(
+            b0.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        assert_eq!(
+            b1.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        stop1.cancel();
+        assert_eq!(w1.await.expect("task"), Event::Stopped);
+        assert_eq!(gen_record(&kv).gen, 0, "no re-form after completion");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_node_that_reports_finished_and_then_dies_before_completion_is_a_failure() {
+        let kv = MemKv::default();
+        let c = cfg(3, 3);
+        let mut formed = form(&kv, (0..3).map(|r| agent(&kv, &c, Some(r), 1)).collect()).await;
+        let (mut r2, j2) = formed.pop().expect("node 2");
+        let (mut r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let a2 = SocketAddr::from(([127, 0, 0, 2], 4002));
+        let presence = Arc::new(FakePresence::default());
+        presence.set(a2, true);
+        let fired0 = CancellationToken::new();
+        let w0 = tokio::spawn(
+            r0.watcher(kv.clone(), &j0.assignment)
+                .with_presence(presence.clone())
+                .run(CancellationToken::new(), fired0.clone()),
+        );
+        let stop1 = CancellationToken::new();
+        let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
+        let stop2 = CancellationToken::new();
+        let w2 = tokio::spawn(
+            r2.watcher(kv.connect().with_local_addr(a2), &j2.assignment)
+                .run(stop2.clone(), CancellationToken::new()),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Node 2 reports finished, then its process dies before node 1 finishes: the kernel
+        // closes its connection.
+        let f2 = CancellationToken::new();
+        let b2 = tokio::spawn(async move { r2.exit_barrier(&j2.assignment, &f2).await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        b2.abort();
+        stop2.cancel();
+        let _ = w2.await;
+        presence.set(a2, false);
+        let died = Instant::now();
+        let Event::Generation(rec) = w0.await.expect("task") else {
+            panic!("node 0 must end the generation")
+        };
+        assert!(fired0.is_cancelled());
+        assert_eq!((rec.gen, rec.kind), (1, BumpKind::Membership));
+        assert!(
+            rec.reason.contains("node 2 (a2)") && rec.reason.contains("connection closed"),
+            "{}",
+            rec.reason
+        );
+        assert!(
+            Instant::now() - died <= c.keep_alive_interval * 3,
+            "a closed connection is lost within about a keep-alive interval, not the heartbeat timeout"
+        );
+        // Node 1 finishes afterwards: its report is too late to complete anything.
+        let out = r1
+            .exit_barrier(&j1.assignment, &CancellationToken::new())
+            .await
+            .expect("barrier");
+        assert_eq!(out, BarrierOutcome::Interrupted);
+        stop1.cancel();
+        let _ = w1.await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_late_member_whose_connection_is_open_is_not_lost_until_the_stall_limit() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form(
+            &kv,
+            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
+        )
+        .await;
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let a1 = SocketAddr::from(([127, 0, 0, 1], 4001));
+        let presence = Arc::new(FakePresence::default());
+        presence.set(a1, true);
+        let stop1 = CancellationToken::new();
+        let w1 = tokio::spawn(
+            r1.watcher(kv.connect().with_local_addr(a1), &j1.assignment)
+                .run(stop1.clone(), CancellationToken::new()),
+        );
+        let w0 = tokio::spawn(
+            r0.watcher(kv.clone(), &j0.assignment)
+                .with_presence(presence.clone())
+                .run(CancellationToken::new(), CancellationToken::new()),
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        // Node 1 is starved: no heartbeat gets out, but its connection stays open.
+        stop1.cancel();
+        let _ = w1.await;
+        let starved = Instant::now();
+        tokio::time::sleep(c.heartbeat_timeout * 3).await;
+        assert!(!w0.is_finished(), "late but connected is not lost");
+        let Event::Generation(rec) = w0.await.expect("task") else {
+            panic!("a stalled member is lost at the stall limit")
+        };
+        let took = Instant::now() - starved;
+        assert!(
+            rec.reason.contains("although its connection is open"),
+            "{}",
+            rec.reason
+        );
+        let limit = c.heartbeat_timeout * decide::STALL_FACTOR;
+        assert!(
+            took + c.keep_alive_interval * 2 >= limit && took <= limit + c.keep_alive_interval * 2,
+            "{took:?}"
+        );
     }
 }

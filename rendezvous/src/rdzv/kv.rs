@@ -2,6 +2,7 @@
 //! TCPStore client, and the driver's tests use an in-memory store with paused tokio time.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 /// A failed store operation, reduced to what the rendezvous acts on.
@@ -43,6 +44,12 @@ pub trait Kv: Send {
         keys: &[Vec<u8>],
         timeout: Duration,
     ) -> impl Future<Output = Result<(), KvError>> + Send;
+    /// The local address of the current connection, as the store host sees it as the peer:
+    /// published with the heartbeat so node 0 can tell an open connection from a closed one.
+    /// `None` when not connected or not a socket.
+    fn local_addr(&self) -> Option<SocketAddr> {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -73,6 +80,8 @@ pub mod mem {
     pub struct MemKv {
         shared: Arc<Shared>,
         mine: Arc<AtomicU64>,
+        /// What [`Kv::local_addr`] reports: a stand-in for a socket's address.
+        addr: Option<std::net::SocketAddr>,
     }
 
     impl MemKv {
@@ -92,7 +101,15 @@ pub mod mem {
             Self {
                 shared: Arc::clone(&self.shared),
                 mine: Arc::default(),
+                addr: None,
             }
+        }
+
+        /// This handle, reporting `addr` as its connection's local address.
+        #[must_use]
+        pub fn with_local_addr(mut self, addr: std::net::SocketAddr) -> Self {
+            self.addr = Some(addr);
+            self
         }
 
         /// Simulates the store host dying: every later operation fails.
@@ -191,6 +208,10 @@ pub mod mem {
             }
             self.shared.changed.notify_waiters();
             Ok(())
+        }
+
+        fn local_addr(&self) -> Option<std::net::SocketAddr> {
+            self.addr
         }
 
         async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {

@@ -19,14 +19,21 @@
 //!   the slot counter, MULTI_GETs only the slots it has not seen, runs [`decide::decide_round`]
 //!   and answers every slot with one MULTI_SET (a member's [`Assignment`], "spare", "rejected",
 //!   "superseded" or "timeout" with the message naming the missing node ranks).
-//! - **Liveness.** Agents SET `hb/<agent id>` to an increasing counter every keep-alive interval;
-//!   the coordinator MULTI_GETs the members' counters and judges staleness with its own clock
-//!   ([`decide::find_dead`]), so clocks of different machines are never compared. The others
-//!   judge node 0 by the store itself: when it stops answering for the heartbeat timeout they stop
-//!   their workers and exit with "store host lost".
-//! - **Exit barrier.** `ADD g<G>/done 1`; the last one SETs `g<G>/done_all`; everyone keeps
-//!   heartbeating while it waits, so an early finisher is never taken for a dead node. Node 0
-//!   leaves last (it waits for `g<G>/left`), because its departure takes the store with it.
+//! - **Liveness.** Agents SET `hb/<agent id>` to an increasing counter, followed by the local
+//!   address of the connection they heartbeat on, every keep-alive interval; the coordinator
+//!   MULTI_GETs the members' counters and judges staleness with its own clock
+//!   ([`decide::find_dead`]), so clocks of different machines are never compared. Node 0 hosts
+//!   the store, so it also sees whether each member's connection is still open ([`Presence`]):
+//!   open means alive but late (lost only past a long stall limit), closed or reset means lost
+//!   within a keep-alive interval. The others judge node 0 by the store itself: when it stops
+//!   answering for the heartbeat timeout they stop their workers and exit with "store host lost".
+//! - **Exit barrier.** `ADD g<G>/done 1`; the N-th report completes it and SETs
+//!   `g<G>/done_all`; everyone keeps heartbeating while it waits, so an early finisher is never
+//!   taken for a dead node. Completion is terminal: whoever wants to end a generation early (a
+//!   lost node, a newcomer) first adds [`decide::ABORT`] to the same counter, and only the first
+//!   abort made while the barrier was still open may bump the generation
+//!   ([`decide::decide_abort`]); after completion nothing can. Node 0 leaves last (it waits for
+//!   `g<G>/left`), because its departure takes the store with it.
 //!
 //! Every key lives under `muster/<run_id>/` ([`keys`]); each generation's keys live under their
 //! own `g<G>/` prefix, so nothing a dead round wrote is read by the next one.
@@ -42,7 +49,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use driver::{BarrierOutcome, Event, Joined, Rendezvous, Watcher};
+pub use driver::{BarrierOutcome, Event, Joined, Presence, Rendezvous, Watcher};
 pub use kv::{Kv, KvError};
 pub use store_kv::StoreKv;
 
@@ -70,6 +77,11 @@ pub struct Config {
     pub heartbeat_timeout: Duration,
     pub exit_barrier_timeout: Duration,
     pub poll_interval: Duration,
+    /// Test hook, never set in production: how long a node waits, after its own report to the
+    /// exit barrier, before it looks for the barrier's completion. It stands in for a node that
+    /// is slow to observe completion (a loaded store host, a GC pause). The agent sets it only
+    /// from `MUSTER_TEST_BARRIER_OBSERVE_DELAY` (seconds); see docs/multinode.md § Test hooks.
+    pub barrier_observe_delay: Duration,
 }
 
 impl Config {
@@ -86,6 +98,7 @@ impl Config {
             heartbeat_timeout: DEFAULT_HEARTBEAT_TIMEOUT,
             exit_barrier_timeout: DEFAULT_EXIT_BARRIER_TIMEOUT,
             poll_interval: DEFAULT_POLL_INTERVAL,
+            barrier_observe_delay: Duration::ZERO,
         }
     }
 

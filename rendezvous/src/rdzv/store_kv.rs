@@ -1,6 +1,8 @@
 //! [`Kv`] over the TCPStore client. A connection that failed (timeout, reset) may hold half a
 //! reply, so it is dropped and the next operation reconnects: the heartbeat loop can then tell
 //! "the store host is gone" (every reconnect fails for the heartbeat timeout) from one slow read.
+//! An operation whose future was dropped half-way (a caller that stopped waiting, see the exit
+//! barrier) leaves the connection in the same unknown state, so it is dropped the same way.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -13,6 +15,9 @@ pub struct StoreKv {
     addr: SocketAddr,
     op_timeout: Duration,
     client: Option<Client>,
+    /// Set while an operation is on the wire; still set when the next one starts means the
+    /// last one was cancelled mid-way and its reply may still come: reconnect instead.
+    busy: bool,
 }
 
 impl StoreKv {
@@ -28,6 +33,7 @@ impl StoreKv {
             addr,
             op_timeout,
             client: Some(client),
+            busy: false,
         })
     }
 
@@ -41,6 +47,10 @@ impl StoreKv {
     }
 
     async fn client(&mut self) -> Result<&mut Client, KvError> {
+        if self.busy {
+            self.client = None;
+            self.busy = false;
+        }
         if self.client.is_none() {
             let mut c = Client::connect(self.addr, self.op_timeout)
                 .await
@@ -48,9 +58,16 @@ impl StoreKv {
             c.set_timeout(self.op_timeout);
             self.client = Some(c);
         }
+        self.busy = true;
         self.client
             .as_mut()
             .ok_or_else(|| KvError::Unavailable("not connected".into()))
+    }
+
+    /// Ends an operation started with [`Self::client`].
+    fn finish<T>(&mut self, r: Result<T, ClientError>) -> Result<T, KvError> {
+        self.busy = false;
+        r.map_err(|e| self.fail(e))
     }
 
     fn fail(&mut self, e: ClientError) -> KvError {
@@ -71,17 +88,17 @@ fn refs(keys: &[Vec<u8>]) -> Vec<&[u8]> {
 impl Kv for StoreKv {
     async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
         let r = self.client().await?.get(key).await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
     }
 
     async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
         let r = self.client().await?.set(key, value).await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
     }
 
     async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
         let r = self.client().await?.add(key, delta).await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
     }
 
     async fn compare_set(
@@ -95,13 +112,13 @@ impl Kv for StoreKv {
             .await?
             .compare_set(key, expected, desired)
             .await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
     }
 
     async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
         let keys = refs(keys);
         let r = self.client().await?.multi_get(&keys).await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
     }
 
     async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
@@ -110,13 +127,25 @@ impl Kv for StoreKv {
             .map(|(k, v)| (k.as_slice(), v.as_slice()))
             .collect();
         let r = self.client().await?.multi_set(&pairs).await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
     }
 
     async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
         let keys = refs(keys);
         let r = self.client().await?.wait(&keys, timeout).await;
-        r.map_err(|e| self.fail(e))
+        self.finish(r)
+    }
+
+    fn local_addr(&self) -> Option<SocketAddr> {
+        self.client.as_ref().and_then(Client::local_addr)
+    }
+}
+
+/// The store host's own view of its connections: node 0's watcher asks it whether a member's
+/// heartbeat connection is still open.
+impl super::Presence for crate::store::server::Stats {
+    fn is_open(&self, peer: SocketAddr) -> bool {
+        crate::store::server::Stats::is_open(self, peer)
     }
 }
 
@@ -169,6 +198,51 @@ mod tests {
         }
         bases.sort_unstable();
         assert_eq!(bases, vec![(0, 0), (1, 2), (2, 4)]);
+        shutdown.cancel();
+        let _ = serving.await;
+    }
+
+    #[tokio::test]
+    async fn an_operation_dropped_half_way_does_not_garble_the_next_one() {
+        let server = Server::bind(
+            "127.0.0.1:0".parse().expect("addr"),
+            server::Config::default(),
+        )
+        .await
+        .expect("bind");
+        let addr = server.local_addr();
+        let stats = server.stats();
+        let shutdown = CancellationToken::new();
+        let serving = tokio::spawn(server.run(shutdown.clone()));
+        let mut kv = StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
+            .await
+            .expect("connect");
+        let first = kv.local_addr().expect("connected");
+        // The barrier's way of waiting: a long WAIT cut short by another event.
+        let cut = tokio::time::timeout(
+            Duration::from_millis(100),
+            kv.wait(&[b"never".to_vec()], Duration::from_secs(30)),
+        )
+        .await;
+        assert!(cut.is_err(), "the wait was cut short");
+        kv.set(b"k", b"v").await.expect("set");
+        // The key released the dropped WAIT on the old connection; had it been kept, its
+        // STOP_WAITING byte would now be read as GET's reply.
+        kv.set(b"never", b"1").await.expect("set");
+        assert_eq!(kv.get(b"k").await.expect("get"), b"v");
+        assert_ne!(kv.local_addr(), Some(first), "a fresh connection");
+        // The store host sees the old connection closed and the new one open (the evidence
+        // node 0's watcher uses).
+        let second = kv.local_addr().expect("connected");
+        assert!(stats.is_open(second));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while stats.is_open(first) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            !stats.is_open(first),
+            "the dropped connection is closed on the server"
+        );
         shutdown.cancel();
         let _ = serving.await;
     }

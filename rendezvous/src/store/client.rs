@@ -122,6 +122,11 @@ impl Client {
         self.addr
     }
 
+    /// This end's address: what the server sees as the peer.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.stream.local_addr().ok()
+    }
+
     /// Bounds every later read.
     pub fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;

@@ -20,7 +20,7 @@
 //! numerically: no name lookup happens on the accept or request path (reverse DNS there stalls
 //! for seconds in pods; see shared/reference/performance.md §2.1).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::{Ipv6Addr, SocketAddr};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
-use socket2::{Domain, Protocol, Socket, Type};
+use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{futures::Notified, Notify};
@@ -68,13 +68,22 @@ pub struct Config {
     /// the last request it served. Zero (the default) never polls. See docs/store.md §
     /// Performance for when it pays off; it only works on a current-thread runtime.
     pub busy_poll: Duration,
+    /// TCP keep-alive on every accepted socket: idle time before the first probe, which is also
+    /// the interval between probes; after [`KEEPALIVE_PROBES`] unanswered probes the kernel resets
+    /// the connection. `None` (the default) leaves the system's setting (usually off). The
+    /// rendezvous store sets it so a peer whose host vanished without a FIN shows as closed.
+    pub tcp_keepalive: Option<Duration>,
 }
+
+/// Unanswered keep-alive probes before the kernel gives up on a peer.
+pub const KEEPALIVE_PROBES: u32 = 2;
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             busy_poll: Duration::ZERO,
+            tcp_keepalive: None,
         }
     }
 }
@@ -110,9 +119,36 @@ pub struct Stats {
     /// Regular keys in the store.
     pub keys: AtomicUsize,
     requests: [AtomicU64; Command::ALL.len()],
+    /// Peer addresses of the open connections. Touched once per connection open and close, never
+    /// per request; read by the rendezvous host to tell a late peer (connection open) from a
+    /// gone one.
+    open_peers: Mutex<HashSet<SocketAddr>>,
 }
 
 impl Stats {
+    /// Whether a connection from `peer` is open now (IPv4-mapped IPv6 peers of a dual-stack
+    /// listener match their IPv4 address).
+    pub fn is_open(&self, peer: SocketAddr) -> bool {
+        self.open_peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&canonical(peer))
+    }
+
+    fn peer_opened(&self, peer: SocketAddr) {
+        self.open_peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(canonical(peer));
+    }
+
+    fn peer_closed(&self, peer: SocketAddr) {
+        self.open_peers
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&canonical(peer));
+    }
+
     /// Requests served for `command` since start.
     pub fn requests(&self, command: Command) -> u64 {
         self.requests[usize::from(command.code())].load(Ordering::Relaxed)
@@ -247,10 +283,15 @@ impl Server {
             }
             stats.connections_accepted.fetch_add(1, Ordering::Relaxed);
             stats.connections_open.fetch_add(1, Ordering::Relaxed);
+            stats.peer_opened(peer);
+            if let Some(idle) = self.config.tcp_keepalive {
+                set_keepalive(&stream, idle, peer);
+            }
             let shared = Arc::clone(&self.shared);
             let activity = Arc::clone(&activity);
             tasks.spawn(async move {
                 serve_connection(stream, peer, &shared, &activity).await;
+                shared.stats.peer_closed(peer);
                 shared
                     .stats
                     .connections_open
@@ -333,6 +374,23 @@ impl ServerThread {
             tokio::time::timeout(patience, self.stopped).await,
             Ok(Ok(()))
         )
+    }
+}
+
+fn canonical(peer: SocketAddr) -> SocketAddr {
+    SocketAddr::new(peer.ip().to_canonical(), peer.port())
+}
+
+/// Keep-alive probes every `idle` (at least 1 s, the kernel's unit) once the connection is idle
+/// that long; a failure only costs the evidence, so it is logged, not fatal.
+fn set_keepalive(stream: &TcpStream, idle: Duration, peer: SocketAddr) {
+    let idle = idle.max(Duration::from_secs(1));
+    let keepalive = TcpKeepalive::new()
+        .with_time(idle)
+        .with_interval(idle)
+        .with_retries(KEEPALIVE_PROBES);
+    if let Err(err) = SockRef::from(stream).set_tcp_keepalive(&keepalive) {
+        debug!(%peer, error = %err, "cannot set TCP keep-alive");
     }
 }
 
