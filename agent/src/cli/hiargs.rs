@@ -465,6 +465,9 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let prefix_template = get(low, "log-line-prefix-template")
         .map_or_else(|| DEFAULT_PREFIX_TEMPLATE.to_owned(), |r| r.value.clone());
     let log_dir = get(low, "log-dir").map(|r| PathBuf::from(r.value.trim()));
+    let log_dir_origin = get(low, "log-dir").map_or_else(String::new, |r| r.source.to_string());
+    let progress_interval =
+        parse_duration(low, "progress-interval")?.unwrap_or(crate::logs::DEFAULT_PROGRESS_INTERVAL);
 
     let signals = match get(low, "signals-to-handle") {
         None => SignalPolicy::default(),
@@ -519,6 +522,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             local_ranks_filter,
             prefix_template,
             format,
+            log_dir_origin,
+            progress_interval,
         },
         master_addr: get(low, "master-addr").map(|r| r.value.trim().to_owned()),
         master_port,

@@ -25,6 +25,7 @@
 pub mod agent;
 mod http;
 mod live;
+mod output;
 mod store;
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -382,6 +383,7 @@ struct Inner {
     names: Vec<String>,
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
+    output: Arc<output::OutputCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     restart_cause: Mutex<Option<RestartCause>>,
 
@@ -501,6 +503,8 @@ impl Metrics {
         defs.add(live::LiveCollector::new(Arc::clone(&live)));
         let store = Arc::new(store::StoreCollector::new());
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
+        let output = Arc::new(output::OutputCollector::new());
+        defs.add(output::SharedOutputCollector(Arc::clone(&output)));
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -652,6 +656,7 @@ impl Metrics {
             ),
             live,
             store,
+            output,
             checkpoint_tx: Mutex::new(None),
             restart_cause: Mutex::new(None),
             registry: defs.registry,
@@ -1008,6 +1013,14 @@ impl Metrics {
     /// A shutdown started that must finish by `deadline`; the remaining budget counts down.
     pub fn grace_deadline(&self, deadline: Instant) {
         self.inner.live.set_grace_deadline(Some(deadline));
+    }
+
+    // ---- worker output ------------------------------------------------------------------------
+
+    /// Exports what each rank wrote (`muster_worker_output_*`), read from the log pumps'
+    /// counters at every scrape.
+    pub fn attach_worker_output(&self, stats: Arc<crate::logs::OutputStats>) {
+        self.inner.output.attach(stats);
     }
 
     // ---- store --------------------------------------------------------------------------------
