@@ -76,7 +76,10 @@ mod tests {
         let line = error_record(&err, 202, LogFormat::Json);
         assert!(line.ends_with('\n') && line.matches('\n').count() == 1);
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-        assert_eq!((v["event"].as_str(), v["level"].as_str()), (Some("error"), Some("ERROR")));
+        assert_eq!(
+            (v["event"].as_str(), v["level"].as_str()),
+            (Some("error"), Some("ERROR"))
+        );
         assert_eq!(v["agent_exit_code"], 202);
         assert_eq!(v["msg"], "invalid --nnodes `x`");
     }

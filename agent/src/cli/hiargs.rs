@@ -643,6 +643,39 @@ mod tests {
     }
 
     #[test]
+    fn progress_interval_and_log_dir_origin() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.logs.progress_interval, Duration::from_secs(10));
+        assert_eq!(c.logs.log_dir, None);
+        let c = build_with(
+            &["--progress-interval", "0", "--log-dir", "/l", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.logs.progress_interval, Duration::ZERO);
+        assert_eq!(c.logs.log_dir_origin, "command line");
+        let c = build_with(
+            &["train.py"],
+            &[
+                PATH,
+                ("MUSTER_PROGRESS_INTERVAL", "2.5"),
+                ("MUSTER_LOG_DIR", "/l"),
+            ],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.logs.progress_interval, Duration::from_millis(2500));
+        assert_eq!(c.logs.log_dir_origin, "environment variable MUSTER_LOG_DIR");
+        let err = build_with(&["--progress_interval=-1", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(
+            err.0
+                .contains("invalid --progress-interval `-1` (command line)"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn stream_specs_and_ranges() {
         assert_eq!(parse_stream_spec("3").unwrap().for_rank(5), Streams(3));
         let s = parse_stream_spec("0:1,1:2").unwrap();

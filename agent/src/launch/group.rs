@@ -539,10 +539,16 @@ async fn sweep_groups(workers: &[Worker], grace: Duration, stop: &StopRequest) {
 /// Waits for the output pumps to reach end of file, within [`DRAIN_WAIT`]; then tells them to
 /// stop reading, so each still writes what it holds (a bar's last state), and waits a little more.
 async fn drain(pumps: &mut JoinSet<()>, closed: &CancellationToken) {
-    if tokio::time::timeout(DRAIN_WAIT, join_all(pumps)).await.is_err() {
+    if tokio::time::timeout(DRAIN_WAIT, join_all(pumps))
+        .await
+        .is_err()
+    {
         tracing::debug!("worker output still open after the workers exited; not waiting");
         closed.cancel();
-        if tokio::time::timeout(DRAIN_WAIT, join_all(pumps)).await.is_err() {
+        if tokio::time::timeout(DRAIN_WAIT, join_all(pumps))
+            .await
+            .is_err()
+        {
             pumps.abort_all();
         }
     }

@@ -695,7 +695,10 @@ mod tests {
             "{text}"
         );
         logs.log_dir = None;
-        assert!(matches!(err().naming_log_dir(&logs), LaunchError::LogDir { .. }));
+        assert!(matches!(
+            err().naming_log_dir(&logs),
+            LaunchError::LogDir { .. }
+        ));
     }
 
     fn sh(script: &str, nproc: u32) -> Config {

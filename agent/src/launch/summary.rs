@@ -187,12 +187,30 @@ mod tests {
         };
         let v = parse(false);
         assert_eq!(v["event"], "root_cause");
-        assert_eq!((v["source"].as_str(), v["level"].as_str()), (Some("agent"), Some("ERROR")));
-        assert_eq!((v["rank"].as_u64(), v["exit_code"].as_i64()), (Some(5), Some(3)));
+        assert_eq!(
+            (v["source"].as_str(), v["level"].as_str()),
+            (Some("agent"), Some("ERROR"))
+        );
+        assert_eq!(
+            (v["rank"].as_u64(), v["exit_code"].as_i64()),
+            (Some(5), Some(3))
+        );
         assert_eq!(v["error"], "ValueError: boom\nmore");
-        assert!(v["msg"].as_str().unwrap().ends_with("exit code 3: ValueError: boom"), "{v}");
-        assert!(v.get("error_file").is_none(), "the private run directory is removed at exit");
-        assert_eq!(parse(true)["error_file"], error_file.to_string_lossy().as_ref());
+        assert!(
+            v["msg"]
+                .as_str()
+                .unwrap()
+                .ends_with("exit code 3: ValueError: boom"),
+            "{v}"
+        );
+        assert!(
+            v.get("error_file").is_none(),
+            "the private run directory is removed at exit"
+        );
+        assert_eq!(
+            parse(true)["error_file"],
+            error_file.to_string_lossy().as_ref()
+        );
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(parse(true).get("error_file").is_none(), "no file, no field");
     }

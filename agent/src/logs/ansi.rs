@@ -98,7 +98,10 @@ mod tests {
 
     #[test]
     fn plain_text_is_copied() {
-        assert_eq!(cleaned(b"epoch 1 loss 0.5"), ("epoch 1 loss 0.5".into(), false));
+        assert_eq!(
+            cleaned(b"epoch 1 loss 0.5"),
+            ("epoch 1 loss 0.5".into(), false)
+        );
     }
 
     #[test]

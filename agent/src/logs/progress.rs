@@ -153,8 +153,9 @@ mod tests {
         fn feed(&mut self, data: &[u8], now: Instant, eof: bool) -> Vec<(Kind, String)> {
             let mut out = Vec::new();
             let (c, seen) = (&mut self.coalesce, &mut self.seen);
-            self.split
-                .push(data, eof, |seg, end| c.segment(seg, end, now, &mut out, seen));
+            self.split.push(data, eof, |seg, end| {
+                c.segment(seg, end, now, &mut out, seen)
+            });
             if eof {
                 self.coalesce.flush(now, &mut out);
             }
@@ -189,7 +190,10 @@ mod tests {
         let t0 = Instant::now();
         let mut p = Pipe::new(10);
         assert_eq!(p.feed(b"1%\r2%\r3%\r", t0, false), [bar("1%")]);
-        assert_eq!(p.coalesce.deadline(t0, false), Some(t0 + Duration::from_secs(10)));
+        assert_eq!(
+            p.coalesce.deadline(t0, false),
+            Some(t0 + Duration::from_secs(10))
+        );
         let mut out = Vec::new();
         p.coalesce.tick(t0 + Duration::from_secs(9), &mut out);
         assert!(out.is_empty());
@@ -197,10 +201,19 @@ mod tests {
         // releases it, so the bar's latest state shows.
         assert_eq!(p.tick(t0 + Duration::from_secs(10)), [bar("3%")]);
         assert_eq!(p.coalesce.deadline(t0, false), None);
-        assert_eq!(p.coalesce.deadline(t0, true), Some(t0 + Duration::from_secs(20)));
+        assert_eq!(
+            p.coalesce.deadline(t0, true),
+            Some(t0 + Duration::from_secs(20))
+        );
         let t1 = t0 + Duration::from_secs(21);
         assert_eq!(p.feed(b"4%\r5%\r", t1, false), [bar("4%")]);
-        assert_eq!(p.seen, Seen { lines: 0, progress: 4 });
+        assert_eq!(
+            p.seen,
+            Seen {
+                lines: 0,
+                progress: 4
+            }
+        );
     }
 
     #[test]
@@ -219,8 +232,16 @@ mod tests {
         let t0 = Instant::now();
         let mut p = Pipe::new(10);
         assert_eq!(
-            p.feed(b"\r  0%|  | 0/3\r 33%|# | 1/3\r 67%|##| 2/3\r100%|###| 3/3\n", t0, false),
-            [bar("  0%|  | 0/3"), bar(" 67%|##| 2/3"), line("100%|###| 3/3")]
+            p.feed(
+                b"\r  0%|  | 0/3\r 33%|# | 1/3\r 67%|##| 2/3\r100%|###| 3/3\n",
+                t0,
+                false
+            ),
+            [
+                bar("  0%|  | 0/3"),
+                bar(" 67%|##| 2/3"),
+                line("100%|###| 3/3")
+            ]
         );
     }
 
@@ -256,7 +277,16 @@ mod tests {
             t0,
             true,
         );
-        assert_eq!(out, [line("  0%| | 0/3"), bar("  0%| | 0/2"), line(" 33%| | 1/3")]);
-        assert_eq!(p.seen, Seen { lines: 2, progress: 4 });
+        assert_eq!(
+            out,
+            [line("  0%| | 0/3"), bar("  0%| | 0/2"), line(" 33%| | 1/3")]
+        );
+        assert_eq!(
+            p.seen,
+            Seen {
+                lines: 2,
+                progress: 4
+            }
+        );
     }
 }

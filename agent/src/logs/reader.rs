@@ -111,7 +111,10 @@ pub async fn pump(
         if eof {
             coalescer.flush(Instant::now(), &mut records);
         }
-        config.counters.lines.fetch_add(seen.lines, Ordering::Relaxed);
+        config
+            .counters
+            .lines
+            .fetch_add(seen.lines, Ordering::Relaxed);
         config
             .counters
             .progress

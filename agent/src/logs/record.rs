@@ -72,10 +72,7 @@ impl std::fmt::Write for VecWriter<'_> {
 /// An agent record: the core fields, then `extra` (event fields), newline included.
 pub fn agent_record(level: &str, host: &str, msg: &str, extra: Map<String, Value>) -> String {
     let mut obj = Map::new();
-    obj.insert(
-        "ts".into(),
-        super::utc_timestamp(SystemTime::now()).into(),
-    );
+    obj.insert("ts".into(), super::utc_timestamp(SystemTime::now()).into());
     obj.insert("level".into(), level.into());
     obj.insert("source".into(), AGENT.into());
     obj.insert("host".into(), host.into());
@@ -166,14 +163,31 @@ mod tests {
     #[test]
     fn rank_lines_escape_and_mark_progress() {
         let mut out = Vec::new();
-        rank_line("h\"1", 3, 1, "stderr", true, b"caf\xc3\xa9 \"q\"\t\xff", &mut out);
+        rank_line(
+            "h\"1",
+            3,
+            1,
+            "stderr",
+            true,
+            b"caf\xc3\xa9 \"q\"\t\xff",
+            &mut out,
+        );
         assert_eq!(out.last(), Some(&b'\n'));
         let v: Value = serde_json::from_slice(&out).unwrap();
         assert_eq!(v["msg"], "café \"q\"\t\u{fffd}");
         assert_eq!(v["host"], "h\"1");
-        assert_eq!((v["rank"].as_u64(), v["local_rank"].as_u64()), (Some(3), Some(1)));
-        assert_eq!((v["stream"].as_str(), v["progress"].as_bool()), (Some("stderr"), Some(true)));
-        assert_eq!((v["source"].as_str(), v["level"].as_str()), (Some("rank"), Some("INFO")));
+        assert_eq!(
+            (v["rank"].as_u64(), v["local_rank"].as_u64()),
+            (Some(3), Some(1))
+        );
+        assert_eq!(
+            (v["stream"].as_str(), v["progress"].as_bool()),
+            (Some("stderr"), Some(true))
+        );
+        assert_eq!(
+            (v["source"].as_str(), v["level"].as_str()),
+            (Some("rank"), Some("INFO"))
+        );
         assert!(v["ts"].as_str().unwrap().ends_with('Z'));
     }
 

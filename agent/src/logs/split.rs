@@ -149,18 +149,27 @@ mod tests {
     fn a_crlf_split_across_reads_is_one_newline() {
         let mut s = Splitter::default();
         assert!(split(&mut s, b"abc\r", false).is_empty());
-        assert_eq!(split(&mut s, b"\nd\n", false)[0], ("abc".into(), End::Newline));
+        assert_eq!(
+            split(&mut s, b"\nd\n", false)[0],
+            ("abc".into(), End::Newline)
+        );
     }
 
     #[test]
     fn a_held_return_can_be_released() {
         let mut s = Splitter::default();
-        assert_eq!(split(&mut s, b"1%\r2%\r", false), [("1%".into(), End::Return)]);
+        assert_eq!(
+            split(&mut s, b"1%\r2%\r", false),
+            [("1%".into(), End::Return)]
+        );
         let mut out = Vec::new();
         s.release_return(|seg, end| out.push((seg.to_vec(), end)));
         assert_eq!(out, [(b"2%".to_vec(), End::Return)]);
         // The `\n` of a `\r\n` that was released early is not an empty line.
-        assert_eq!(split(&mut s, b"\nok\n", false), [("ok".into(), End::Newline)]);
+        assert_eq!(
+            split(&mut s, b"\nok\n", false),
+            [("ok".into(), End::Newline)]
+        );
         s.release_return(|_, _| panic!("nothing held"));
         assert_eq!(split(&mut s, b"\n", false), [("".into(), End::Newline)]);
     }

@@ -62,14 +62,35 @@ mod tests {
     #[test]
     fn counters_are_shared_per_rank_and_stream() {
         let stats = OutputStats::default();
-        stats.stream(1, "stdout").bytes.fetch_add(5, Ordering::Relaxed);
-        stats.stream(1, "stdout").lines.fetch_add(1, Ordering::Relaxed);
-        stats.stream(0, "stderr").progress.fetch_add(2, Ordering::Relaxed);
+        stats
+            .stream(1, "stdout")
+            .bytes
+            .fetch_add(5, Ordering::Relaxed);
+        stats
+            .stream(1, "stdout")
+            .lines
+            .fetch_add(1, Ordering::Relaxed);
+        stats
+            .stream(0, "stderr")
+            .progress
+            .fetch_add(2, Ordering::Relaxed);
         assert_eq!(
             stats.snapshot(),
             [
-                StreamSnapshot { rank: 0, stream: "stderr", bytes: 0, lines: 0, progress: 2 },
-                StreamSnapshot { rank: 1, stream: "stdout", bytes: 5, lines: 1, progress: 0 },
+                StreamSnapshot {
+                    rank: 0,
+                    stream: "stderr",
+                    bytes: 0,
+                    lines: 0,
+                    progress: 2
+                },
+                StreamSnapshot {
+                    rank: 1,
+                    stream: "stdout",
+                    bytes: 5,
+                    lines: 1,
+                    progress: 0
+                },
             ]
         );
     }

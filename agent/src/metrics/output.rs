@@ -92,8 +92,18 @@ impl Collector for SharedOutputCollector {
                 .collect()
         };
         vec![
-            family(BYTES, self.0.help(BYTES), MetricType::COUNTER, series(|s| s.bytes)),
-            family(LINES, self.0.help(LINES), MetricType::COUNTER, series(|s| s.lines)),
+            family(
+                BYTES,
+                self.0.help(BYTES),
+                MetricType::COUNTER,
+                series(|s| s.bytes),
+            ),
+            family(
+                LINES,
+                self.0.help(LINES),
+                MetricType::COUNTER,
+                series(|s| s.lines),
+            ),
             family(
                 PROGRESS,
                 self.0.help(PROGRESS),
