@@ -19,9 +19,14 @@ const ESC: u8 = 0x1b;
 /// Ends an OSC string.
 const BEL: u8 = 0x07;
 
+/// Whether `segment` holds an escape sequence at all (most lines do not).
+pub fn has_escape(segment: &[u8]) -> bool {
+    segment.contains(&ESC)
+}
+
 /// Appends `segment` to `out` without its cursor controls; returns whether it moved the cursor up.
 pub fn clean(segment: &[u8], out: &mut Vec<u8>) -> bool {
-    if !segment.contains(&ESC) {
+    if !has_escape(segment) {
         out.extend_from_slice(segment);
         return false;
     }

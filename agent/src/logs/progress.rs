@@ -24,11 +24,26 @@ pub enum Kind {
     Progress,
 }
 
-/// One record to write: cleaned text without its terminator.
+/// One record to write: cleaned text without its terminator (what tests collect).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     pub kind: Kind,
     pub text: Vec<u8>,
+}
+
+/// Where the coalescer's records go: the pump encodes them straight into its output buffers, so
+/// an ordinary line costs no allocation of its own.
+pub trait Emit {
+    fn record(&mut self, kind: Kind, text: &[u8]);
+}
+
+impl Emit for Vec<Record> {
+    fn record(&mut self, kind: Kind, text: &[u8]) {
+        self.push(Record {
+            kind,
+            text: text.to_vec(),
+        });
+    }
 }
 
 /// How many segments of each kind went through, for the metrics.
@@ -42,8 +57,12 @@ pub struct Seen {
 #[derive(Debug)]
 pub struct Coalescer {
     interval: Duration,
-    latest: Option<Vec<u8>>,
+    /// The update not written yet (valid while `pending`); the buffer is reused.
+    latest: Vec<u8>,
+    pending: bool,
     last_emitted: Option<Instant>,
+    /// Reused for segments that carry escape sequences.
+    scratch: Vec<u8>,
 }
 
 impl Coalescer {
@@ -51,66 +70,84 @@ impl Coalescer {
     pub fn new(interval: Duration) -> Self {
         Self {
             interval,
-            latest: None,
+            latest: Vec::new(),
+            pending: false,
             last_emitted: None,
+            scratch: Vec::new(),
         }
     }
 
-    /// Takes one segment from the splitter; appends what must be written now to `out`.
+    /// Takes one segment from the splitter; hands what must be written now to `out`.
     pub fn segment(
         &mut self,
         raw: &[u8],
         end: End,
         now: Instant,
-        out: &mut Vec<Record>,
+        out: &mut impl Emit,
         seen: &mut Seen,
     ) {
-        let mut text = Vec::with_capacity(raw.len());
-        let cursor_up = ansi::clean(raw, &mut text);
-        if end == End::Return || cursor_up {
-            // Nothing between two carriage returns (tqdm starts every redraw with one) is not
-            // an update.
-            if text.is_empty() {
-                return;
-            }
-            seen.progress += 1;
-            if ansi::is_blank(&text) {
-                self.latest = None;
-                return;
-            }
-            self.latest = Some(text);
-            if self.is_due(now) {
-                self.emit(now, out);
-            }
+        if !ansi::has_escape(raw) {
+            self.take(raw, end == End::Return, now, out, seen);
             return;
         }
-        seen.lines += 1;
-        self.emit(now, out);
-        out.push(Record {
-            kind: Kind::Line,
-            text,
-        });
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        let cursor_up = ansi::clean(raw, &mut scratch);
+        self.take(&scratch, end == End::Return || cursor_up, now, out, seen);
+        self.scratch = scratch;
+    }
+
+    fn take(
+        &mut self,
+        text: &[u8],
+        progress: bool,
+        now: Instant,
+        out: &mut impl Emit,
+        seen: &mut Seen,
+    ) {
+        if !progress {
+            seen.lines += 1;
+            self.emit(now, out);
+            out.record(Kind::Line, text);
+            return;
+        }
+        // Nothing between two carriage returns (tqdm starts every redraw with one) is not an
+        // update.
+        if text.is_empty() {
+            return;
+        }
+        seen.progress += 1;
+        if ansi::is_blank(text) {
+            self.pending = false;
+            return;
+        }
+        self.latest.clear();
+        self.latest.extend_from_slice(text);
+        self.pending = true;
+        if self.is_due(now) {
+            self.emit(now, out);
+        }
     }
 
     /// When the pending update must be written if nothing else arrives; `None`: nothing pending.
     /// `held`: the splitter holds a segment that a `\r` ended (see
     /// [`super::split::Splitter::release_return`]), an update too.
     pub fn deadline(&self, now: Instant, held: bool) -> Option<Instant> {
-        if self.latest.is_none() && !held {
+        if !self.pending && !held {
             return None;
         }
         Some(self.last_emitted.map_or(now, |t| t + self.interval))
     }
 
     /// Writes the pending update if its interval has passed.
-    pub fn tick(&mut self, now: Instant, out: &mut Vec<Record>) {
-        if self.latest.is_some() && self.is_due(now) {
+    pub fn tick(&mut self, now: Instant, out: &mut impl Emit) {
+        if self.pending && self.is_due(now) {
             self.emit(now, out);
         }
     }
 
     /// Writes the pending update whatever the interval (end of file, the group stopping).
-    pub fn flush(&mut self, now: Instant, out: &mut Vec<Record>) {
+    pub fn flush(&mut self, now: Instant, out: &mut impl Emit) {
         self.emit(now, out);
     }
 
@@ -119,12 +156,10 @@ impl Coalescer {
             .is_none_or(|t| now.saturating_duration_since(t) >= self.interval)
     }
 
-    fn emit(&mut self, now: Instant, out: &mut Vec<Record>) {
-        if let Some(text) = self.latest.take() {
-            out.push(Record {
-                kind: Kind::Progress,
-                text,
-            });
+    fn emit(&mut self, now: Instant, out: &mut impl Emit) {
+        if self.pending {
+            out.record(Kind::Progress, &self.latest);
+            self.pending = false;
             self.last_emitted = Some(now);
         }
     }
@@ -151,7 +186,7 @@ mod tests {
         }
 
         fn feed(&mut self, data: &[u8], now: Instant, eof: bool) -> Vec<(Kind, String)> {
-            let mut out = Vec::new();
+            let mut out: Vec<Record> = Vec::new();
             let (c, seen) = (&mut self.coalesce, &mut self.seen);
             self.split.push(data, eof, |seg, end| {
                 c.segment(seg, end, now, &mut out, seen)
@@ -166,7 +201,7 @@ mod tests {
 
         /// What the pump does when the coalescer's deadline passes.
         fn tick(&mut self, now: Instant) -> Vec<(Kind, String)> {
-            let mut out = Vec::new();
+            let mut out: Vec<Record> = Vec::new();
             let (c, seen) = (&mut self.coalesce, &mut self.seen);
             self.split
                 .release_return(|seg, end| c.segment(seg, end, now, &mut out, seen));
@@ -194,7 +229,7 @@ mod tests {
             p.coalesce.deadline(t0, false),
             Some(t0 + Duration::from_secs(10))
         );
-        let mut out = Vec::new();
+        let mut out: Vec<Record> = Vec::new();
         p.coalesce.tick(t0 + Duration::from_secs(9), &mut out);
         assert!(out.is_empty());
         // The last update waited in the splitter (its `\r` might start a `\r\n`); the timer

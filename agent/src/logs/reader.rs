@@ -4,14 +4,14 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::io::AsyncReadExt;
 use tokio::net::unix::pipe;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use super::progress::{Coalescer, Kind, Record, Seen};
+use super::progress::{Coalescer, Emit, Kind, Seen};
 use super::split::Splitter;
 use super::stats::StreamCounters;
 use super::{Console, LogSink};
@@ -43,23 +43,54 @@ pub struct PumpConfig {
 }
 
 impl LineTarget {
-    /// Appends `record` as the console shows it.
-    fn encode(&self, record: &Record, out: &mut Vec<u8>) {
+    /// Appends one record as the console shows it; `ts` is the JSON timestamp.
+    fn encode(&self, kind: Kind, text: &[u8], ts: &str, out: &mut Vec<u8>) {
         match self.format {
             LogFormat::Text => {
                 out.extend_from_slice(self.prefix.as_bytes());
-                out.extend_from_slice(&record.text);
+                out.extend_from_slice(text);
                 out.push(b'\n');
             }
             LogFormat::Json => super::record::rank_line(
+                ts,
                 &self.host,
                 self.rank,
                 self.local_rank,
                 self.stream,
-                record.kind == Kind::Progress,
-                &record.text,
+                kind == Kind::Progress,
+                text,
                 out,
             ),
+        }
+    }
+}
+
+/// The records of one batch (one read, one timer tick), encoded straight into the buffers of
+/// the console and the file.
+struct Batch<'a> {
+    console: Option<&'a LineTarget>,
+    console_out: Vec<u8>,
+    file_out: Option<Vec<u8>>,
+    /// The JSON timestamp, taken once per batch: every line of one read arrived together.
+    ts: Option<String>,
+}
+
+impl Emit for Batch<'_> {
+    fn record(&mut self, kind: Kind, text: &[u8]) {
+        if let Some(target) = self.console {
+            let ts = match (&self.ts, target.format) {
+                (Some(ts), _) => ts.as_str(),
+                (None, LogFormat::Text) => "",
+                (None, LogFormat::Json) => self
+                    .ts
+                    .insert(super::utc_timestamp(SystemTime::now()))
+                    .as_str(),
+            };
+            target.encode(kind, text, ts, &mut self.console_out);
+        }
+        if let Some(file) = &mut self.file_out {
+            file.extend_from_slice(text);
+            file.push(b'\n');
         }
     }
 }
@@ -75,7 +106,6 @@ pub async fn pump(
     let mut buf = vec![0u8; 64 * 1024];
     let mut splitter = Splitter::default();
     let mut coalescer = Coalescer::new(config.progress_interval);
-    let mut records: Vec<Record> = Vec::new();
     loop {
         let now = Instant::now();
         // A day stands for "no deadline": the branch below is then never taken.
@@ -83,33 +113,39 @@ pub async fn pump(
             .deadline(now, splitter.holds_return())
             .unwrap_or(now + Duration::from_secs(86_400));
         let mut seen = Seen::default();
+        let mut batch = Batch {
+            console: config.console.as_ref(),
+            console_out: Vec::new(),
+            file_out: config.file.as_ref().map(|_| Vec::new()),
+            ts: None,
+        };
         let eof = tokio::select! {
             read = pipe.read(&mut buf) => {
                 let n = read.unwrap_or(0);
                 let now = Instant::now();
                 config.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
                 splitter.push(&buf[..n], n == 0, |seg, end| {
-                    coalescer.segment(seg, end, now, &mut records, &mut seen);
+                    coalescer.segment(seg, end, now, &mut batch, &mut seen);
                 });
                 n == 0
             }
             () = tokio::time::sleep_until(deadline) => {
                 let now = Instant::now();
                 splitter.release_return(|seg, end| {
-                    coalescer.segment(seg, end, now, &mut records, &mut seen);
+                    coalescer.segment(seg, end, now, &mut batch, &mut seen);
                 });
-                coalescer.tick(now, &mut records);
+                coalescer.tick(now, &mut batch);
                 false
             }
             () = closed.cancelled() => {
                 splitter.push(&[], true, |seg, end| {
-                    coalescer.segment(seg, end, now, &mut records, &mut seen);
+                    coalescer.segment(seg, end, now, &mut batch, &mut seen);
                 });
                 true
             }
         };
         if eof {
-            coalescer.flush(Instant::now(), &mut records);
+            coalescer.flush(Instant::now(), &mut batch);
         }
         config
             .counters
@@ -119,33 +155,17 @@ pub async fn pump(
             .counters
             .progress
             .fetch_add(seen.progress, Ordering::Relaxed);
-        write(&config, &sink, &records).await;
-        records.clear();
+        if let (Some(target), false) = (&config.console, batch.console_out.is_empty()) {
+            sink.write(target.console, batch.console_out).await;
+        }
+        if let (Some(file), Some(out)) = (&config.file, batch.file_out) {
+            if !out.is_empty() {
+                sink.write_file(file.clone(), out).await;
+            }
+        }
         if eof {
             break;
         }
-    }
-}
-
-/// Writes `records` to the console target and the file, whichever are configured.
-async fn write(config: &PumpConfig, sink: &LogSink, records: &[Record]) {
-    if records.is_empty() {
-        return;
-    }
-    if let Some(target) = &config.console {
-        let mut out = Vec::new();
-        for record in records {
-            target.encode(record, &mut out);
-        }
-        sink.write(target.console, out).await;
-    }
-    if let Some(file) = &config.file {
-        let mut out = Vec::new();
-        for record in records {
-            out.extend_from_slice(&record.text);
-            out.push(b'\n');
-        }
-        sink.write_file(file.clone(), out).await;
     }
 }
 
@@ -165,19 +185,12 @@ mod tests {
         }
     }
 
-    fn record(kind: Kind, text: &[u8]) -> Record {
-        Record {
-            kind,
-            text: text.to_vec(),
-        }
-    }
-
     #[test]
     fn text_records_are_prefixed_whatever_their_kind() {
         let t = target(LogFormat::Text);
         let mut out = Vec::new();
-        t.encode(&record(Kind::Line, b"a"), &mut out);
-        t.encode(&record(Kind::Progress, b" 50%"), &mut out);
+        t.encode(Kind::Line, b"a", "", &mut out);
+        t.encode(Kind::Progress, b" 50%", "", &mut out);
         assert_eq!(out, b"[h:1] a\n[h:1]  50%\n");
     }
 
@@ -185,12 +198,17 @@ mod tests {
     fn json_records_mark_progress() {
         let t = target(LogFormat::Json);
         let mut out = Vec::new();
-        t.encode(&record(Kind::Progress, b"caf\xc3\xa9 \"q\""), &mut out);
+        t.encode(
+            Kind::Progress,
+            b"caf\xc3\xa9 \"q\"",
+            "2026-11-30T12:38:23.123Z",
+            &mut out,
+        );
         let v: serde_json::Value = serde_json::from_slice(&out[..out.len() - 1]).unwrap();
         assert_eq!(v["msg"], "café \"q\"");
         assert_eq!(v["rank"], 1);
         assert_eq!(v["stream"], "stdout");
         assert_eq!(v["progress"], true);
-        assert!(v["ts"].as_str().unwrap().ends_with('Z'));
+        assert_eq!(v["ts"], "2026-11-30T12:38:23.123Z");
     }
 }

@@ -37,9 +37,11 @@ fn quoted(text: &str, out: &mut Vec<u8>) {
     let _ = serde_json::to_writer(&mut *out, text);
 }
 
-/// Appends one rank line as a record of the schema, newline included. Written by hand because
-/// it runs once per line of a chatty rank.
+/// Appends one rank line as a record of the schema, newline included; `ts` is its timestamp
+/// ([`super::utc_timestamp`]). Written by hand because it runs once per line of a chatty rank.
+#[allow(clippy::too_many_arguments)]
 pub fn rank_line(
+    ts: &str,
     host: &str,
     rank: u32,
     local_rank: u32,
@@ -49,7 +51,7 @@ pub fn rank_line(
     out: &mut Vec<u8>,
 ) {
     out.extend_from_slice(b"{\"ts\":\"");
-    out.extend_from_slice(super::utc_timestamp(SystemTime::now()).as_bytes());
+    out.extend_from_slice(ts.as_bytes());
     out.extend_from_slice(b"\",\"level\":\"INFO\",\"source\":\"rank\",\"host\":");
     quoted(host, out);
     let _ = write!(
@@ -164,6 +166,7 @@ mod tests {
     fn rank_lines_escape_and_mark_progress() {
         let mut out = Vec::new();
         rank_line(
+            "2026-11-30T12:38:23.123Z",
             "h\"1",
             3,
             1,
@@ -188,7 +191,7 @@ mod tests {
             (v["source"].as_str(), v["level"].as_str()),
             (Some("rank"), Some("INFO"))
         );
-        assert!(v["ts"].as_str().unwrap().ends_with('Z'));
+        assert_eq!(v["ts"], "2026-11-30T12:38:23.123Z");
     }
 
     #[test]
