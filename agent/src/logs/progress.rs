@@ -189,7 +189,7 @@ mod tests {
             let mut out: Vec<Record> = Vec::new();
             let (c, seen) = (&mut self.coalesce, &mut self.seen);
             self.split.push(data, eof, |seg, end| {
-                c.segment(seg, end, now, &mut out, seen)
+                c.segment(seg, end, now, &mut out, seen);
             });
             if eof {
                 self.coalesce.flush(now, &mut out);
@@ -203,8 +203,9 @@ mod tests {
         fn tick(&mut self, now: Instant) -> Vec<(Kind, String)> {
             let mut out: Vec<Record> = Vec::new();
             let (c, seen) = (&mut self.coalesce, &mut self.seen);
-            self.split
-                .release_return(|seg, end| c.segment(seg, end, now, &mut out, seen));
+            self.split.release_return(|seg, end| {
+                c.segment(seg, end, now, &mut out, seen);
+            });
             self.coalesce.tick(now, &mut out);
             out.into_iter()
                 .map(|r| (r.kind, String::from_utf8(r.text).unwrap()))

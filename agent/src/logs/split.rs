@@ -130,7 +130,7 @@ mod tests {
         let mut s = Splitter::default();
         assert_eq!(
             split(&mut s, b"\r 10%\r 20%\r", false),
-            [("".into(), End::Return), (" 10%".into(), End::Return)]
+            [(String::new(), End::Return), (" 10%".into(), End::Return)]
         );
         assert_eq!(s.pending_len(), 5, "a trailing CR waits for a possible LF");
         assert_eq!(
@@ -139,7 +139,7 @@ mod tests {
                 (" 20%".into(), End::Newline),
                 ("100%".into(), End::Newline),
                 ("done".into(), End::Newline),
-                ("".into(), End::Newline)
+                (String::new(), End::Newline)
             ]
         );
         assert_eq!(split(&mut s, b"x\r", true), [("x".into(), End::Return)]);
@@ -171,7 +171,7 @@ mod tests {
             [("ok".into(), End::Newline)]
         );
         s.release_return(|_, _| panic!("nothing held"));
-        assert_eq!(split(&mut s, b"\n", false), [("".into(), End::Newline)]);
+        assert_eq!(split(&mut s, b"\n", false), [(String::new(), End::Newline)]);
     }
 
     #[test]
