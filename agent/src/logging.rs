@@ -1,5 +1,6 @@
 //! The agent's own diagnostics (not the workers' output): `tracing` to stderr, filtered by
-//! `MUSTER_LOG` (else `RUST_LOG`, else `info`), as text or one JSON object per line.
+//! `MUSTER_LOG` (else `RUST_LOG`, else `info`), as text or one JSON record per line (the schema
+//! of [`crate::logs::record`]).
 
 use tracing_subscriber::EnvFilter;
 
@@ -25,6 +26,11 @@ pub fn init(format: LogFormat) {
         .with_target(false);
     let _already_set = match format {
         LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        // The one JSON log schema of the launch form (`crate::logs::record`).
+        LogFormat::Json => builder
+            .event_format(crate::logs::record::JsonEvents::new(
+                crate::launch::short_hostname(),
+            ))
+            .try_init(),
     };
 }

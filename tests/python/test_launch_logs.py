@@ -58,10 +58,10 @@ def test_json_lines():
     rows = [json.loads(l) for l in out.splitlines()]
     assert {(r["rank"], r["local_rank"]) for r in rows} == {(0, 0), (1, 1)}
     assert all(r["stream"] == "stdout" and r["ts"].endswith("Z") and r["host"] for r in rows)
-    assert {"line": "tail-1", "rank": 1}.items() <= next(
-        r for r in rows if r["line"] == "tail-1").items()
+    assert {"msg": "tail-1", "rank": 1, "progress": False, "source": "rank"}.items() <= next(
+        r for r in rows if r["msg"] == "tail-1").items()
     errs = [json.loads(l) for l in err.splitlines() if '"stream"' in l]
-    assert {r["line"] for r in errs} == {"stderr of 0", "stderr of 1"}
+    assert {r["msg"] for r in errs} == {"stderr of 0", "stderr of 1"}
     assert all(r["stream"] == "stderr" for r in errs)
 
 
@@ -76,8 +76,9 @@ def test_log_dir_redirects_tee_and_filter(tmp_path):
     attempt = run_dir / "attempt_0"
     f0 = (attempt / "0" / "stdout.log").read_text()
     f1 = (attempt / "1" / "stdout.log").read_text()
-    assert f0.startswith("r0-00000-") and f0.endswith("tail-0")  # raw, unprefixed
-    assert f1.startswith("r1-00000-") and f1.endswith("tail-1")
+    # Unprefixed lines; the last one, which had no newline, ends with one like the others.
+    assert f0.startswith("r0-00000-") and f0.endswith("\ntail-0\n")
+    assert f1.startswith("r1-00000-") and f1.endswith("\ntail-1\n")
     assert not (attempt / "2" / "stdout.log").exists()
     assert not (attempt / "0" / "stderr.log").exists()
     assert "r0-" not in out  # redirected without tee

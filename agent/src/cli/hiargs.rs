@@ -486,6 +486,9 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let prefix_template = get(low, "log-line-prefix-template")
         .map_or_else(|| DEFAULT_PREFIX_TEMPLATE.to_owned(), |r| r.value.clone());
     let log_dir = get(low, "log-dir").map(|r| PathBuf::from(r.value.trim()));
+    let log_dir_origin = get(low, "log-dir").map_or_else(String::new, |r| r.source.to_string());
+    let progress_interval =
+        parse_duration(low, "progress-interval")?.unwrap_or(crate::logs::DEFAULT_PROGRESS_INTERVAL);
 
     let signals = match get(low, "signals-to-handle") {
         None => SignalPolicy::default(),
@@ -540,6 +543,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             local_ranks_filter,
             prefix_template,
             format,
+            log_dir_origin,
+            progress_interval,
         },
         master_addr: get(low, "master-addr").map(|r| r.value.trim().to_owned()),
         master_port,
@@ -779,6 +784,39 @@ mod tests {
         assert!(err.0.contains("missing the training script"));
         let err = build_with(&["--log-format", "xml", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--log-format"));
+    }
+
+    #[test]
+    fn progress_interval_and_log_dir_origin() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.logs.progress_interval, Duration::from_secs(10));
+        assert_eq!(c.logs.log_dir, None);
+        let c = build_with(
+            &["--progress-interval", "0", "--log-dir", "/l", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.logs.progress_interval, Duration::ZERO);
+        assert_eq!(c.logs.log_dir_origin, "command line");
+        let c = build_with(
+            &["train.py"],
+            &[
+                PATH,
+                ("MUSTER_PROGRESS_INTERVAL", "2.5"),
+                ("MUSTER_LOG_DIR", "/l"),
+            ],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.logs.progress_interval, Duration::from_millis(2500));
+        assert_eq!(c.logs.log_dir_origin, "environment variable MUSTER_LOG_DIR");
+        let err = build_with(&["--progress_interval=-1", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(
+            err.0
+                .contains("invalid --progress-interval `-1` (command line)"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -80,6 +80,7 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     }
     let shutdown = CancellationToken::new();
     let metrics = crate::metrics::Metrics::new();
+    metrics.attach_worker_output(writer.sink().stats());
     // Read once, at start: a Secret that cannot be read is a configuration error, not a job
     // that silently refuses its controller later.
     let checkpoint_token = match config.checkpoint_token_file.as_deref() {
@@ -222,6 +223,32 @@ pub(crate) fn init_tracing(format: LogFormat, sink: LogSink) {
         .with_target(false);
     let _already_set = match format {
         LogFormat::Text => builder.without_time().try_init(),
-        LogFormat::Json => builder.json().try_init(),
+        LogFormat::Json => builder
+            .event_format(logs::record::JsonEvents::new(
+                crate::launch::short_hostname(),
+            ))
+            .try_init(),
     };
+}
+
+/// The log format the launch form asked for, as far as it can be told from `args` (with the
+/// program name) and the environment: for the records written when the launch cannot start.
+/// When the command line itself does not parse, only the environment can say.
+pub fn requested_log_format(args: &[OsString]) -> LogFormat {
+    let env = |name: &str| std::env::var_os(name);
+    let value = match lowargs::parse(args.get(1..).unwrap_or_default(), &env) {
+        Ok(low) => low.values.get("log-format").map(|raw| raw.value.clone()),
+        Err(_) => lowargs::FLAGS
+            .iter()
+            .find(|f| f.name == "log-format")
+            .map(lowargs::env_names)
+            .unwrap_or_default()
+            .iter()
+            .find_map(|name| env(name).filter(|v| !v.is_empty()))
+            .map(|v| v.to_string_lossy().into_owned()),
+    };
+    match value.as_deref().map(str::trim) {
+        Some("json") => LogFormat::Json,
+        _ => LogFormat::Text,
+    }
 }

@@ -71,7 +71,7 @@ pub enum LogFormat {
     /// `<prefix><line>`.
     #[default]
     Text,
-    /// One JSON object per line: `ts`, `host`, `rank`, `local_rank`, `stream`, `line`.
+    /// One JSON object per line, every record in the schema of [`crate::logs::record`].
     Json,
 }
 
@@ -87,6 +87,12 @@ pub struct LogConfig {
     pub local_ranks_filter: Option<BTreeSet<u32>>,
     pub prefix_template: String,
     pub format: LogFormat,
+    /// Where `log_dir` came from (`command line`, `environment variable MUSTER_LOG_DIR`), so
+    /// that an unusable directory is reported like every other bad value.
+    pub log_dir_origin: String,
+    /// `--progress-interval`: at most one progress-bar update per rank and stream this often
+    /// (zero: every update).
+    pub progress_interval: Duration,
 }
 
 impl Default for LogConfig {
@@ -98,6 +104,8 @@ impl Default for LogConfig {
             local_ranks_filter: None,
             prefix_template: DEFAULT_PREFIX_TEMPLATE.to_owned(),
             format: LogFormat::Text,
+            log_dir_origin: String::new(),
+            progress_interval: crate::logs::DEFAULT_PROGRESS_INTERVAL,
         }
     }
 }

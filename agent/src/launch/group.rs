@@ -18,6 +18,7 @@ use nix::unistd::Pid;
 use tokio::net::unix::pipe;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 
 use super::config::{Config, Streams};
 use super::observe::{Event, GroupResult, Phase, Publisher};
@@ -112,7 +113,7 @@ impl WorkerGroupSpec {
             host: self.hostname.clone(),
             rank,
             local_rank,
-            stream: if is_out { "stdout" } else { "stderr" },
+            stream: stream_name(stream),
         })
     }
 
@@ -120,6 +121,15 @@ impl WorkerGroupSpec {
         let logs = &self.config.logs;
         logs.redirects.for_rank(local_rank).contains(stream)
             || logs.tee.for_rank(local_rank).contains(stream)
+    }
+}
+
+/// The `stream` label of a worker pipe.
+fn stream_name(stream: Streams) -> &'static str {
+    if stream == Streams::STDOUT {
+        "stdout"
+    } else {
+        "stderr"
     }
 }
 
@@ -184,6 +194,8 @@ pub async fn run_group(
     let (exits_tx, mut exits) = mpsc::unbounded_channel::<ExitReport>();
     let mut workers: Vec<Worker> = Vec::new();
     let mut pumps = JoinSet::new();
+    // Cancelled when the pumps must give up on pipes that outlive the workers (see `drain`).
+    let pipes_closed = CancellationToken::new();
     let agent = nix::unistd::getpid();
     let mut guard = KillOnDrop {
         pgids: Vec::new(),
@@ -225,7 +237,8 @@ pub async fn run_group(
             ];
             for (stream, fd, file_name) in streams {
                 let Some(fd) = fd else { continue };
-                match start_pump(spec, local_rank, rank, stream, fd, &dir.join(file_name)) {
+                let file = dir.join(file_name);
+                match start_pump(spec, local_rank, rank, stream, fd, &file, &pipes_closed) {
                     Ok(pump) => {
                         pumps.spawn(pump);
                     }
@@ -309,7 +322,7 @@ pub async fn run_group(
     }
     sweep_groups(&workers, config.shutdown_timeout, stop).await;
     guard.armed = false;
-    drain(&mut pumps).await;
+    drain(&mut pumps, &pipes_closed).await;
 
     let outcome = if let Some(f) = failure {
         GroupOutcome::Failed(f)
@@ -342,6 +355,7 @@ fn start_pump(
     stream: Streams,
     fd: OwnedFd,
     file_path: &std::path::Path,
+    closed: &CancellationToken,
 ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
     let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
         what: "cannot watch a worker's output pipe",
@@ -359,8 +373,15 @@ fn start_pump(
     let config = PumpConfig {
         console: spec.console_target(local_rank, rank, stream),
         file,
+        progress_interval: spec.config.logs.progress_interval,
+        counters: spec.logs.stats().stream(rank, stream_name(stream)),
     };
-    Ok(logs::pump(receiver, config, spec.logs.clone()))
+    Ok(logs::pump(
+        receiver,
+        config,
+        spec.logs.clone(),
+        closed.clone(),
+    ))
 }
 
 fn record_exit(
@@ -531,13 +552,26 @@ async fn sweep_groups(workers: &[Worker], grace: Duration, stop: &StopRequest) {
     }
 }
 
-/// Waits for the output pumps to reach end of file, within [`DRAIN_WAIT`].
-async fn drain(pumps: &mut JoinSet<()>) {
-    let all = async { while pumps.join_next().await.is_some() {} };
-    if tokio::time::timeout(DRAIN_WAIT, all).await.is_err() {
+/// Waits for the output pumps to reach end of file, within [`DRAIN_WAIT`]; then tells them to
+/// stop reading, so each still writes what it holds (a bar's last state), and waits a little more.
+async fn drain(pumps: &mut JoinSet<()>, closed: &CancellationToken) {
+    if tokio::time::timeout(DRAIN_WAIT, join_all(pumps))
+        .await
+        .is_err()
+    {
         tracing::debug!("worker output still open after the workers exited; not waiting");
-        pumps.abort_all();
+        closed.cancel();
+        if tokio::time::timeout(DRAIN_WAIT, join_all(pumps))
+            .await
+            .is_err()
+        {
+            pumps.abort_all();
+        }
     }
+}
+
+async fn join_all(pumps: &mut JoinSet<()>) {
+    while pumps.join_next().await.is_some() {}
 }
 
 /// A CPU set from a list of CPU numbers (those beyond what the set can hold are ignored).

@@ -148,6 +148,15 @@ pub enum LaunchError {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// A [`LaunchError::LogDir`] under the directory `--log-dir` named, reported like every
+    /// other bad value: the option, its value, where the value came from.
+    #[error("invalid --log-dir `{}` ({origin}): cannot create {}: {source}", dir.display(), path.display())]
+    LogDirOption {
+        dir: PathBuf,
+        origin: String,
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot start the worker program {program}: {source}")]
     Spawn {
         program: String,
@@ -169,7 +178,9 @@ pub enum LaunchError {
 impl LaunchError {
     pub fn exit_code(&self) -> u8 {
         match self {
-            LaunchError::Config(_) | LaunchError::LogDir { .. } => exit_code::CONFIG_ERROR,
+            LaunchError::Config(_)
+            | LaunchError::LogDir { .. }
+            | LaunchError::LogDirOption { .. } => exit_code::CONFIG_ERROR,
             LaunchError::Spawn { source, .. }
                 if matches!(
                     source.kind(),
@@ -180,6 +191,25 @@ impl LaunchError {
             }
             LaunchError::Coded { code, .. } => *code,
             _ => exit_code::INTERNAL_ERROR,
+        }
+    }
+}
+
+impl LaunchError {
+    /// Names `--log-dir` and the source of its value in a [`LaunchError::LogDir`] about a path
+    /// below it; any other error is returned as it is.
+    #[must_use]
+    pub fn naming_log_dir(self, logs: &config::LogConfig) -> Self {
+        match (self, &logs.log_dir) {
+            (LaunchError::LogDir { path, source }, Some(dir)) if path.starts_with(dir) => {
+                LaunchError::LogDirOption {
+                    dir: dir.clone(),
+                    origin: logs.log_dir_origin.clone(),
+                    path,
+                    source,
+                }
+            }
+            (other, _) => other,
         }
     }
 }
@@ -422,7 +452,7 @@ impl Launch {
             })?;
             (writer.sink(), Some(writer))
         };
-        let run_dir = RunDir::create(&config)?;
+        let run_dir = RunDir::create(&config).map_err(|e| e.naming_log_dir(&config.logs))?;
         if !(config.logs.redirects.is_empty() && config.logs.tee.is_empty()) {
             tracing::info!("worker log files under {}", run_dir.path.display());
         }
@@ -438,12 +468,16 @@ impl Launch {
             rank_cpus,
             rank_env,
         };
-        let result = attempts(&spec, rendezvous.as_mut(), &stop).await;
+        let result = attempts(&spec, rendezvous.as_mut(), &stop)
+            .await
+            .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
             if let GroupOutcome::Failed(f) = &outcome.last {
                 let text = match config.logs.format {
                     config::LogFormat::Text => summary::render(f, outcome.attempts),
-                    config::LogFormat::Json => summary::render_json(f, outcome.attempts),
+                    config::LogFormat::Json => {
+                        summary::render_json(f, outcome.attempts, run_dir.is_kept())
+                    }
                 };
                 sink.agent_line(Console::Stderr, text.into_bytes());
             }
@@ -569,6 +603,13 @@ impl RunDir {
     }
 }
 
+impl RunDir {
+    /// Whether the directory outlives the agent (else its error files go with it).
+    fn is_kept(&self) -> bool {
+        self.remove.is_none()
+    }
+}
+
 impl Drop for RunDir {
     // Also when the launch future is dropped half-way (an embedding caller gave up on it).
     fn drop(&mut self) {
@@ -647,6 +688,33 @@ mod tests {
             .exit_code(),
             exit_code::RENDEZVOUS_TIMEOUT
         );
+    }
+
+    #[test]
+    fn log_dir_errors_name_the_option_and_its_source() {
+        let mut logs = config::LogConfig {
+            log_dir: Some(PathBuf::from("afile")),
+            log_dir_origin: "environment variable MUSTER_LOG_DIR".into(),
+            ..config::LogConfig::default()
+        };
+        let err = || LaunchError::LogDir {
+            path: PathBuf::from("afile/job_abc"),
+            source: std::io::Error::from_raw_os_error(libc::ENOTDIR),
+        };
+        let named = err().naming_log_dir(&logs);
+        assert_eq!(named.exit_code(), exit_code::CONFIG_ERROR);
+        let text = named.to_string();
+        assert!(
+            text.starts_with(
+                "invalid --log-dir `afile` (environment variable MUSTER_LOG_DIR): cannot create afile/job_abc: "
+            ),
+            "{text}"
+        );
+        logs.log_dir = None;
+        assert!(matches!(
+            err().naming_log_dir(&logs),
+            LaunchError::LogDir { .. }
+        ));
     }
 
     fn sh(script: &str, nproc: u32) -> Config {

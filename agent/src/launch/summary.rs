@@ -73,29 +73,44 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
     out
 }
 
-/// The same report as one JSON object on one line (`--log-format json`).
-pub fn render_json(failure: &Failure, attempts: u32) -> String {
+/// The same report as one record of the JSON log schema ([`crate::logs::record`]), event
+/// `root_cause`. `error_file` names the worker's error file only when `files_kept` (the run
+/// directory outlives the agent: `--log-dir`) and the worker wrote one; otherwise the field is
+/// left out, since the agent removes its private run directory when it exits.
+pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String {
     let (exit_code, signal) = match failure.status {
         ExitStatus::Exited(c) => (Some(c), None),
         ExitStatus::Signaled(s) => (None, Some(s.as_str())),
     };
-    let obj = serde_json::json!({
-        "ts": crate::logs::utc_timestamp(std::time::SystemTime::now()),
-        "level": "ERROR",
+    let mut msg = format!(
+        "worker group failed after {attempts} attempt(s); root cause: rank {} (local_rank {}, pid {}) {}",
+        failure.rank, failure.local_rank, failure.pid, failure.status
+    );
+    if let Some(first) = failure.message.as_deref().and_then(|m| m.lines().next()) {
+        msg.push_str(": ");
+        msg.push_str(first);
+    }
+    let serde_json::Value::Object(mut extra) = serde_json::json!({
         "event": "root_cause",
         "attempts": attempts,
-        "time": crate::logs::utc_timestamp(failure.at),
-        "host": failure.host,
+        "failed_at": crate::logs::utc_timestamp(failure.at),
         "rank": failure.rank,
         "local_rank": failure.local_rank,
         "pid": failure.pid,
         "exit_code": exit_code,
         "signal": signal,
         "agent_exit_code": failure.status.exit_code(),
-        "message": failure.message,
-        "error_file": failure.error_file.to_string_lossy(),
-    });
-    format!("{obj}\n")
+        "error": failure.message,
+    }) else {
+        unreachable!("a json! object literal is an object")
+    };
+    if files_kept && failure.error_file.is_file() {
+        extra.insert(
+            "error_file".into(),
+            failure.error_file.to_string_lossy().into(),
+        );
+    }
+    crate::logs::record::agent_record("ERROR", &failure.host, &msg, extra)
 }
 
 #[cfg(test)]
@@ -149,5 +164,54 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("signal SIGSEGV (11)"), "{text}");
+    }
+
+    #[test]
+    fn json_summary_names_only_an_error_file_that_stays() {
+        let dir = std::env::temp_dir().join(format!("muster-summary-json-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let error_file = dir.join("error.json");
+        std::fs::write(&error_file, "{}").unwrap();
+        let f = Failure {
+            host: "node-0".into(),
+            local_rank: 1,
+            rank: 5,
+            pid: 42,
+            status: ExitStatus::Exited(3),
+            at: UNIX_EPOCH,
+            error_file: error_file.clone(),
+            message: Some("ValueError: boom\nmore".into()),
+        };
+        let parse = |kept| -> serde_json::Value {
+            serde_json::from_str(&render_json(&f, 2, kept)).unwrap()
+        };
+        let v = parse(false);
+        assert_eq!(v["event"], "root_cause");
+        assert_eq!(
+            (v["source"].as_str(), v["level"].as_str()),
+            (Some("agent"), Some("ERROR"))
+        );
+        assert_eq!(
+            (v["rank"].as_u64(), v["exit_code"].as_i64()),
+            (Some(5), Some(3))
+        );
+        assert_eq!(v["error"], "ValueError: boom\nmore");
+        assert!(
+            v["msg"]
+                .as_str()
+                .unwrap()
+                .ends_with("exit code 3: ValueError: boom"),
+            "{v}"
+        );
+        assert!(
+            v.get("error_file").is_none(),
+            "the private run directory is removed at exit"
+        );
+        assert_eq!(
+            parse(true)["error_file"],
+            error_file.to_string_lossy().as_ref()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(parse(true).get("error_file").is_none(), "no file, no field");
     }
 }

@@ -1,5 +1,10 @@
-//! Worker output: pipes read directly, split into lines, prefixed (or JSON-encoded) and written to
-//! the console by one writer thread, plus torchrun's per-rank log files.
+//! Worker output: pipes read directly, split into lines, progress-bar updates coalesced, prefixed
+//! (or JSON-encoded in the one schema of [`record`]) and written to the console by one writer
+//! thread, plus torchrun's per-rank log files.
+//!
+//! The pieces: [`split`] cuts bytes into segments, [`ansi`] reduces terminal escapes,
+//! [`progress`] keeps one progress update per interval, [`reader`] is the per-pipe task that
+//! drives them, [`stats`] counts what each rank wrote.
 //!
 //! Why one writer: every line reaches the agent's stdout/stderr in a single `write_all` from a
 //! single thread, so two ranks (or a rank and the agent's own messages) can never interleave
@@ -8,8 +13,13 @@
 //! wait on a byte budget ([`MAX_BUFFERED_BYTES`]) instead, which pushes back on the workers just
 //! as a pipe would without a launcher, while signals and exits keep being handled.
 
+mod ansi;
 mod prefix;
+mod progress;
 mod reader;
+pub mod record;
+mod split;
+pub mod stats;
 
 use std::io::Write;
 use std::sync::Arc;
@@ -19,11 +29,14 @@ use tokio::sync::{mpsc, Semaphore};
 
 pub use prefix::{render_template, utc_timestamp};
 pub use reader::{pump, LineTarget, PumpConfig};
+pub use stats::{OutputStats, StreamCounters};
 
 /// A line longer than this without a newline is emitted in pieces of this size.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
 /// Worker bytes that may wait for the console writer before readers stop reading their pipes.
 pub const MAX_BUFFERED_BYTES: usize = 4 * 1024 * 1024;
+/// Default `--progress-interval`: a bar's state every 10 s is plenty in a pod log.
+pub const DEFAULT_PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Which of the agent's streams a line goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,6 +67,7 @@ enum Msg {
 pub struct LogSink {
     tx: mpsc::UnboundedSender<Msg>,
     budget: Arc<Semaphore>,
+    stats: Arc<OutputStats>,
 }
 
 /// The writer thread; [`LogWriter::finish`] drains and stops it.
@@ -101,7 +115,11 @@ pub fn start() -> std::io::Result<LogWriter> {
             let _ = stdout.lock().flush();
         })?;
     Ok(LogWriter {
-        sink: LogSink { tx, budget },
+        sink: LogSink {
+            tx,
+            budget,
+            stats: Arc::default(),
+        },
         thread: Some(thread),
     })
 }
@@ -122,6 +140,11 @@ impl LogWriter {
 }
 
 impl LogSink {
+    /// What every rank wrote through this sink, for the metrics.
+    pub fn stats(&self) -> Arc<OutputStats> {
+        Arc::clone(&self.stats)
+    }
+
     async fn reserve(&self, len: usize) -> u32 {
         let n = len.min(MAX_BUFFERED_BYTES) as u32;
         if let Ok(permit) = self.budget.acquire_many(n).await {

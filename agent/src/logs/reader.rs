@@ -1,14 +1,20 @@
-//! One task per worker pipe: read whatever arrives, copy it raw to the rank's log file, and cut
-//! it into lines for the console. A line is emitted when its newline arrives, when it reaches
-//! [`super::MAX_LINE_BYTES`], or at end of file (a last line without a newline still shows).
+//! One task per worker pipe: read whatever arrives, cut it into segments ([`super::split`]),
+//! coalesce progress updates ([`super::progress`]), and write the records to the console
+//! (prefixed text or JSON) and to the rank's log file. Counts what the rank wrote.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use tokio::io::AsyncReadExt;
 use tokio::net::unix::pipe;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-use super::{Console, LogSink, MAX_LINE_BYTES};
+use super::progress::{Coalescer, Emit, Kind, Seen};
+use super::split::Splitter;
+use super::stats::StreamCounters;
+use super::{Console, LogSink};
 use crate::launch::config::LogFormat;
 
 /// How a pipe's lines reach the console.
@@ -30,88 +36,131 @@ pub struct PumpConfig {
     /// `None` when the stream is redirected without tee, or filtered by `--local-ranks-filter`.
     pub console: Option<LineTarget>,
     pub file: Option<Arc<std::fs::File>>,
+    /// `--progress-interval`: at most one progress update per interval (zero: every one).
+    pub progress_interval: Duration,
+    /// Where the bytes, lines and progress updates of this pipe are counted.
+    pub counters: Arc<StreamCounters>,
 }
 
 impl LineTarget {
-    fn encode(&self, line: &[u8], out: &mut Vec<u8>) {
+    /// Appends one record as the console shows it; `ts` is the JSON timestamp.
+    fn encode(&self, kind: Kind, text: &[u8], ts: &str, out: &mut Vec<u8>) {
         match self.format {
             LogFormat::Text => {
                 out.extend_from_slice(self.prefix.as_bytes());
-                out.extend_from_slice(line);
+                out.extend_from_slice(text);
                 out.push(b'\n');
             }
-            LogFormat::Json => {
-                let obj = serde_json::json!({
-                    "ts": super::utc_timestamp(SystemTime::now()),
-                    "host": self.host,
-                    "rank": self.rank,
-                    "local_rank": self.local_rank,
-                    "stream": self.stream,
-                    "line": String::from_utf8_lossy(line),
-                });
-                out.extend_from_slice(obj.to_string().as_bytes());
-                out.push(b'\n');
-            }
+            LogFormat::Json => super::record::rank_line(
+                ts,
+                &self.host,
+                self.rank,
+                self.local_rank,
+                self.stream,
+                kind == Kind::Progress,
+                text,
+                out,
+            ),
         }
     }
 }
 
-/// Splits complete lines off the front of `pending` into `out` (encoded), keeping any partial
-/// line; with `eof`, the partial line is emitted too. Pure, so it is unit-tested directly.
-///
-/// A line ends at `\n`, `\r\n`, or a lone `\r`: progress bars (tqdm) redraw with `\r` and
-/// would otherwise show nothing until they finish; in a pod log each redraw becomes a line.
-/// Empty segments between carriage returns are dropped.
-pub fn take_lines(pending: &mut Vec<u8>, target: &LineTarget, eof: bool, out: &mut Vec<u8>) {
-    let mut start = 0;
-    loop {
-        let rest = &pending[start..];
-        let window = &rest[..rest.len().min(MAX_LINE_BYTES)];
-        let Some(at) = window.iter().position(|&b| b == b'\n' || b == b'\r') else {
-            if rest.len() >= MAX_LINE_BYTES || (eof && !rest.is_empty()) {
-                target.encode(window, out);
-                start += window.len();
-                continue;
-            }
-            break;
-        };
-        let consumed = match (rest[at], rest.get(at + 1)) {
-            (b'\n', _) => at + 1,
-            (_, Some(b'\n')) => at + 2,
-            // A `\r` at the very end: a `\n` may follow in the next read.
-            (_, None) if !eof => break,
-            _ => at + 1,
-        };
-        let lone_cr = rest[at] == b'\r' && rest.get(at + 1) != Some(&b'\n');
-        if !(lone_cr && at == 0) {
-            target.encode(&rest[..at], out);
-        }
-        start += consumed;
-    }
-    pending.drain(..start);
+/// The records of one batch (one read, one timer tick), encoded straight into the buffers of
+/// the console and the file.
+struct Batch<'a> {
+    console: Option<&'a LineTarget>,
+    console_out: Vec<u8>,
+    file_out: Option<Vec<u8>>,
+    /// The JSON timestamp, taken once per batch: every line of one read arrived together.
+    ts: Option<String>,
 }
 
-/// Reads `pipe` until end of file, sending lines to the console and raw bytes to the file.
-pub async fn pump(mut pipe: pipe::Receiver, config: PumpConfig, sink: LogSink) {
+impl Emit for Batch<'_> {
+    fn record(&mut self, kind: Kind, text: &[u8]) {
+        if let Some(target) = self.console {
+            let ts = match (&self.ts, target.format) {
+                (Some(ts), _) => ts.as_str(),
+                (None, LogFormat::Text) => "",
+                (None, LogFormat::Json) => self
+                    .ts
+                    .insert(super::utc_timestamp(SystemTime::now()))
+                    .as_str(),
+            };
+            target.encode(kind, text, ts, &mut self.console_out);
+        }
+        if let Some(file) = &mut self.file_out {
+            file.extend_from_slice(text);
+            file.push(b'\n');
+        }
+    }
+}
+
+/// Reads `pipe` until end of file (or until `closed` is cancelled: the workers are gone but
+/// something still holds the pipe open), writing its records to the console and the file.
+pub async fn pump(
+    mut pipe: pipe::Receiver,
+    config: PumpConfig,
+    sink: LogSink,
+    closed: CancellationToken,
+) {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut pending: Vec<u8> = Vec::new();
+    let mut splitter = Splitter::default();
+    let mut coalescer = Coalescer::new(config.progress_interval);
     loop {
-        let n = match pipe.read(&mut buf).await {
-            Ok(0) | Err(_) => 0,
-            Ok(n) => n,
+        let now = Instant::now();
+        // A day stands for "no deadline": the branch below is then never taken.
+        let deadline = coalescer
+            .deadline(now, splitter.holds_return())
+            .unwrap_or(now + Duration::from_secs(86_400));
+        let mut seen = Seen::default();
+        let mut batch = Batch {
+            console: config.console.as_ref(),
+            console_out: Vec::new(),
+            file_out: config.file.as_ref().map(|_| Vec::new()),
+            ts: None,
         };
-        let eof = n == 0;
-        if let Some(file) = &config.file {
-            if !eof {
-                sink.write_file(file.clone(), buf[..n].to_vec()).await;
+        let eof = tokio::select! {
+            read = pipe.read(&mut buf) => {
+                let n = read.unwrap_or(0);
+                let now = Instant::now();
+                config.counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                splitter.push(&buf[..n], n == 0, |seg, end| {
+                    coalescer.segment(seg, end, now, &mut batch, &mut seen);
+                });
+                n == 0
             }
+            () = tokio::time::sleep_until(deadline) => {
+                let now = Instant::now();
+                splitter.release_return(|seg, end| {
+                    coalescer.segment(seg, end, now, &mut batch, &mut seen);
+                });
+                coalescer.tick(now, &mut batch);
+                false
+            }
+            () = closed.cancelled() => {
+                splitter.push(&[], true, |seg, end| {
+                    coalescer.segment(seg, end, now, &mut batch, &mut seen);
+                });
+                true
+            }
+        };
+        if eof {
+            coalescer.flush(Instant::now(), &mut batch);
         }
-        if let Some(target) = &config.console {
-            pending.extend_from_slice(&buf[..n]);
-            let mut out = Vec::new();
-            take_lines(&mut pending, target, eof, &mut out);
+        config
+            .counters
+            .lines
+            .fetch_add(seen.lines, Ordering::Relaxed);
+        config
+            .counters
+            .progress
+            .fetch_add(seen.progress, Ordering::Relaxed);
+        if let (Some(target), false) = (&config.console, batch.console_out.is_empty()) {
+            sink.write(target.console, batch.console_out).await;
+        }
+        if let (Some(file), Some(out)) = (&config.file, batch.file_out) {
             if !out.is_empty() {
-                sink.write(target.console, out).await;
+                sink.write_file(file.clone(), out).await;
             }
         }
         if eof {
@@ -137,60 +186,29 @@ mod tests {
     }
 
     #[test]
-    fn whole_lines_only_until_eof() {
+    fn text_records_are_prefixed_whatever_their_kind() {
         let t = target(LogFormat::Text);
-        let mut pending = b"a\nbc\r\nde".to_vec();
         let mut out = Vec::new();
-        take_lines(&mut pending, &t, false, &mut out);
-        assert_eq!(out, b"[h:1] a\n[h:1] bc\n");
-        assert_eq!(pending, b"de");
-        out.clear();
-        take_lines(&mut pending, &t, true, &mut out);
-        assert_eq!(out, b"[h:1] de\n");
-        assert!(pending.is_empty());
+        t.encode(Kind::Line, b"a", "", &mut out);
+        t.encode(Kind::Progress, b" 50%", "", &mut out);
+        assert_eq!(out, b"[h:1] a\n[h:1]  50%\n");
     }
 
     #[test]
-    fn carriage_returns_end_lines() {
-        let t = target(LogFormat::Text);
-        let mut pending = b"\r 10%\r 20%\r".to_vec();
-        let mut out = Vec::new();
-        take_lines(&mut pending, &t, false, &mut out);
-        assert_eq!(out, b"[h:1]  10%\n");
-        assert_eq!(pending, b" 20%\r", "a trailing CR waits for a possible LF");
-        pending.extend_from_slice(b"\n100%\r\ndone\n\n");
-        out.clear();
-        take_lines(&mut pending, &t, false, &mut out);
-        assert_eq!(out, b"[h:1]  20%\n[h:1] 100%\n[h:1] done\n[h:1] \n");
-        assert!(pending.is_empty());
-    }
-
-    #[test]
-    fn long_lines_are_cut_at_the_bound() {
-        let t = target(LogFormat::Text);
-        let mut pending = vec![b'x'; MAX_LINE_BYTES + 10];
-        let mut out = Vec::new();
-        take_lines(&mut pending, &t, false, &mut out);
-        assert_eq!(out.len(), 6 + MAX_LINE_BYTES + 1);
-        assert_eq!(pending.len(), 10);
-        let mut pending = vec![b'y'; MAX_LINE_BYTES + 3];
-        pending.push(b'\n');
-        out.clear();
-        take_lines(&mut pending, &t, false, &mut out);
-        assert_eq!(String::from_utf8_lossy(&out).lines().count(), 2);
-        assert!(pending.is_empty());
-    }
-
-    #[test]
-    fn json_lines() {
+    fn json_records_mark_progress() {
         let t = target(LogFormat::Json);
-        let mut pending = b"caf\xc3\xa9 \"q\"\n".to_vec();
         let mut out = Vec::new();
-        take_lines(&mut pending, &t, false, &mut out);
+        t.encode(
+            Kind::Progress,
+            b"caf\xc3\xa9 \"q\"",
+            "2026-11-30T12:38:23.123Z",
+            &mut out,
+        );
         let v: serde_json::Value = serde_json::from_slice(&out[..out.len() - 1]).unwrap();
-        assert_eq!(v["line"], "café \"q\"");
+        assert_eq!(v["msg"], "café \"q\"");
         assert_eq!(v["rank"], 1);
         assert_eq!(v["stream"], "stdout");
-        assert!(v["ts"].as_str().unwrap().ends_with('Z'));
+        assert_eq!(v["progress"], true);
+        assert_eq!(v["ts"], "2026-11-30T12:38:23.123Z");
     }
 }

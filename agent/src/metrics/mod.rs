@@ -32,6 +32,7 @@ mod conns;
 mod http;
 mod live;
 pub mod script;
+mod output;
 mod store;
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -416,6 +417,7 @@ struct Inner {
     names: Vec<String>,
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
+    output: Arc<output::OutputCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     restart_cause: Mutex<Option<RestartCause>>,
     readiness: AtomicU8,
@@ -542,6 +544,8 @@ impl Metrics {
         defs.add(live::LiveCollector::new(Arc::clone(&live)));
         let store = Arc::new(store::StoreCollector::new());
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
+        let output = Arc::new(output::OutputCollector::new());
+        defs.add(output::SharedOutputCollector(Arc::clone(&output)));
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -711,6 +715,7 @@ impl Metrics {
             ),
             live,
             store,
+            output,
             checkpoint_tx: Mutex::new(None),
             restart_cause: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
@@ -1091,6 +1096,14 @@ impl Metrics {
     /// A shutdown started that must finish by `deadline`; the remaining budget counts down.
     pub fn grace_deadline(&self, deadline: Instant) {
         self.inner.live.set_grace_deadline(Some(deadline));
+    }
+
+    // ---- worker output ------------------------------------------------------------------------
+
+    /// Exports what each rank wrote (`muster_worker_output_*`), read from the log pumps'
+    /// counters at every scrape.
+    pub fn attach_worker_output(&self, stats: Arc<crate::logs::OutputStats>) {
+        self.inner.output.attach(stats);
     }
 
     // ---- store --------------------------------------------------------------------------------
