@@ -21,6 +21,8 @@
 //! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: SIGTERM/SIGINT → cancellation for the simple subcommands.
+//! - [`scratch`]: where muster's own files go (`--tmp-dir`, `$TMPDIR`, `/tmp`, `/dev/shm`) on a
+//!   possibly read-only root filesystem.
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
@@ -35,6 +37,7 @@ pub mod logging;
 pub mod logs;
 pub mod metrics;
 pub mod node;
+pub mod scratch;
 pub mod signals;
 pub mod store_cmd;
 pub mod sys;

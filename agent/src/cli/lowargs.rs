@@ -112,6 +112,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
     value("numa-binding", "node", "Pin each local rank to the CPUs of its GPU's NUMA node (GPUs in PCI bus order)"),
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
+    value("tmp-dir", "DIR", "Where muster writes its own files (checkpoint helper, error files) (default: first writable of $TMPDIR, /tmp, /dev/shm; none: do without)"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

@@ -139,15 +139,26 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
-    let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
-        .context("cannot set up the checkpoint barrier")?;
+    let preemption = match Preemption::start(launch.config(), launch.observer(), shutdown.clone())
+    {
+        Ok(preemption) => preemption,
+        Err(e) => {
+            // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
+            writer.finish();
+            return Err(Exit::config(format!("cannot set up the checkpoint barrier: {e}")).into());
+        }
+    };
     launch = launch
-        .with_worker_env(
-            checkpoint::local::SOCKET_ENV,
-            preemption.socket().as_os_str(),
-        )
-        .with_worker_env("PYTHONPATH", preemption.python_path())
+        .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .on_terminate(preemption.terminate_hook());
+    match preemption.python_path() {
+        Some(path) => launch = launch.with_worker_env("PYTHONPATH", path),
+        None => tracing::warn!(
+            "no writable directory for muster's files (tried {}): `import muster_checkpoint` works only where the script ships the helper (without it SIGTERM is forwarded to the workers) and workers get no TORCHELASTIC_ERROR_FILE; {}",
+            crate::scratch::describe_candidates(launch.config().tmp_dir.as_deref()),
+            crate::scratch::FIX
+        ),
+    }
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
     let run = launch.run(shutdown.clone());
     let result = crate::metrics::agent::serve_checkpoint_requests(&metrics, run, |reason| {

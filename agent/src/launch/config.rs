@@ -197,6 +197,9 @@ pub struct Config {
     pub preempted_exit_code: u8,
     /// `--numa-binding node`: pin each local rank to its GPU's NUMA-local CPUs.
     pub numa_binding: bool,
+    /// `--tmp-dir`: where muster's own files go (checkpoint helper, error files); `None`: the
+    /// first writable of `$TMPDIR`, `/tmp`, `/dev/shm` (see [`crate::scratch`]).
+    pub tmp_dir: Option<PathBuf>,
 }
 
 impl Config {
@@ -233,6 +236,7 @@ impl Config {
             grace_period: None,
             preempted_exit_code: 0,
             numa_binding: false,
+            tmp_dir: None,
         }
     }
 }
