@@ -53,6 +53,8 @@ pub fn candidates(tmp_dir: Option<&Path>, tmpdir_env: Option<OsString>) -> Vec<P
 #[derive(Debug)]
 pub struct ScratchDir {
     path: PathBuf,
+    /// The candidate it was made in.
+    base: PathBuf,
 }
 
 impl ScratchDir {
@@ -68,7 +70,12 @@ impl ScratchDir {
                 rand::random::<u32>()
             ));
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
-                Ok(()) => return Ok(Some(ScratchDir { path })),
+                Ok(()) => {
+                    return Ok(Some(ScratchDir {
+                        path,
+                        base: base.clone(),
+                    }))
+                }
                 Err(source) if tmp_dir.is_some() => {
                     return Err(ScratchError {
                         base: base.clone(),
@@ -87,6 +94,43 @@ impl ScratchDir {
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// The directory this one was made in (`--tmp-dir`, `$TMPDIR`, `/tmp` or `/dev/shm`).
+    pub fn base(&self) -> &Path {
+        &self.base
+    }
+}
+
+/// The `TMPDIR` to give the workers, if they need one: `Some(base)` when neither the agent's
+/// `$TMPDIR` nor `/tmp` is writable (Python's `tempfile` tries only those and the working
+/// directory, and `import torch._dynamo` — any DDP script — needs it), `base` being a directory
+/// muster could write in. `writable` probes a directory.
+pub fn workers_tmpdir(
+    base: &Path,
+    tmpdir_env: Option<OsString>,
+    writable: &dyn Fn(&Path) -> bool,
+) -> Option<PathBuf> {
+    let own = tmpdir_env.filter(|v| !v.is_empty()).map(PathBuf::from);
+    let usable = |dir: &Path| dir == base || writable(dir);
+    if own.as_deref().is_some_and(usable) || usable(Path::new(FALLBACKS[0])) {
+        return None;
+    }
+    Some(base.to_owned())
+}
+
+/// Whether a directory takes a new entry (by making and removing one: permission bits do not tell
+/// about read-only mounts).
+pub fn is_writable(dir: &Path) -> bool {
+    let probe = dir.join(format!(
+        ".muster-probe-{}-{:08x}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    let made = std::fs::DirBuilder::new().mode(0o700).create(&probe).is_ok();
+    if made {
+        let _ = std::fs::remove_dir(&probe);
+    }
+    made
 }
 
 impl Drop for ScratchDir {
@@ -141,12 +185,33 @@ mod tests {
     }
 
     #[test]
+    fn workers_get_tmpdir_only_when_neither_theirs_nor_tmp_is_writable() {
+        let shm = Path::new("/dev/shm");
+        let none = |_: &Path| false;
+        let only_tmp = |p: &Path| p == Path::new("/tmp");
+        // A read-only root where muster fell back to /dev/shm.
+        assert_eq!(workers_tmpdir(shm, None, &none), Some(shm.to_owned()));
+        assert_eq!(workers_tmpdir(shm, Some("/ro".into()), &none), Some(shm.to_owned()));
+        // /tmp works: Python finds it by itself.
+        assert_eq!(workers_tmpdir(shm, None, &only_tmp), None);
+        // The agent's TMPDIR is what muster used: the workers inherit it.
+        assert_eq!(workers_tmpdir(Path::new("/x"), Some("/x".into()), &none), None);
+        assert_eq!(workers_tmpdir(Path::new("/tmp"), None, &none), None);
+        // --tmp-dir on a read-only root.
+        let scratch = Path::new("/scratch");
+        assert_eq!(workers_tmpdir(scratch, None, &none), Some(scratch.to_owned()));
+    }
+
+    #[test]
     fn an_explicit_dir_is_private_and_removed_on_drop() {
         let base = std::env::temp_dir().join(format!("muster-scratch-test-{}", std::process::id()));
         std::fs::create_dir_all(&base).unwrap();
         let dir = ScratchDir::create(Some(&base), "t-").unwrap().unwrap();
         let path = dir.path().to_owned();
         assert!(path.starts_with(&base));
+        assert_eq!(dir.base(), base);
+        assert!(is_writable(&base));
+        assert!(!is_writable(&base.join("missing")));
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o700);
         std::fs::write(path.join("f"), b"x").unwrap();

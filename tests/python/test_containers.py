@@ -427,16 +427,15 @@ def printed_records(logs: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("dev_shm", ["with-dev-shm", "ipc-none"])
-def test_hardened_pod_without_a_writable_mount_trains(job, caps, dev_shm):
+def test_hardened_pod_without_a_writable_mount_trains(job, caps):
     """`--read-only --user 65534:65534 --cap-drop ALL --security-opt no-new-privileges` and no
-    writable mount (every volume read-only): 2 ranks train DDP on gloo and muster exits 0.
-    `ipc-none` also takes away Docker's /dev/shm, so muster has nowhere at all to write: it says so
-    in one warning line naming the fix, and still starts (before #21: 206, "Read-only file system")."""
+    writable mount (every volume read-only): 2 ranks train DDP on gloo and muster exits 0 (before
+    #21: 206, "Read-only file system"). The one writable place is Docker's (and every pod's)
+    /dev/shm: muster keeps its files there and gives the workers TMPDIR=/dev/shm, without which
+    `import torch._dynamo` (DDP) fails on a read-only /tmp."""
     caps.require("launch")
-    extra = HARDENED + (("--ipc", "none") if dev_shm == "ipc-none" else ())
     c = job.run(0, ["--standalone", "--nproc-per-node", str(NPROC), f"{SCRIPTS}/train.py",
-                    "--shared", "-", "--steps", "3"], docker_args=extra, shared=False)
+                    "--shared", "-", "--steps", "3"], docker_args=HARDENED, shared=False)
     code = c.wait(timeout=180)
     logs = c.logs()
     assert code == 0, f"exit {code}:\n{logs}"
@@ -447,13 +446,35 @@ def test_hardened_pod_without_a_writable_mount_trains(job, caps, dev_shm):
     assert len({round(d["checksum"], 4) for d in done}) == 1
     starts = [records[f"start-a0-r{r}.json"] for r in range(NPROC)]
     assert {(s["uid"], s["gid"]) for s in starts} == {(65534, 65534)}, starts
-    warnings = [line for line in logs.splitlines() if NO_WRITABLE in line]
-    if dev_shm == "ipc-none":
-        assert len(warnings) == 1, logs
-        assert "emptyDir" in warnings[0] and "/tmp" in warnings[0], warnings[0]
-    else:
-        assert not warnings, f"/dev/shm is writable here:\n{logs}"
+    assert {s["tmpdir"] for s in starts} == {"/dev/shm"}, starts
+    assert NO_WRITABLE not in logs, logs
     assert "Read-only file system" not in logs and "internal error" not in logs.lower(), logs
+
+
+# Without torch: with nothing writable at all, PyTorch itself cannot import (see above).
+REPORT = ("import os; print('REPORT', os.environ['RANK'], os.getuid(), "
+          "os.environ.get('MUSTER_CHECKPOINT_SOCKET'), os.environ.get('TMPDIR'), "
+          "os.environ.get('TORCHELASTIC_ERROR_FILE'))")
+
+
+def test_hardened_pod_with_nothing_writable_starts_and_says_what_it_does_without(job, caps):
+    """The same hardening plus `--ipc none` (no /dev/shm either): nowhere to write at all. muster
+    still starts its 2 workers (abstract checkpoint socket, no helper, no error file, no TMPDIR)
+    and exits 0, with one warning line that names the fix."""
+    caps.require("launch")
+    c = job.run(0, ["--standalone", "--nproc-per-node", str(NPROC), "--no-python", job.python,
+                    "-c", REPORT], docker_args=HARDENED + ("--ipc", "none"), shared=False)
+    code = c.wait(timeout=120)
+    logs = c.logs()
+    assert code == 0, f"exit {code}:\n{logs}"
+    reports = sorted(l.split("REPORT ", 1)[1].split() for l in logs.splitlines() if "REPORT " in l)
+    assert [r[0] for r in reports] == [str(r) for r in range(NPROC)], logs
+    for _rank, uid, sock, tmpdir, errfile in reports:
+        assert uid == "65534" and sock.startswith("@muster-ckpt-"), logs
+        assert tmpdir == "None" and errfile == "None", logs
+    warnings = [line for line in logs.splitlines() if NO_WRITABLE in line]
+    assert len(warnings) == 1, logs
+    assert "emptyDir" in warnings[0] and "/tmp" in warnings[0], warnings[0]
 
 
 def test_hardened_pod_with_an_emptydir_at_tmp_checkpoints_on_sigterm(job, caps):

@@ -143,6 +143,11 @@ impl Preemption {
         self.helper_dir.as_ref().map(ScratchDir::path)
     }
 
+    /// Where the helper's directory was made (a directory muster found writable).
+    pub fn writable_base(&self) -> Option<&Path> {
+        self.helper_dir.as_ref().map(ScratchDir::base)
+    }
+
     /// The workers' `PYTHONPATH`: the helper's directory first, then what the agent was given;
     /// `None` when there is no helper directory (the agent's own `PYTHONPATH` passes through).
     pub fn python_path(&self) -> Option<std::ffi::OsString> {

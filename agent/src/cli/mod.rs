@@ -151,6 +151,19 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     launch = launch
         .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .on_terminate(preemption.terminate_hook());
+    if let Some(dir) = preemption.writable_base().and_then(|base| {
+        crate::scratch::workers_tmpdir(
+            base,
+            std::env::var_os("TMPDIR"),
+            &crate::scratch::is_writable,
+        )
+    }) {
+        tracing::info!(
+            "/tmp is not writable: the workers get TMPDIR={} (PyTorch needs a temporary directory)",
+            dir.display()
+        );
+        launch = launch.with_worker_env("TMPDIR", dir);
+    }
     match preemption.python_path() {
         Some(path) => launch = launch.with_worker_env("PYTHONPATH", path),
         None => tracing::warn!(

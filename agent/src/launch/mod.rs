@@ -656,6 +656,14 @@ mod tests {
             LaunchError::Config("x".into()).exit_code(),
             exit_code::CONFIG_ERROR
         );
+        // Environment errors (a directory that cannot be made) are the user's to fix: 202.
+        let tmp = LaunchError::TmpDir {
+            path: "/ro/muster_x".into(),
+            source: std::io::Error::from(std::io::ErrorKind::ReadOnlyFilesystem),
+        };
+        assert_eq!(tmp.exit_code(), exit_code::CONFIG_ERROR);
+        assert!(tmp.to_string().contains("/ro/muster_x"));
+        assert!(tmp.to_string().contains("emptyDir"));
         assert_eq!(
             LaunchError::Coded {
                 code: exit_code::RENDEZVOUS_TIMEOUT,

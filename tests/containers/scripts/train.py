@@ -61,7 +61,7 @@ env_keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"]
 record(f"start-a{attempt}-r{rank}.json",
        {"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
-        "uid": os.getuid(), "gid": os.getgid(),
+        "uid": os.getuid(), "gid": os.getgid(), "tmpdir": os.environ.get("TMPDIR"),
         "env": {k: os.environ.get(k) for k in env_keys}})
 
 if args.orphans:
