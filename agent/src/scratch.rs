@@ -61,7 +61,10 @@ impl ScratchDir {
     /// Creates `<base>/<prefix><pid>-<random>` in the first candidate that takes it (see
     /// [`candidates`]). `Ok(None)`: no candidate is writable (the caller does without);
     /// `Err`: the `--tmp-dir` the user named is not usable.
-    pub fn create(tmp_dir: Option<&Path>, prefix: &str) -> Result<Option<ScratchDir>, ScratchError> {
+    pub fn create(
+        tmp_dir: Option<&Path>,
+        prefix: &str,
+    ) -> Result<Option<ScratchDir>, ScratchError> {
         let tried = candidates(tmp_dir, std::env::var_os("TMPDIR"));
         for base in &tried {
             let path = base.join(format!(
@@ -126,7 +129,10 @@ pub fn is_writable(dir: &Path) -> bool {
         std::process::id(),
         rand::random::<u32>()
     ));
-    let made = std::fs::DirBuilder::new().mode(0o700).create(&probe).is_ok();
+    let made = std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&probe)
+        .is_ok();
     if made {
         let _ = std::fs::remove_dir(&probe);
     }
@@ -181,7 +187,10 @@ mod tests {
             candidates(None, Some(OsString::new())),
             ["/tmp", "/dev/shm"].map(PathBuf::from)
         );
-        assert_eq!(candidates(None, None), ["/tmp", "/dev/shm"].map(PathBuf::from));
+        assert_eq!(
+            candidates(None, None),
+            ["/tmp", "/dev/shm"].map(PathBuf::from)
+        );
     }
 
     #[test]
@@ -191,15 +200,24 @@ mod tests {
         let only_tmp = |p: &Path| p == Path::new("/tmp");
         // A read-only root where muster fell back to /dev/shm.
         assert_eq!(workers_tmpdir(shm, None, &none), Some(shm.to_owned()));
-        assert_eq!(workers_tmpdir(shm, Some("/ro".into()), &none), Some(shm.to_owned()));
+        assert_eq!(
+            workers_tmpdir(shm, Some("/ro".into()), &none),
+            Some(shm.to_owned())
+        );
         // /tmp works: Python finds it by itself.
         assert_eq!(workers_tmpdir(shm, None, &only_tmp), None);
         // The agent's TMPDIR is what muster used: the workers inherit it.
-        assert_eq!(workers_tmpdir(Path::new("/x"), Some("/x".into()), &none), None);
+        assert_eq!(
+            workers_tmpdir(Path::new("/x"), Some("/x".into()), &none),
+            None
+        );
         assert_eq!(workers_tmpdir(Path::new("/tmp"), None, &none), None);
         // --tmp-dir on a read-only root.
         let scratch = Path::new("/scratch");
-        assert_eq!(workers_tmpdir(scratch, None, &none), Some(scratch.to_owned()));
+        assert_eq!(
+            workers_tmpdir(scratch, None, &none),
+            Some(scratch.to_owned())
+        );
     }
 
     #[test]
@@ -225,7 +243,10 @@ mod tests {
         let missing = Path::new("/proc/definitely/not/writable");
         let err = ScratchDir::create(Some(missing), "t-").unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("--tmp-dir /proc/definitely/not/writable"), "{text}");
+        assert!(
+            text.contains("--tmp-dir /proc/definitely/not/writable"),
+            "{text}"
+        );
         assert!(text.contains("emptyDir"), "{text}");
     }
 }

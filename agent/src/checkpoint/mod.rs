@@ -393,12 +393,7 @@ mod tests {
     }
 
     /// A worker that steps every `period` and follows the helper protocol.
-    async fn fake_worker(
-        address: String,
-        local_rank: u32,
-        period: Duration,
-        behaviour: Behaviour,
-    ) {
+    async fn fake_worker(address: String, local_rank: u32, period: Duration, behaviour: Behaviour) {
         if matches!(behaviour, Behaviour::NoHelper) {
             return;
         }

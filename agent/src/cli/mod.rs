@@ -139,8 +139,7 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
-    let preemption = match Preemption::start(launch.config(), launch.observer(), shutdown.clone())
-    {
+    let preemption = match Preemption::start(launch.config(), launch.observer(), shutdown.clone()) {
         Ok(preemption) => preemption,
         Err(e) => {
             // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
@@ -164,13 +163,14 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
         );
         launch = launch.with_worker_env("TMPDIR", dir);
     }
-    match preemption.python_path() {
-        Some(path) => launch = launch.with_worker_env("PYTHONPATH", path),
-        None => tracing::warn!(
+    if let Some(path) = preemption.python_path() {
+        launch = launch.with_worker_env("PYTHONPATH", path);
+    } else {
+        tracing::warn!(
             "no writable directory for muster's files (tried {}): `import muster_checkpoint` works only where the script ships the helper (without it SIGTERM is forwarded to the workers) and workers get no TORCHELASTIC_ERROR_FILE; {}",
             crate::scratch::describe_candidates(launch.config().tmp_dir.as_deref()),
             crate::scratch::FIX
-        ),
+        );
     }
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
     let run = launch.run(shutdown.clone());

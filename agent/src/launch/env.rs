@@ -87,7 +87,9 @@ mod tests {
     fn ranks_and_torchelastic_values() {
         let mut c = Config::for_program("/bin/true", vec![], 4);
         c.max_restarts = 3;
-        let env = worker_env(&c, &assignment(), 3, Some(Path::new("/l/e.json")), &|_| None);
+        let env = worker_env(&c, &assignment(), 3, Some(Path::new("/l/e.json")), &|_| {
+            None
+        });
         assert_eq!(get(&env, "RANK"), Some("7"));
         assert_eq!(get(&env, "LOCAL_RANK"), Some("3"));
         assert_eq!(get(&env, "GROUP_RANK"), Some("1"));

@@ -207,11 +207,17 @@ pub async fn run_group(
         // All or nothing: when this rank or one of its log pumps cannot start, the ranks
         // already started must not run without it.
         let failed: Option<LaunchError> = 'start: {
-            let (mut child, error_file) =
-                match spawn_worker(spec, assignment, dir.as_deref(), local_rank, agent, &exits_tx) {
-                    Ok(spawned) => spawned,
-                    Err(err) => break 'start Some(err),
-                };
+            let (mut child, error_file) = match spawn_worker(
+                spec,
+                assignment,
+                dir.as_deref(),
+                local_rank,
+                agent,
+                &exits_tx,
+            ) {
+                Ok(spawned) => spawned,
+                Err(err) => break 'start Some(err),
+            };
             let pid = child.pid;
             guard.pgids.push(Pid::from_raw(pid as i32));
             workers.push(Worker {
@@ -236,7 +242,14 @@ pub async fn run_group(
             ];
             for (stream, fd, file_name) in streams {
                 let Some(fd) = fd else { continue };
-                match start_pump(spec, local_rank, rank, stream, fd, dir.as_ref().map(|d| d.join(file_name))) {
+                match start_pump(
+                    spec,
+                    local_rank,
+                    rank,
+                    stream,
+                    fd,
+                    dir.as_ref().map(|d| d.join(file_name)),
+                ) {
                     Ok(pump) => {
                         pumps.spawn(pump);
                     }

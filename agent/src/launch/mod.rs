@@ -575,7 +575,8 @@ impl RunDir {
                 _scratch: None,
             });
         }
-        let Some(scratch) = crate::scratch::ScratchDir::create(config.tmp_dir.as_deref(), "muster_")?
+        let Some(scratch) =
+            crate::scratch::ScratchDir::create(config.tmp_dir.as_deref(), "muster_")?
         else {
             tracing::debug!("no writable directory: the workers get no TORCHELASTIC_ERROR_FILE");
             return Ok(RunDir {
