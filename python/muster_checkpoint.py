@@ -11,7 +11,8 @@ muster put it on the workers' PYTHONPATH (it does). Five lines in a training loo
             if ckpt.saved(step): break             # True: the gang committed (or gave up): stop
 
 How it works: the agent (muster, PID 1 of the pod) listens on a Unix socket named in
-MUSTER_CHECKPOINT_SOCKET. `should_save` reports the step (one small non-blocking send) and reads,
+MUSTER_CHECKPOINT_SOCKET: "@name" is a Linux abstract socket (no file: the agent needs no
+writable directory for it, so it works on a read-only root filesystem), anything else a path. `should_save` reports the step (one small non-blocking send) and reads,
 without blocking, whether the agent has pushed a save request. When a pod is preempted, the
 agents agree on a target step T that every rank can still reach and push it to every worker;
 each rank saves at T and `saved` reports it and waits until the agents have counted every rank
@@ -34,6 +35,14 @@ SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
 
 # How long `saved` waits for the agent's verdict when the agent gave no deadline.
 _DEFAULT_VERDICT_WAIT_S = 600.0
+
+
+def _address(value):
+    """The socket address of a MUSTER_CHECKPOINT_SOCKET value: "@name" is the abstract name
+    (the kernel's leading NUL byte cannot travel in an environment variable), else a path."""
+    if value.startswith("@"):
+        return "\0" + value[1:]
+    return value
 
 
 class Checkpointer:
@@ -123,7 +132,7 @@ class Checkpointer:
     def _connect(self):
         try:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(self._path)
+            sock.connect(_address(self._path))
             sock.setblocking(False)
         except OSError:
             # No agent listening: behave as a no-op rather than break training.

@@ -22,6 +22,8 @@
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
 //!   SIGTERM/SIGINT → cancellation for the simple subcommands.
+//! - [`scratch`]: where muster's own files go (`--tmp-dir`, `$TMPDIR`, `/tmp`, `/dev/shm`) on a
+//!   possibly read-only root filesystem.
 #![deny(unsafe_code)]
 
 pub mod checkpoint;
@@ -36,6 +38,7 @@ pub mod logging;
 pub mod logs;
 pub mod metrics;
 pub mod node;
+pub mod scratch;
 pub mod signals;
 pub mod store_cmd;
 pub mod sys;

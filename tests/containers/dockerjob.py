@@ -249,10 +249,13 @@ class Job:
         return f"{self.pod(index)}.{self.name}-headless"
 
     def run(self, index: int, args: list[str], *, entrypoint: str | None = None,
-            env: dict | None = None, stop_timeout: int = 10) -> Container:
+            env: dict | None = None, stop_timeout: int = 10, docker_args: tuple = (),
+            shared: bool = True) -> Container:
         """Starts pod `index` detached. `args` follow the image's ENTRYPOINT (muster) unless
         `entrypoint` replaces it. A container of the same name is replaced, as Kubernetes replaces
-        a pod (same name, same DNS record, new IP possibly)."""
+        a pod (same name, same DNS record, new IP possibly). `docker_args` are extra `docker run`
+        options (a pod's securityContext and volumes: `--read-only`, `--user`, `--tmpfs`, ...);
+        `shared=False` leaves out the writable job directory (every mount is then read-only)."""
         name = self.pod(index)
         docker("rm", "-f", name, check=False)
         full_env = {
@@ -268,7 +271,8 @@ class Job:
             "--stop-timeout", str(stop_timeout),
             *self._python_volumes(),
             "-v", f"{REPO / 'examples'}:{EXAMPLES_IN_CONTAINER}:ro",
-            "-v", f"{self.shared}:{SHARED_IN_CONTAINER}",
+            *(["-v", f"{self.shared}:{SHARED_IN_CONTAINER}"] if shared else []),
+            *docker_args,
         ]
         for key, value in full_env.items():
             cmd += ["-e", f"{key}={value}"]

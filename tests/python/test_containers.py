@@ -429,3 +429,102 @@ def test_docker_kill_of_a_non_host_pod_restarts_the_gang(job, caps):
     (job.shared / "release").touch()
     for i, c in job.containers.items():
         assert c.wait(timeout=120) == 0, f"pod {i}:\n{job.dump_logs()}"
+
+
+# --- hardened pods: read-only root, non-root user, no capabilities (issue #21) ---------------------
+
+# A pod under the "restricted" Pod Security Standard plus readOnlyRootFilesystem, as docker runs it.
+HARDENED = ("--read-only", "--user", "65534:65534", "--cap-drop", "ALL",
+            "--security-opt", "no-new-privileges")
+# What the logs say when muster found no writable directory (one line, naming the fix).
+NO_WRITABLE = "no writable directory for muster's files"
+RECORD = re.compile(r"RECORD (\S+) (\{.*\})$")
+
+
+def printed_records(logs: str) -> dict:
+    """The `RECORD <name> <json>` lines of train.py --shared - (muster prefixes each line)."""
+    out = {}
+    for line in logs.splitlines():
+        m = RECORD.search(line)
+        if m:
+            out[m.group(1)] = json.loads(m.group(2))
+    return out
+
+
+def test_hardened_pod_without_a_writable_mount_trains(job, caps):
+    """`--read-only --user 65534:65534 --cap-drop ALL --security-opt no-new-privileges` and no
+    writable mount (every volume read-only): 2 ranks train DDP on gloo and muster exits 0 (before
+    #21: 206, "Read-only file system"). The one writable place is Docker's (and every pod's)
+    /dev/shm: muster keeps its files there and gives the workers TMPDIR=/dev/shm, without which
+    `import torch._dynamo` (DDP) fails on a read-only /tmp."""
+    caps.require("launch")
+    c = job.run(0, ["--standalone", "--nproc-per-node", str(NPROC), f"{SCRIPTS}/train.py",
+                    "--shared", "-", "--steps", "3"], docker_args=HARDENED, shared=False)
+    code = c.wait(timeout=180)
+    logs = c.logs()
+    assert code == 0, f"exit {code}:\n{logs}"
+    records = printed_records(logs)
+    done = [records.get(f"done-a0-r{r}.json") for r in range(NPROC)]
+    assert all(done), f"not every rank finished:\n{logs}"
+    assert {d["all_reduce"] for d in done} == {NPROC * (NPROC + 1) / 2}
+    assert len({round(d["checksum"], 4) for d in done}) == 1
+    starts = [records[f"start-a0-r{r}.json"] for r in range(NPROC)]
+    assert {(s["uid"], s["gid"]) for s in starts} == {(65534, 65534)}, starts
+    assert {s["tmpdir"] for s in starts} == {"/dev/shm"}, starts
+    assert NO_WRITABLE not in logs, logs
+    assert "Read-only file system" not in logs and "internal error" not in logs.lower(), logs
+
+
+# Without torch: with nothing writable at all, PyTorch itself cannot import (see above).
+REPORT = ("import os; print('REPORT', os.environ['RANK'], os.getuid(), "
+          "os.environ.get('MUSTER_CHECKPOINT_SOCKET'), os.environ.get('TMPDIR'), "
+          "os.environ.get('TORCHELASTIC_ERROR_FILE'))")
+
+
+def test_hardened_pod_with_nothing_writable_starts_and_says_what_it_does_without(job, caps):
+    """The same hardening plus `--ipc none` (no /dev/shm either): nowhere to write at all. muster
+    still starts its 2 workers (abstract checkpoint socket, no helper, no error file, no TMPDIR)
+    and exits 0, with one warning line that names the fix."""
+    caps.require("launch")
+    c = job.run(0, ["--standalone", "--nproc-per-node", str(NPROC), "--no-python", job.python,
+                    "-c", REPORT], docker_args=HARDENED + ("--ipc", "none"), shared=False)
+    code = c.wait(timeout=120)
+    logs = c.logs()
+    assert code == 0, f"exit {code}:\n{logs}"
+    reports = sorted(l.split("REPORT ", 1)[1].split() for l in logs.splitlines() if "REPORT " in l)
+    assert [r[0] for r in reports] == [str(r) for r in range(NPROC)], logs
+    for _rank, uid, sock, tmpdir, errfile in reports:
+        assert uid == "65534" and sock.startswith("@muster-ckpt-"), logs
+        assert tmpdir == "None" and errfile == "None", logs
+    warnings = [line for line in logs.splitlines() if NO_WRITABLE in line]
+    assert len(warnings) == 1, logs
+    assert "emptyDir" in warnings[0] and "/tmp" in warnings[0], warnings[0]
+
+
+def test_hardened_pod_with_an_emptydir_at_tmp_checkpoints_on_sigterm(job, caps):
+    """The same hardening, `/dev/shm` taken away, and only a tmpfs at /tmp (what an `emptyDir` at
+    /tmp gives a pod): muster puts the checkpoint helper there, so examples/train_checkpoint.py
+    imports it; `docker stop` becomes a committed checkpoint of both ranks at one step and exit 200
+    (`--preempted-exit-code 200`, given explicitly) inside the grace period."""
+    caps.require("launch", "preemption")
+    grace = 30
+    script = f"{dockerjob.EXAMPLES_IN_CONTAINER}/train_checkpoint.py"
+    c = job.run(0, ["--standalone", "--nproc-per-node", str(NPROC), "--grace-period", str(grace),
+                    "--preempted-exit-code", "200", script, "--steps", "100000",
+                    "--ckpt-dir", "/tmp/ckpt", "--step-seconds", "0.05"],
+                docker_args=HARDENED + ("--ipc", "none", "--tmpfs", "/tmp:rw,mode=1777"),
+                shared=False, stop_timeout=grace)
+    try:
+        wait_until(lambda: "step 20 " in c.logs() or not c.running(), timeout=240, interval=0.5,
+                   what="training to reach step 20")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{c.logs()}") from None
+    assert c.running(), f"exited early:\n{c.logs()}"
+    took = c.stop(grace=grace)
+    assert took < grace, f"needed the SIGKILL ({took:.1f}s):\n{c.logs()}"
+    code = c.wait(timeout=30)
+    logs = c.logs()
+    assert code == 200, f"exit {code}:\n{logs}"
+    committed = re.findall(r"checkpoint at step (\d+): committed", logs)
+    assert len(committed) == NPROC and len(set(committed)) == 1, logs
+    assert NO_WRITABLE not in logs, logs

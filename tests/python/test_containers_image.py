@@ -126,6 +126,11 @@ def test_dockerfile_runtime_contract(dockerfile):
     text = " ".join(f"{w} {a}" for w, a in instructions).lower()
     for init in ("tini", "dumb-init"):
         assert init not in text, f"muster is the init; {init} must not be installed"
+    # Non-root by default, numerically (Kubernetes' runAsNonRoot cannot resolve a name).
+    users = [args for word, args in runtime if word == "USER"]
+    assert users, "the runtime stage must set a non-root USER (docker/README.md)"
+    uid = users[-1].split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]}: not a numeric non-root user"
     # The offline test image follows the same contract.
     build_sh = (REPO / "docker" / "test-image" / "build.sh").read_text()
     assert "ENTRYPOINT [\"/usr/local/bin/muster\"]" in build_sh

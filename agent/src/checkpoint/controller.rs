@@ -15,7 +15,7 @@
 //! Whatever goes wrong on the way (no store reachable, no attempt running yet) degrades to the
 //! plain stop torchrun would do: the hook must never leave a signalled agent running.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -27,10 +27,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::barrier::Request;
-use super::local::LocalChannel;
+use super::local::{BindError, LocalChannel};
 use super::{Outcome, Settings, DEFAULT_NOTIFY_LATENCY};
 use crate::exit_code;
 use crate::launch::{Config, Event, Observer, RankAssignment, StopRequest, TerminateHook};
+use crate::scratch::{ScratchDir, ScratchError};
 
 /// Kept back from the grace period for stopping and reaping after the deadline: the barrier's
 /// deadline is `grace − margin`, so the agent exits before Kubernetes' SIGKILL.
@@ -54,10 +55,34 @@ struct Local {
 /// The worker-side helper, shipped inside the binary and put on the workers' `PYTHONPATH`.
 const PYTHON_HELPER: &str = include_str!("../../../python/muster_checkpoint.py");
 
+/// The helper's file name: what `import muster_checkpoint` finds on the workers' `PYTHONPATH`.
+const HELPER_FILE: &str = "muster_checkpoint.py";
+
+/// Why the barrier could not be set up: all of them are the environment's doing (exit 202).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Scratch(#[from] ScratchError),
+    #[error("cannot write the checkpoint helper {}: {source}; give --tmp-dir a writable directory (e.g. an emptyDir volume)", path.display())]
+    Helper {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Socket(#[from] BindError),
+}
+
+impl exit_code::Coded for StartError {
+    fn exit_code(&self) -> u8 {
+        exit_code::CONFIG_ERROR
+    }
+}
+
 /// Handle to the running controller.
 pub struct Preemption {
-    dir: PathBuf,
-    socket: PathBuf,
+    /// The directory holding the helper; `None`: nowhere was writable, the workers go without it.
+    helper_dir: Option<ScratchDir>,
+    socket: String,
     triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
     outcome: Arc<Mutex<Option<Outcome>>>,
     preempted_exit_code: u8,
@@ -71,8 +96,11 @@ pub fn budget(grace: Duration) -> Duration {
 }
 
 impl Preemption {
-    /// Creates a private directory holding the workers' socket and the Python helper (so
-    /// `import muster_checkpoint` works in every worker), and starts the controller.
+    /// Listens for the workers on an abstract socket (no file), writes the Python helper into a
+    /// private directory where one can be made (so `import muster_checkpoint` works in every
+    /// worker; see [`crate::scratch`]), and starts the controller. Without a writable directory
+    /// the barrier still runs for scripts that vendor the helper; the others get the signal
+    /// forwarded, as for any script that does not use the helper.
     ///
     /// `observer` must be taken from the launch before it runs; `shutdown` is the token the
     /// launch runs under (cancelling it stops the workers on nodes that were not signalled).
@@ -80,17 +108,10 @@ impl Preemption {
         config: &Config,
         observer: Observer,
         shutdown: CancellationToken,
-    ) -> std::io::Result<Preemption> {
-        // Short and private: a Unix socket path is limited to 107 bytes.
-        let dir = std::env::temp_dir().join(format!(
-            "muster-{}-{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("muster_checkpoint.py"), PYTHON_HELPER)?;
-        let channel = LocalChannel::bind(&dir, &shutdown)?;
-        let socket = channel.path().to_owned();
+    ) -> Result<Preemption, StartError> {
+        let helper_dir = write_helper(config.tmp_dir.as_deref())?;
+        let channel = LocalChannel::bind(&shutdown)?;
+        let socket = channel.address().to_owned();
         let (triggers, trigger_rx) = mpsc::unbounded_channel();
         let outcome = Arc::new(Mutex::new(None));
         let grace = config.grace_period.unwrap_or(config.shutdown_timeout);
@@ -103,7 +124,7 @@ impl Preemption {
         };
         let task = tokio::spawn(controller.run(observer, trigger_rx));
         Ok(Preemption {
-            dir,
+            helper_dir,
             socket,
             triggers,
             outcome,
@@ -112,19 +133,30 @@ impl Preemption {
         })
     }
 
-    /// The path to export as `MUSTER_CHECKPOINT_SOCKET`.
-    pub fn socket(&self) -> &std::path::Path {
+    /// The address to export as `MUSTER_CHECKPOINT_SOCKET` (`@name`, an abstract socket).
+    pub fn socket(&self) -> &str {
         &self.socket
     }
 
-    /// The workers' `PYTHONPATH`: the helper's directory first, then what the agent was given.
-    pub fn python_path(&self) -> std::ffi::OsString {
-        let mut path = self.dir.clone().into_os_string();
+    /// The directory holding `muster_checkpoint.py`, if one could be written.
+    pub fn helper_dir(&self) -> Option<&Path> {
+        self.helper_dir.as_ref().map(ScratchDir::path)
+    }
+
+    /// Where the helper's directory was made (a directory muster found writable).
+    pub fn writable_base(&self) -> Option<&Path> {
+        self.helper_dir.as_ref().map(ScratchDir::base)
+    }
+
+    /// The workers' `PYTHONPATH`: the helper's directory first, then what the agent was given;
+    /// `None` when there is no helper directory (the agent's own `PYTHONPATH` passes through).
+    pub fn python_path(&self) -> Option<std::ffi::OsString> {
+        let mut path = self.helper_dir()?.as_os_str().to_owned();
         if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
             path.push(":");
             path.push(existing);
         }
-        path
+        Some(path)
     }
 
     /// The launch's terminate hook: SIGTERM becomes a checkpoint request.
@@ -174,8 +206,27 @@ impl Preemption {
 
 impl Drop for Preemption {
     fn drop(&mut self) {
+        // The helper's directory goes with `helper_dir`.
         self.task.abort();
-        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Writes the helper into a fresh private directory (see [`crate::scratch`]). `Ok(None)`: no
+/// writable place, or the one found could not take the file; only a `--tmp-dir` the user named
+/// is an error.
+fn write_helper(tmp_dir: Option<&Path>) -> Result<Option<ScratchDir>, StartError> {
+    let Some(dir) = ScratchDir::create(tmp_dir, "muster-")? else {
+        return Ok(None);
+    };
+    let path = dir.path().join(HELPER_FILE);
+    match std::fs::write(&path, PYTHON_HELPER) {
+        Ok(()) => Ok(Some(dir)),
+        Err(source) if tmp_dir.is_some() => Err(StartError::Helper { path, source }),
+        Err(err) => {
+            // A full tmpfs, say: going without the helper beats not starting.
+            warn!("cannot write {}: {err}", path.display());
+            Ok(None)
+        }
     }
 }
 

@@ -1,6 +1,11 @@
-//! The agent's end of the local channel to its workers: a Unix stream socket whose path the
+//! The agent's end of the local channel to its workers: a Unix stream socket whose address the
 //! workers find in `MUSTER_CHECKPOINT_SOCKET`, speaking the newline-delimited words of
 //! `python/muster_checkpoint.py`.
+//!
+//! The socket lives in Linux's abstract namespace (written `@name`): it is no file, so the agent
+//! starts on a read-only root filesystem, and it disappears with the agent. The namespace belongs
+//! to the network namespace (the pod), so the name carries the agent's pid and a random part:
+//! several agents in one network namespace (`muster dry-run`, tests) never collide.
 //!
 //! Workers report their step on every training step; the agent keeps only the latest step and
 //! when it arrived (for the target-step agreement and for metrics) and forwards the rare
@@ -8,7 +13,7 @@
 //! worker: the agent reads continuously and pushes at most a few lines per checkpoint.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::os::linux::net::SocketAddrExt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -19,8 +24,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-/// Environment variable naming the socket, read by the Python helper.
+/// Environment variable naming the socket, read by the Python helper: `@name` for an abstract
+/// socket (what the agent exports), else a file path (a helper may be pointed at one by hand).
 pub const SOCKET_ENV: &str = "MUSTER_CHECKPOINT_SOCKET";
+
+/// How [`SOCKET_ENV`] marks an abstract address (the notation of `ss`, systemd and Go): the
+/// kernel's leading NUL byte cannot travel in an environment variable.
+pub const ABSTRACT_PREFIX: char = '@';
 
 /// A worker line longer than this is a broken or foreign client: its connection is closed.
 const MAX_LINE_BYTES: usize = 1024;
@@ -70,7 +80,8 @@ struct Links {
 
 /// The listening socket and what the connected workers reported.
 pub struct LocalChannel {
-    path: PathBuf,
+    /// `@name`, as exported in [`SOCKET_ENV`].
+    address: String,
     links: Arc<Mutex<Links>>,
     events: mpsc::UnboundedReceiver<WorkerEvent>,
     stop: CancellationToken,
@@ -81,15 +92,26 @@ fn lock(links: &Mutex<Links>) -> MutexGuard<'_, Links> {
 }
 
 impl LocalChannel {
-    /// Listens on `dir/checkpoint.sock` (replacing a stale socket file) until `shutdown`.
-    pub fn bind(dir: &Path, shutdown: &CancellationToken) -> std::io::Result<LocalChannel> {
-        std::fs::create_dir_all(dir)?;
-        let path = dir.join("checkpoint.sock");
-        match std::fs::remove_file(&path) {
-            Err(err) if err.kind() != std::io::ErrorKind::NotFound => return Err(err),
-            _ => {}
-        }
-        let listener = UnixListener::bind(&path)?;
+    /// Listens on a fresh abstract address, `@muster-ckpt-<pid>-<random>`, until `shutdown`.
+    pub fn bind(shutdown: &CancellationToken) -> Result<LocalChannel, BindError> {
+        let name = format!(
+            "muster-ckpt-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        );
+        Self::bind_abstract(&name, shutdown)
+    }
+
+    /// Listens on the abstract address `@name` until `shutdown`.
+    pub fn bind_abstract(
+        name: &str,
+        shutdown: &CancellationToken,
+    ) -> Result<LocalChannel, BindError> {
+        let address = format!("{ABSTRACT_PREFIX}{name}");
+        let listener = listen_abstract(name).map_err(|source| BindError {
+            address: address.clone(),
+            source,
+        })?;
         let links = Arc::new(Mutex::new(Links::default()));
         let (events_tx, events) = mpsc::unbounded_channel();
         let stop = shutdown.child_token();
@@ -100,16 +122,16 @@ impl LocalChannel {
             stop.clone(),
         ));
         Ok(LocalChannel {
-            path,
+            address,
             links,
             events,
             stop,
         })
     }
 
-    /// The socket path to export as [`SOCKET_ENV`].
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// The address to export as [`SOCKET_ENV`]: `@name`.
+    pub fn address(&self) -> &str {
+        &self.address
     }
 
     /// Local ranks currently connected.
@@ -152,8 +174,38 @@ impl LocalChannel {
 
 impl Drop for LocalChannel {
     fn drop(&mut self) {
+        // Closing the listener frees the abstract name; there is no file to remove.
         self.stop.cancel();
-        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The checkpoint socket could not be bound.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot listen on the checkpoint socket {address} (an abstract Unix socket: no file, scoped to the pod's network namespace): {source}")]
+pub struct BindError {
+    pub address: String,
+    #[source]
+    pub source: std::io::Error,
+}
+
+fn listen_abstract(name: &str) -> std::io::Result<UnixListener> {
+    let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+    let listener = std::os::unix::net::UnixListener::bind_addr(&addr)?;
+    listener.set_nonblocking(true)?;
+    UnixListener::from_std(listener)
+}
+
+/// Connects to an address as [`SOCKET_ENV`] gives it (`@name` or a path): the worker's end, for
+/// tests and tools written in Rust.
+pub async fn connect(address: &str) -> std::io::Result<UnixStream> {
+    match address.strip_prefix(ABSTRACT_PREFIX) {
+        Some(name) => {
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes())?;
+            let stream = std::os::unix::net::UnixStream::connect_addr(&addr)?;
+            stream.set_nonblocking(true)?;
+            UnixStream::from_std(stream)
+        }
+        None => UnixStream::connect(address).await,
     }
 }
 
@@ -359,13 +411,13 @@ mod tests {
     use super::*;
 
     async fn worker(
-        path: &Path,
+        address: &str,
         rank: u32,
     ) -> (
         BufReader<tokio::net::unix::OwnedReadHalf>,
         tokio::net::unix::OwnedWriteHalf,
     ) {
-        let stream = UnixStream::connect(path).await.unwrap();
+        let stream = connect(address).await.unwrap();
         let (r, mut w) = stream.into_split();
         w.write_all(format!("hello {rank} {rank} 1\n").as_bytes())
             .await
@@ -385,11 +437,11 @@ mod tests {
 
     #[tokio::test]
     async fn steps_are_tracked_and_events_forwarded() {
-        let dir = std::env::temp_dir().join(format!("muster-local-test-{}", std::process::id()));
         let stop = CancellationToken::new();
-        let mut channel = LocalChannel::bind(&dir, &stop).unwrap();
-        let (mut r0, mut w0) = worker(channel.path(), 0).await;
-        let (_r1, mut w1) = worker(channel.path(), 1).await;
+        let mut channel = LocalChannel::bind(&stop).unwrap();
+        assert!(channel.address().starts_with("@muster-ckpt-"));
+        let (mut r0, mut w0) = worker(channel.address(), 0).await;
+        let (_r1, mut w1) = worker(channel.address(), 1).await;
         w0.write_all(b"step 4\nstep 5\n").await.unwrap();
         w1.write_all(b"step 5\n").await.unwrap();
         settle(|| {
@@ -433,11 +485,10 @@ mod tests {
 
     #[tokio::test]
     async fn garbage_closes_only_that_connection() {
-        let dir = std::env::temp_dir().join(format!("muster-local-garbage-{}", std::process::id()));
         let stop = CancellationToken::new();
-        let channel = LocalChannel::bind(&dir, &stop).unwrap();
-        let (_r, mut w) = worker(channel.path(), 0).await;
-        let mut bad = UnixStream::connect(channel.path()).await.unwrap();
+        let channel = LocalChannel::bind(&stop).unwrap();
+        let (_r, mut w) = worker(channel.address(), 0).await;
+        let mut bad = connect(channel.address()).await.unwrap();
         bad.write_all(&[b'x'; 4096]).await.unwrap();
         bad.write_all(b"\n").await.unwrap();
         w.write_all(b"step 1\n").await.unwrap();
@@ -455,6 +506,34 @@ mod tests {
         )
         .await;
         assert!(closed.is_ok(), "the oversized client was disconnected");
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn agents_in_one_network_namespace_get_distinct_names_and_a_taken_one_is_named() {
+        let stop = CancellationToken::new();
+        let a = LocalChannel::bind(&stop).unwrap();
+        let b = LocalChannel::bind(&stop).unwrap();
+        assert_ne!(a.address(), b.address());
+        let name = a.address().trim_start_matches(ABSTRACT_PREFIX).to_owned();
+        let err = LocalChannel::bind_abstract(&name, &stop)
+            .err()
+            .expect("the name is taken");
+        assert_eq!(err.source.kind(), std::io::ErrorKind::AddrInUse);
+        assert!(err.to_string().contains(a.address()), "{err}");
+        // Dropping the channel frees the name (no file is left behind to clean up).
+        drop(a);
+        let mut again = None;
+        for _ in 0..200 {
+            match LocalChannel::bind_abstract(&name, &stop) {
+                Ok(channel) => {
+                    again = Some(channel);
+                    break;
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+        assert!(again.is_some(), "the name was not freed");
         stop.cancel();
     }
 }

@@ -377,11 +377,9 @@ async fn read_verdict(
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
-    use std::path::PathBuf;
 
     use rendezvous::store::server::{Config, Server};
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    use tokio::net::UnixStream;
 
     use super::*;
 
@@ -395,11 +393,11 @@ mod tests {
     }
 
     /// A worker that steps every `period` and follows the helper protocol.
-    async fn fake_worker(path: PathBuf, local_rank: u32, period: Duration, behaviour: Behaviour) {
+    async fn fake_worker(address: String, local_rank: u32, period: Duration, behaviour: Behaviour) {
         if matches!(behaviour, Behaviour::NoHelper) {
             return;
         }
-        let stream = UnixStream::connect(&path).await.unwrap();
+        let stream = local::connect(&address).await.unwrap();
         let (read, mut write) = stream.into_split();
         let mut lines = BufReader::new(read).lines();
         write
@@ -466,11 +464,10 @@ mod tests {
         let run_id = format!("test-{}", rand::random::<u32>());
         let mut nodes = Vec::new();
         for node in 0..nnodes {
-            let dir = std::env::temp_dir().join(format!("muster-ckpt-{run_id}-{node}"));
-            let channel = LocalChannel::bind(&dir, &stop).unwrap();
+            let channel = LocalChannel::bind(&stop).unwrap();
             for rank in 0..nproc {
                 tokio::spawn(fake_worker(
-                    channel.path().to_owned(),
+                    channel.address().to_owned(),
                     rank,
                     period,
                     behaviour(node, rank),

@@ -560,6 +560,9 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             .map(|r| PathBuf::from(r.value.trim()))
             .filter(|p| !p.as_os_str().is_empty()),
         warnings,
+        tmp_dir: get(low, "tmp-dir")
+            .map(|r| PathBuf::from(r.value.trim()))
+            .filter(|p| !p.as_os_str().is_empty()),
     })
 }
 
@@ -872,6 +875,16 @@ mod tests {
         assert_eq!(parse_seconds("3s"), Some(Duration::from_secs(3)));
         assert_eq!(parse_seconds("1m"), Some(Duration::from_secs(60)));
         assert_eq!(parse_seconds("-1"), None);
+    }
+
+    #[test]
+    fn tmp_dir_from_the_flag_or_muster_tmp_dir() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.tmp_dir, None);
+        let c = build_with(&["--tmp-dir", "/scratch", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.tmp_dir, Some(PathBuf::from("/scratch")));
+        let c = build_with(&["train.py"], &[PATH, ("MUSTER_TMP_DIR", "/e")], 0).unwrap();
+        assert_eq!(c.tmp_dir, Some(PathBuf::from("/e")));
     }
 
     #[test]

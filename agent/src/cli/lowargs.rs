@@ -114,6 +114,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 200). WARNING: with 0 a preempted pod is Succeeded, which a Job, JobSet, PyTorchJob or Volcano Job counts as finished work: the job can end Complete with training unfinished"),
     value("checkpoint-token-file", "PATH", "A file (a mounted Secret) holding a bearer token that lets a non-loopback caller POST /checkpoint; without it only loopback may"),
     value("progress-interval", "SECS", "At most one progress-bar update (a `\\r`-terminated segment) per rank and stream this often; 0 writes every update (default 10)"),
+    value("tmp-dir", "DIR", "Where muster writes its own files (checkpoint helper, error files) (default: first writable of $TMPDIR, /tmp, /dev/shm; none: do without)"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

@@ -169,18 +169,50 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             }
         }
     }
-    let preemption = Preemption::start(launch.config(), launch.observer(), shutdown.clone())
-        .context("cannot set up the checkpoint barrier")?;
+    let preemption = match Preemption::start(launch.config(), launch.observer(), shutdown.clone()) {
+        Ok(preemption) => preemption,
+        Err(e) => {
+            // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
+            writer.finish();
+            return Err(Exit::config(format!("cannot set up the checkpoint barrier: {e}")).into());
+        }
+    };
     launch = launch
-        .with_worker_env(
-            checkpoint::local::SOCKET_ENV,
-            preemption.socket().as_os_str(),
-        )
-        .with_worker_env("PYTHONPATH", preemption.python_path())
+        .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .on_terminate(preemption.terminate_hook());
-    let script_metrics = crate::metrics::script::attach(endpoint.local_addr(), &metrics);
+    if let Some(dir) = preemption.writable_base().and_then(|base| {
+        crate::scratch::workers_tmpdir(
+            base,
+            std::env::var_os("TMPDIR"),
+            &crate::scratch::is_writable,
+        )
+    }) {
+        tracing::info!(
+            "/tmp is not writable: the workers get TMPDIR={} (PyTorch needs a temporary directory)",
+            dir.display()
+        );
+        launch = launch.with_worker_env("TMPDIR", dir);
+    }
+    let python_path = preemption.python_path();
+    if python_path.is_none() {
+        tracing::warn!(
+            "no writable directory for muster's files (tried {}): `import muster_checkpoint` works only where the script ships the helper (without it SIGTERM is forwarded to the workers) and workers get no TORCHELASTIC_ERROR_FILE; {}",
+            crate::scratch::describe_candidates(launch.config().tmp_dir.as_deref()),
+            crate::scratch::FIX
+        );
+    }
+    let script_metrics = crate::metrics::script::attach(
+        endpoint.local_addr(),
+        &metrics,
+        preemption.writable_base(),
+    );
     if let Some(script) = &script_metrics {
-        launch = script.plug_into(launch, &preemption.python_path());
+        let inherited = python_path
+            .or_else(|| std::env::var_os("PYTHONPATH"))
+            .unwrap_or_default();
+        launch = script.plug_into(launch, &inherited);
+    } else if let Some(path) = python_path {
+        launch = launch.with_worker_env("PYTHONPATH", path);
     }
     let launch = crate::metrics::agent::instrument(launch, &metrics, &endpoint, &shutdown);
     metrics.advance_readiness(if hosts_rendezvous {

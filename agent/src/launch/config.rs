@@ -213,6 +213,9 @@ pub struct Config {
     /// Settings the command line gave that another one overrides (`--standalone` replacing an
     /// explicit `--rdzv-id`, say); the agent logs each once its logging is up.
     pub warnings: Vec<String>,
+    /// `--tmp-dir`: where muster's own files go (checkpoint helper, error files); `None`: the
+    /// first writable of `$TMPDIR`, `/tmp`, `/dev/shm` (see [`crate::scratch`]).
+    pub tmp_dir: Option<PathBuf>,
 }
 
 impl Config {
@@ -251,6 +254,7 @@ impl Config {
             numa_binding: false,
             checkpoint_token_file: None,
             warnings: Vec::new(),
+            tmp_dir: None,
         }
     }
 }

@@ -8,11 +8,14 @@ use super::config::Config;
 use super::RankAssignment;
 
 /// Variables set for worker `local_rank`, on top of the inherited environment.
+/// `error_file`: `TORCHELASTIC_ERROR_FILE`, unset when muster has nowhere to write (a read-only
+/// root without `--log-dir`, `--tmp-dir` or a writable `/tmp`): torch's `@record` then only
+/// prints the traceback.
 pub fn worker_env(
     config: &Config,
     a: &RankAssignment,
     local_rank: u32,
-    error_file: &Path,
+    error_file: Option<&Path>,
     inherited: &dyn Fn(&str) -> Option<OsString>,
 ) -> Vec<(&'static str, OsString)> {
     let rank = a.base_global_rank + local_rank;
@@ -42,7 +45,6 @@ pub fn worker_env(
                 .filter(|v| !v.is_empty())
                 .unwrap_or_else(|| "1".into()),
         ),
-        ("TORCHELASTIC_ERROR_FILE", error_file.as_os_str().to_owned()),
         // torchrun's format, which torch code in the worker parses: signal names only. The
         // actions (`SIGUSR1:forward`) are muster's own syntax and stay with the agent.
         (
@@ -50,6 +52,9 @@ pub fn worker_env(
             torchrun_signal_list(config).into(),
         ),
     ];
+    if let Some(file) = error_file {
+        env.push(("TORCHELASTIC_ERROR_FILE", file.as_os_str().to_owned()));
+    }
     if inherited("OMP_NUM_THREADS").is_none() && config.nproc_per_node > 1 {
         // torchrun's rule: several ranks on one node must not each start one thread per core.
         env.push(("OMP_NUM_THREADS", "1".into()));
@@ -95,7 +100,9 @@ mod tests {
     fn ranks_and_torchelastic_values() {
         let mut c = Config::for_program("/bin/true", vec![], 4);
         c.max_restarts = 3;
-        let env = worker_env(&c, &assignment(), 3, Path::new("/l/e.json"), &|_| None);
+        let env = worker_env(&c, &assignment(), 3, Some(Path::new("/l/e.json")), &|_| {
+            None
+        });
         assert_eq!(get(&env, "RANK"), Some("7"));
         assert_eq!(get(&env, "LOCAL_RANK"), Some("3"));
         assert_eq!(get(&env, "GROUP_RANK"), Some("1"));
@@ -137,11 +144,19 @@ mod tests {
             "TORCH_NCCL_ASYNC_ERROR_HANDLING" => Some(OsString::from("3")),
             _ => None,
         };
-        let env = worker_env(&c, &assignment(), 0, Path::new("e"), &inherited);
+        let env = worker_env(&c, &assignment(), 0, Some(Path::new("e")), &inherited);
         assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
         assert_eq!(get(&env, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("3"));
         let one = Config::for_program("/bin/true", vec![], 1);
-        let env = worker_env(&one, &assignment(), 0, Path::new("e"), &|_| None);
+        let env = worker_env(&one, &assignment(), 0, Some(Path::new("e")), &|_| None);
         assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
+    }
+
+    #[test]
+    fn no_writable_place_means_no_error_file_variable() {
+        let c = Config::for_program("/bin/true", vec![], 1);
+        let env = worker_env(&c, &assignment(), 0, None, &|_| None);
+        assert_eq!(get(&env, "TORCHELASTIC_ERROR_FILE"), None);
+        assert_eq!(get(&env, "RANK"), Some("4"));
     }
 }

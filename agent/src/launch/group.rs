@@ -43,8 +43,13 @@ pub struct WorkerGroupSpec {
     /// Short host name, for log prefixes and the failure summary.
     pub hostname: String,
     /// `<log_dir>/<run_id>_<random>`: attempts go to `attempt_<n>/<local_rank>/` below it
-    /// (torchrun's layout: `stdout.log`, `stderr.log`, `error.json`).
-    pub run_dir: PathBuf,
+    /// (torchrun's layout: `stdout.log`, `stderr.log`, `error.json`). Without `--log-dir`, the
+    /// same tree in muster's private directory for the error files only; `None`: no writable
+    /// place, no files at all.
+    pub run_dir: Option<PathBuf>,
+    /// Whether per-rank log files may be written (`--log-dir` was given): `--redirects` and
+    /// `--tee` without it leave every stream on the console.
+    pub files: bool,
     pub reaper: Reaper,
     pub logs: LogSink,
     pub publisher: Publisher,
@@ -80,13 +85,13 @@ struct Worker {
     status: Option<ExitStatus>,
     /// When the agent reaped it.
     seen: Option<SystemTime>,
-    error_file: PathBuf,
+    error_file: Option<PathBuf>,
 }
 
 impl WorkerGroupSpec {
     fn console_target(&self, local_rank: u32, rank: u32, stream: Streams) -> Option<LineTarget> {
         let logs = &self.config.logs;
-        let redirected = logs.redirects.for_rank(local_rank).contains(stream);
+        let redirected = self.files && logs.redirects.for_rank(local_rank).contains(stream);
         let teed = logs.tee.for_rank(local_rank).contains(stream);
         let shown = logs
             .local_ranks_filter
@@ -119,8 +124,9 @@ impl WorkerGroupSpec {
 
     fn wants_file(&self, local_rank: u32, stream: Streams) -> bool {
         let logs = &self.config.logs;
-        logs.redirects.for_rank(local_rank).contains(stream)
-            || logs.tee.for_rank(local_rank).contains(stream)
+        self.files
+            && (logs.redirects.for_rank(local_rank).contains(stream)
+                || logs.tee.for_rank(local_rank).contains(stream))
     }
 }
 
@@ -133,25 +139,36 @@ fn stream_name(stream: Streams) -> &'static str {
     }
 }
 
-/// Starts local rank `local_rank`: its log directory `dir`, its environment, its process (in
-/// its own session, pinned where asked). Returns the child and the path of its error file.
+/// Starts local rank `local_rank`: its log directory `dir` (if any), its environment, its
+/// process (in its own session, pinned where asked). Returns the child and the path of its error
+/// file (if any).
 fn spawn_worker(
     spec: &WorkerGroupSpec,
     assignment: &RankAssignment,
-    dir: &std::path::Path,
+    dir: Option<&std::path::Path>,
     local_rank: u32,
     agent: Pid,
     exits_tx: &mpsc::UnboundedSender<ExitReport>,
-) -> Result<(Spawned, PathBuf), LaunchError> {
+) -> Result<(Spawned, Option<PathBuf>), LaunchError> {
     let config = &spec.config;
-    std::fs::create_dir_all(dir).map_err(|source| LaunchError::LogDir {
-        path: dir.to_path_buf(),
-        source,
-    })?;
-    let error_file = dir.join("error.json");
-    let worker_env = env::worker_env(config, assignment, local_rank, &error_file, &|k| {
-        std::env::var_os(k)
-    });
+    if let Some(dir) = dir {
+        std::fs::create_dir_all(dir).map_err(|source| {
+            let path = dir.to_path_buf();
+            if spec.files {
+                LaunchError::LogDir { path, source }
+            } else {
+                LaunchError::TmpDir { path, source }
+            }
+        })?;
+    }
+    let error_file = dir.map(|d| d.join("error.json"));
+    let worker_env = env::worker_env(
+        config,
+        assignment,
+        local_rank,
+        error_file.as_deref(),
+        &|k| std::env::var_os(k),
+    );
     let mut cmd = Command::new(&config.entrypoint.program);
     cmd.args(&config.entrypoint.args)
         .envs(worker_env)
@@ -190,7 +207,10 @@ pub async fn run_group(
 ) -> Result<GroupOutcome, LaunchError> {
     let config = &spec.config;
     let restart_count = assignment.restart_count;
-    let attempt_dir = spec.run_dir.join(format!("attempt_{restart_count}"));
+    let attempt_dir = spec
+        .run_dir
+        .as_ref()
+        .map(|d| d.join(format!("attempt_{restart_count}")));
     let (exits_tx, mut exits) = mpsc::unbounded_channel::<ExitReport>();
     let mut workers: Vec<Worker> = Vec::new();
     let mut pumps = JoinSet::new();
@@ -204,15 +224,21 @@ pub async fn run_group(
 
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
-        let dir = attempt_dir.join(local_rank.to_string());
+        let dir = attempt_dir.as_ref().map(|d| d.join(local_rank.to_string()));
         // All or nothing: when this rank or one of its log pumps cannot start, the ranks
         // already started must not run without it.
         let failed: Option<LaunchError> = 'start: {
-            let (mut child, error_file) =
-                match spawn_worker(spec, assignment, &dir, local_rank, agent, &exits_tx) {
-                    Ok(spawned) => spawned,
-                    Err(err) => break 'start Some(err),
-                };
+            let (mut child, error_file) = match spawn_worker(
+                spec,
+                assignment,
+                dir.as_deref(),
+                local_rank,
+                agent,
+                &exits_tx,
+            ) {
+                Ok(spawned) => spawned,
+                Err(err) => break 'start Some(err),
+            };
             let pid = child.pid;
             guard.pgids.push(Pid::from_raw(pid as i32));
             workers.push(Worker {
@@ -237,8 +263,15 @@ pub async fn run_group(
             ];
             for (stream, fd, file_name) in streams {
                 let Some(fd) = fd else { continue };
-                let file = dir.join(file_name);
-                match start_pump(spec, local_rank, rank, stream, fd, &file, &pipes_closed) {
+                match start_pump(
+                    spec,
+                    local_rank,
+                    rank,
+                    stream,
+                    fd,
+                    dir.as_ref().map(|d| d.join(file_name)),
+                    &pipes_closed,
+                ) {
                     Ok(pump) => {
                         pumps.spawn(pump);
                     }
@@ -354,21 +387,21 @@ fn start_pump(
     rank: u32,
     stream: Streams,
     fd: OwnedFd,
-    file_path: &std::path::Path,
+    file_path: Option<PathBuf>,
     closed: &CancellationToken,
 ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
     let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
         what: "cannot watch a worker's output pipe",
         source,
     })?;
-    let file = if spec.wants_file(local_rank, stream) {
-        let f = std::fs::File::create(file_path).map_err(|source| LaunchError::LogDir {
-            path: file_path.to_owned(),
-            source,
-        })?;
-        Some(Arc::new(f))
-    } else {
-        None
+    // `wants_file` implies `--log-dir`, hence a run directory and a path.
+    let file = match file_path.filter(|_| spec.wants_file(local_rank, stream)) {
+        Some(path) => {
+            let f = std::fs::File::create(&path)
+                .map_err(|source| LaunchError::LogDir { path, source })?;
+            Some(Arc::new(f))
+        }
+        None => None,
     };
     let config = PumpConfig {
         console: spec.console_target(local_rank, rank, stream),
@@ -417,7 +450,7 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
         .filter_map(|(order, w)| {
             let status = w.status.filter(|s| !s.success())?;
             let at = w.seen.unwrap_or_else(SystemTime::now);
-            let file = summary::read_error_file(&w.error_file);
+            let file = w.error_file.as_deref().and_then(summary::read_error_file);
             let seen_secs = at
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs());
@@ -432,7 +465,8 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
                     pid: w.pid.as_raw() as u32,
                     status,
                     at,
-                    error_file: w.error_file.clone(),
+                    // Empty: the worker had no error file (no writable place).
+                    error_file: w.error_file.clone().unwrap_or_default(),
                     message: file.map(|f| f.message),
                 },
             ))

@@ -92,6 +92,7 @@ pub struct Failure {
     pub status: ExitStatus,
     /// When the agent saw the exit.
     pub at: SystemTime,
+    /// The worker's `TORCHELASTIC_ERROR_FILE`; empty when it had none (nowhere writable).
     pub error_file: PathBuf,
     /// The message of `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if the worker left one.
     pub message: Option<String>,
@@ -164,6 +165,15 @@ pub enum LaunchError {
     },
     #[error("cannot host the workers' store on {ip}: {source}")]
     Store { ip: IpAddr, source: std::io::Error },
+    /// Without `--log-dir`, the per-rank directory for the error files could not be made in
+    /// muster's private directory (or `--tmp-dir` is unusable).
+    #[error("{}: {source}; {}", path.display(), crate::scratch::FIX)]
+    TmpDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Scratch(#[from] crate::scratch::ScratchError),
     #[error("{what}: {source}")]
     Io {
         what: &'static str,
@@ -180,7 +190,9 @@ impl LaunchError {
         match self {
             LaunchError::Config(_)
             | LaunchError::LogDir { .. }
-            | LaunchError::LogDirOption { .. } => exit_code::CONFIG_ERROR,
+            | LaunchError::LogDirOption { .. }
+            | LaunchError::TmpDir { .. }
+            | LaunchError::Scratch(_) => exit_code::CONFIG_ERROR,
             LaunchError::Spawn { source, .. }
                 if matches!(
                     source.kind(),
@@ -453,14 +465,22 @@ impl Launch {
             (writer.sink(), Some(writer))
         };
         let run_dir = RunDir::create(&config).map_err(|e| e.naming_log_dir(&config.logs))?;
-        if !(config.logs.redirects.is_empty() && config.logs.tee.is_empty()) {
-            tracing::info!("worker log files under {}", run_dir.path.display());
+        let asks_files = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
+        match (&run_dir.path, &config.logs.log_dir) {
+            (Some(path), Some(_)) if asks_files => {
+                tracing::info!("worker log files under {}", path.display());
+            }
+            (_, None) if asks_files => tracing::warn!(
+                "--redirects/--tee write per-rank files only with --log-dir: without it every stream stays on the console"
+            ),
+            _ => {}
         }
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
             hostname: short_hostname(),
             run_dir: run_dir.path.clone(),
+            files: config.logs.log_dir.is_some(),
             reaper,
             logs: sink.clone(),
             publisher: publisher.clone(),
@@ -575,11 +595,16 @@ async fn attempts(
     }
 }
 
-/// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory. Without `--log-dir` it lives in a
-/// private temporary directory that is removed when this is dropped, unless files were asked for.
+/// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory, for the per-rank log and error
+/// files. Without `--log-dir` it holds only the error files and lives in muster's private
+/// directory ([`crate::scratch`]: `--tmp-dir`, else `$TMPDIR`, `/tmp`, `/dev/shm`), removed with
+/// it when this is dropped; with no writable place at all there is none (`path` is `None`) and
+/// the workers get no `TORCHELASTIC_ERROR_FILE`.
 struct RunDir {
-    path: PathBuf,
-    remove: Option<PathBuf>,
+    path: Option<PathBuf>,
+    /// Dropped last: removes the private directory (also when the launch future is dropped
+    /// half-way by an embedding caller).
+    _scratch: Option<crate::scratch::ScratchDir>,
 }
 
 impl RunDir {
@@ -587,35 +612,41 @@ impl RunDir {
         let suffix: String = (0..8)
             .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
             .collect();
-        let (root, remove) = if let Some(dir) = &config.logs.log_dir {
-            (dir.clone(), None)
-        } else {
-            let tmp = std::env::temp_dir().join(format!("muster_{suffix}"));
-            let keep = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
-            (tmp.clone(), (!keep).then_some(tmp))
+        let run = format!("{}_{suffix}", config.run_id);
+        if let Some(dir) = &config.logs.log_dir {
+            let path = dir.join(run);
+            std::fs::create_dir_all(&path).map_err(|source| LaunchError::LogDir {
+                path: path.clone(),
+                source,
+            })?;
+            return Ok(RunDir {
+                path: Some(path),
+                _scratch: None,
+            });
+        }
+        let Some(scratch) =
+            crate::scratch::ScratchDir::create(config.tmp_dir.as_deref(), "muster_")?
+        else {
+            tracing::debug!("no writable directory: the workers get no TORCHELASTIC_ERROR_FILE");
+            return Ok(RunDir {
+                path: None,
+                _scratch: None,
+            });
         };
-        let path = root.join(format!("{}_{suffix}", config.run_id));
-        std::fs::create_dir_all(&path).map_err(|source| LaunchError::LogDir {
+        let path = scratch.path().join(run);
+        std::fs::create_dir_all(&path).map_err(|source| LaunchError::TmpDir {
             path: path.clone(),
             source,
         })?;
-        Ok(RunDir { path, remove })
+        Ok(RunDir {
+            path: Some(path),
+            _scratch: Some(scratch),
+        })
     }
-}
 
-impl RunDir {
     /// Whether the directory outlives the agent (else its error files go with it).
     fn is_kept(&self) -> bool {
-        self.remove.is_none()
-    }
-}
-
-impl Drop for RunDir {
-    // Also when the launch future is dropped half-way (an embedding caller gave up on it).
-    fn drop(&mut self) {
-        if let Some(dir) = self.remove.take() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
+        self.path.is_some() && self._scratch.is_none()
     }
 }
 
@@ -680,6 +711,14 @@ mod tests {
             LaunchError::Config("x".into()).exit_code(),
             exit_code::CONFIG_ERROR
         );
+        // Environment errors (a directory that cannot be made) are the user's to fix: 202.
+        let tmp = LaunchError::TmpDir {
+            path: "/ro/muster_x".into(),
+            source: std::io::Error::from(std::io::ErrorKind::ReadOnlyFilesystem),
+        };
+        assert_eq!(tmp.exit_code(), exit_code::CONFIG_ERROR);
+        assert!(tmp.to_string().contains("/ro/muster_x"));
+        assert!(tmp.to_string().contains("emptyDir"));
         assert_eq!(
             LaunchError::Coded {
                 code: exit_code::RENDEZVOUS_TIMEOUT,

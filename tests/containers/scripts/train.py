@@ -1,7 +1,8 @@
 """A worker of the container end-to-end job: tiny DDP training on gloo, launched by muster.
 
-Every rank records what it saw under /shared (or --shared), so the test can check the gang from
-the outside:
+Every rank records what it saw under /shared (or --shared; `--shared -` prints each record as a
+line `RECORD <name> <json>` instead, for a container with no writable mount), so the test can check
+the gang from the outside:
   start-a<attempt>-r<rank>.json   env muster gave it (ranks, node rank, master address)
   done-a<attempt>-r<rank>.json    final loss, an all-reduce result and a parameter checksum
                                   (identical on every rank when DDP really synchronised)
@@ -39,6 +40,9 @@ step = -1
 
 
 def record(name: str, payload: dict) -> None:
+    if args.shared == "-":
+        print(f"RECORD {name} {json.dumps(payload)}", flush=True)
+        return
     tmp = shared / f".{name}.tmp"
     tmp.write_text(json.dumps(payload))
     tmp.rename(shared / name)  # atomic: the test never reads half a file
@@ -57,6 +61,7 @@ env_keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"]
 record(f"start-a{attempt}-r{rank}.json",
        {"host": socket.gethostname(), "pid": os.getpid(), "ppid": os.getppid(),
+        "uid": os.getuid(), "gid": os.getgid(), "tmpdir": os.environ.get("TMPDIR"),
         "env": {k: os.environ.get(k) for k in env_keys}})
 
 if args.orphans:

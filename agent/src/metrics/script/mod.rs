@@ -315,15 +315,17 @@ impl ScriptMetrics {
 
 /// Starts serving the training script's metrics on `metrics`' endpoint, if it serves anything
 /// (`--metrics-addr none`, or a default port someone else holds: nothing, and the script keeps
-/// the port and its environment, as under torchrun). A private directory that cannot be made
-/// costs only the script's metrics: a warning.
+/// the port and its environment, as under torchrun). The private directory goes under
+/// `writable_base`, the first writable place muster found ([`crate::scratch`]; a read-only root
+/// has none at `/tmp`); one that cannot be made costs only the script's metrics: a warning.
 pub fn attach(
     served: Option<std::net::SocketAddr>,
     metrics: &Metrics,
+    writable_base: Option<&std::path::Path>,
 ) -> Option<Arc<ScriptMetrics>> {
     let addr = served?;
     let user_dir = user_multiproc_dir(&|k| std::env::var_os(k));
-    let tmp = std::env::temp_dir();
+    let tmp = writable_base.map_or_else(std::env::temp_dir, std::path::Path::to_path_buf);
     match ScriptMetrics::create(&tmp, addr.port(), metrics.metric_names(), user_dir) {
         Ok(script) => {
             let script = Arc::new(script);
