@@ -422,6 +422,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let shutdown_timeout =
         parse_duration(low, "shutdown-timeout")?.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT);
     let grace_period = parse_duration(low, "grace-period")?;
+    let gpu_release_timeout = parse_duration(low, "gpu-release-timeout")?
+        .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
     let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
         None => false,
         Some((_, "node")) => true,
@@ -530,6 +532,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         grace_period,
         preempted_exit_code,
         numa_binding,
+        keep_strays: switch("keep-strays"),
+        gpu_release_timeout,
     })
 }
 

@@ -112,6 +112,8 @@ pub const FLAGS: &[FlagDef] = &[
     value("grace-period", "SECS", "Preemption budget: the pod's terminationGracePeriodSeconds"),
     value("numa-binding", "node", "Pin each local rank to the CPUs of its GPU's NUMA node (GPUs in PCI bus order)"),
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
+    switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
+    value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+/// Default `--gpu-release-timeout` (NVIDIA's ft_launcher waits up to 50 s for the same thing).
+pub const DEFAULT_GPU_RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default `--shutdown-timeout` (torchrun's).
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default `--log-line-prefix-template`: host and global rank, which is what a pod log needs.
@@ -197,6 +199,12 @@ pub struct Config {
     pub preempted_exit_code: u8,
     /// `--numa-binding node`: pin each local rank to its GPU's NUMA-local CPUs.
     pub numa_binding: bool,
+    /// `--keep-strays`: let processes the workers started outlive the attempt (only the workers'
+    /// process groups are swept).
+    pub keep_strays: bool,
+    /// `--gpu-release-timeout`: how long a restart waits for the previous attempt's GPU
+    /// processes and memory to go (zero: no wait).
+    pub gpu_release_timeout: Duration,
 }
 
 impl Config {
@@ -233,6 +241,8 @@ impl Config {
             grace_period: None,
             preempted_exit_code: 0,
             numa_binding: false,
+            keep_strays: false,
+            gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
         }
     }
 }
