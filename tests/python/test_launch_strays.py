@@ -22,7 +22,8 @@ import pytest
 
 from conftest import REPO, free_port, muster_bin, wait_until
 
-SCRIPTS = Path(__file__).parent / "scripts"
+# Shared with the container e2e (tests/python/test_containers.py), which mounts this folder.
+SCRIPTS = REPO / "tests" / "containers" / "scripts"
 FIXTURES = REPO / "tests" / "fixtures" / "nvml"
 UNHEALTHY_GPU = 204
 

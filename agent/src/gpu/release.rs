@@ -126,7 +126,8 @@ pub fn holding(
     now.iter()
         .filter_map(|gpu| {
             let listed = gpu.processes.as_deref().unwrap_or_default();
-            let ours = |p: &&GpuProcess| attempt.contains(&p.pid) || (!keep_strays && !alive(p.pid));
+            let ours =
+                |p: &&GpuProcess| attempt.contains(&p.pid) || (!keep_strays && !alive(p.pid));
             let pids: Vec<u32> = listed.iter().filter(ours).map(|p| p.pid).collect();
             let excused: u64 = listed
                 .iter()
@@ -225,7 +226,10 @@ mod tests {
         let baseline = [gpu(0, 0, &[]), gpu(1, 0, &[])];
         let attempt = HashSet::from([100]);
         let alive = |pid: u32| pid == 100 || pid == 300;
-        let now = [gpu(0, 8 * GIB, &[(100, 8 * GIB)]), gpu(1, 4 * GIB, &[(200, 4 * GIB)])];
+        let now = [
+            gpu(0, 8 * GIB, &[(100, 8 * GIB)]),
+            gpu(1, 4 * GIB, &[(200, 4 * GIB)]),
+        ];
         let held = holding(&now, &baseline, &attempt, &alive, false);
         assert_eq!(held.len(), 2);
         assert_eq!((held[0].index, held[0].pids.clone()), (0, vec![100]));
@@ -247,7 +251,10 @@ mod tests {
         let held = holding(&[gpu(0, 9 * GIB, &[])], &baseline, &none, &alive, false);
         assert_eq!(held.len(), 1);
         assert_eq!(held[0].memory, Some((9 * GIB, GIB + SLACK_BYTES)));
-        assert_eq!(held[0].to_string(), "GPU 0 (GPU-0) 9216 MiB used, at most 1280 MiB expected");
+        assert_eq!(
+            held[0].to_string(),
+            "GPU 0 (GPU-0) 9216 MiB used, at most 1280 MiB expected"
+        );
         // Within the slack: released.
         let now = [gpu(0, GIB + 100 * (1 << 20), &[])];
         assert!(holding(&now, &baseline, &none, &alive, false).is_empty());

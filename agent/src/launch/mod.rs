@@ -553,11 +553,14 @@ async fn gpu_baseline(config: &Config) -> Option<Vec<crate::gpu::release::GpuUse
         return None;
     }
     let library = crate::gpu::nvml::library_override();
-    let read = tokio::task::spawn_blocking(move || crate::gpu::release::baseline(library.as_deref()));
+    let read =
+        tokio::task::spawn_blocking(move || crate::gpu::release::baseline(library.as_deref()));
     match tokio::time::timeout(GPU_BASELINE_TIMEOUT, read).await {
         Ok(Ok(baseline)) => baseline,
         Ok(Err(_)) | Err(_) => {
-            tracing::warn!("NVML did not answer within {GPU_BASELINE_TIMEOUT:?}: no GPU release wait");
+            tracing::warn!(
+                "NVML did not answer within {GPU_BASELINE_TIMEOUT:?}: no GPU release wait"
+            );
             None
         }
     }
@@ -581,7 +584,13 @@ async fn wait_for_gpus(
     let started = tokio::time::Instant::now();
     let wait = tokio::task::spawn_blocking(move || {
         let attempt = pids.into_iter().collect();
-        wait_released(library.as_deref(), &baseline, &attempt, keep_strays, timeout)
+        wait_released(
+            library.as_deref(),
+            &baseline,
+            &attempt,
+            keep_strays,
+            timeout,
+        )
     });
     let result = tokio::select! {
         result = tokio::time::timeout(timeout + GPU_WAIT_HANG, wait) => result,
@@ -596,13 +605,15 @@ async fn wait_for_gpus(
         released,
     });
     let previous = restart_count.saturating_sub(1);
-    let unhealthy = |detail: String| LaunchError::Coded {
+    let unhealthy = |detail: String| {
+        LaunchError::Coded {
         code: exit_code::UNHEALTHY_GPU,
         message: format!(
             "the GPUs were not released {:.1}s after attempt {previous} stopped: {detail};              this node is unhealthy (--gpu-release-timeout {})",
             waited.as_secs_f64(),
             timeout.as_secs_f64()
         ),
+    }
     };
     match result {
         Ok(Ok(Released::Yes)) => {

@@ -180,7 +180,9 @@ pub struct Stopped {
 
 impl Stopped {
     pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.processes.iter().filter_map(|(pid, _)| u32::try_from(*pid).ok())
+        self.processes
+            .iter()
+            .filter_map(|(pid, _)| u32::try_from(*pid).ok())
     }
 
     /// `1234 (python3), 1240 (sleep)`, the first [`NAMED_IN_LOG`] of them.
@@ -277,9 +279,11 @@ mod tests {
         assert_eq!(s.comm, "a (weird) name");
         assert_eq!((s.ppid, s.session, s.start_time), (1, 4242, 98765));
         assert!(!s.zombie);
-        assert!(parse_stat("12 (x) Z 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 7")
-            .unwrap()
-            .zombie);
+        assert!(
+            parse_stat("12 (x) Z 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 7")
+                .unwrap()
+                .zombie
+        );
         assert_eq!(parse_stat("garbage"), None);
         assert_eq!(parse_stat("12 (x) S 1"), None);
     }

@@ -872,7 +872,8 @@ impl Metrics {
     pub fn strays_stopped(&self, count: u32, killed: u32) {
         let killed = killed.min(count);
         let c = &self.inner.strays_stopped;
-        c.with_label_values(&["SIGTERM"]).inc_by(u64::from(count - killed));
+        c.with_label_values(&["SIGTERM"])
+            .inc_by(u64::from(count - killed));
         c.with_label_values(&["SIGKILL"]).inc_by(u64::from(killed));
     }
 

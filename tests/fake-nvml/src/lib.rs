@@ -788,7 +788,8 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         if count.is_null() {
             return ERROR_INVALID_ARGUMENT;
         }
-        s.lists_read_since.get_or_insert_with(std::time::Instant::now);
+        s.lists_read_since
+            .get_or_insert_with(std::time::Instant::now);
         let procs: Vec<&fixture::Process> = listed(s, i).collect();
         let room = *count as usize;
         *count = procs.len() as c_uint;

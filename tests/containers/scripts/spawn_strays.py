@@ -6,12 +6,14 @@ find them in /proc), TORCHELASTIC_RESTART_COUNT (set by muster), STRAY_RANK_WAIT
 wait for OUT_DIR/finish before failing, comma-separated).
 
 Each helper is `python -c <sleep> strays-<TOKEN>-a<attempt>-<kind>`:
-- setsid:     started through the `setsid` command (new session);
+- setsid:     started through the `setsid` command (new session; `os.setsid` in the child where
+              the image has no such command);
 - newsession: `Popen(start_new_session=True)`, and it ignores SIGTERM (so it needs SIGKILL);
 - daemon:     a classic double fork with setsid in between: its parent exits at once, so it is
               re-parented to muster (the subreaper) before muster could have seen it.
 """
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +29,10 @@ def helper(kind):
     return [sys.executable, "-c", SLEEP, f"strays-{token}-a{attempt}-{kind}"]
 
 
-subprocess.Popen(["setsid", *helper("setsid")])
+if shutil.which("setsid"):
+    subprocess.Popen(["setsid", *helper("setsid")])
+else:  # a minimal image without util-linux: what the command does
+    subprocess.Popen(helper("setsid"), preexec_fn=os.setsid)
 subprocess.Popen(helper("newsession"), start_new_session=True)
 middle = os.fork()
 if middle == 0:
