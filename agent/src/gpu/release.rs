@@ -12,7 +12,6 @@
 //! waited for, and their memory is excused. "Memory back" means: used memory at most what it was
 //! before the attempt started, plus the memory of those excused processes, plus [`SLACK_BYTES`].
 
-use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::enums::device::UsedGpuMemory;
@@ -119,7 +118,7 @@ pub fn baseline(library: Option<&str>) -> Option<Vec<GpuUse>> {
 pub fn holding(
     now: &[GpuUse],
     baseline: &[GpuUse],
-    attempt: &HashSet<u32>,
+    attempt: &[u32],
     alive: &dyn Fn(u32) -> bool,
     keep_strays: bool,
 ) -> Vec<Holding> {
@@ -180,7 +179,7 @@ pub fn alive(pid: u32) -> bool {
 pub fn wait_released(
     library: Option<&str>,
     baseline: &[GpuUse],
-    attempt: &HashSet<u32>,
+    attempt: &[u32],
     keep_strays: bool,
     timeout: Duration,
 ) -> Released {
@@ -224,7 +223,7 @@ mod tests {
     #[test]
     fn a_listed_process_of_the_attempt_or_a_dead_one_holds_the_gpu() {
         let baseline = [gpu(0, 0, &[]), gpu(1, 0, &[])];
-        let attempt = HashSet::from([100]);
+        let attempt = [100];
         let alive = |pid: u32| pid == 100 || pid == 300;
         let now = [
             gpu(0, 8 * GIB, &[(100, 8 * GIB)]),
@@ -246,7 +245,7 @@ mod tests {
     #[test]
     fn memory_must_come_back_even_when_no_process_is_listed() {
         let baseline = [gpu(0, GIB, &[])];
-        let none = HashSet::new();
+        let none: [u32; 0] = [];
         let alive = |_| true;
         let held = holding(&[gpu(0, 9 * GIB, &[])], &baseline, &none, &alive, false);
         assert_eq!(held.len(), 1);
@@ -263,7 +262,7 @@ mod tests {
     #[test]
     fn kept_strays_are_not_waited_for() {
         let baseline = [gpu(0, 0, &[])];
-        let attempt = HashSet::from([100]);
+        let attempt = [100];
         // pid 500 is not visible here (host pid in a container, or a kept helper): with
         // --keep-strays only the attempt's own pids count, and its memory is excused.
         let now = [gpu(0, 2 * GIB, &[(500, 2 * GIB)])];
@@ -280,7 +279,7 @@ mod tests {
             used_bytes: None,
             processes: None,
         }];
-        assert!(holding(&now, &[], &HashSet::new(), &|_| false, false).is_empty());
+        assert!(holding(&now, &[], &[], &|_| false, false).is_empty());
     }
 
     #[test]

@@ -555,14 +555,11 @@ async fn gpu_baseline(config: &Config) -> Option<Vec<crate::gpu::release::GpuUse
     let library = crate::gpu::nvml::library_override();
     let read =
         tokio::task::spawn_blocking(move || crate::gpu::release::baseline(library.as_deref()));
-    match tokio::time::timeout(GPU_BASELINE_TIMEOUT, read).await {
-        Ok(Ok(baseline)) => baseline,
-        Ok(Err(_)) | Err(_) => {
-            tracing::warn!(
-                "NVML did not answer within {GPU_BASELINE_TIMEOUT:?}: no GPU release wait"
-            );
-            None
-        }
+    if let Ok(Ok(baseline)) = tokio::time::timeout(GPU_BASELINE_TIMEOUT, read).await {
+        baseline
+    } else {
+        tracing::warn!("NVML did not answer within {GPU_BASELINE_TIMEOUT:?}: no GPU release wait");
+        None
     }
 }
 
@@ -583,14 +580,7 @@ async fn wait_for_gpus(
     let library = crate::gpu::nvml::library_override();
     let started = tokio::time::Instant::now();
     let wait = tokio::task::spawn_blocking(move || {
-        let attempt = pids.into_iter().collect();
-        wait_released(
-            library.as_deref(),
-            &baseline,
-            &attempt,
-            keep_strays,
-            timeout,
-        )
+        wait_released(library.as_deref(), &baseline, &pids, keep_strays, timeout)
     });
     let result = tokio::select! {
         result = tokio::time::timeout(timeout + GPU_WAIT_HANG, wait) => result,
