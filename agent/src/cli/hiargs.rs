@@ -683,4 +683,34 @@ mod tests {
         assert_eq!(id.as_bytes()[14], b'4');
         assert_ne!(id, random_run_id());
     }
+
+    #[test]
+    fn keep_strays_and_the_gpu_release_timeout() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(!c.keep_strays);
+        assert_eq!(c.gpu_release_timeout, Duration::from_secs(60));
+        let c = build_with(
+            &["--keep-strays", "--gpu-release-timeout", "2.5", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert!(c.keep_strays);
+        assert_eq!(c.gpu_release_timeout, Duration::from_millis(2500));
+        let c = build_with(
+            &["train.py"],
+            &[
+                PATH,
+                ("MUSTER_KEEP_STRAYS", "yes"),
+                ("MUSTER_GPU_RELEASE_TIMEOUT", "0"),
+            ],
+            0,
+        )
+        .unwrap();
+        assert!(c.keep_strays);
+        assert!(c.gpu_release_timeout.is_zero());
+        let err =
+            build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--gpu-release-timeout"), "{err}");
+    }
 }

@@ -846,6 +846,35 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_helper_in_its_own_session_goes_with_its_attempt() {
+        let dir = std::env::temp_dir().join(format!("muster-strays-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Each attempt's rank leaves `setsid sleep` behind (a new session: no process-group
+        // signal reaches it), checks that it runs (else 9), and fails.
+        let script = format!(
+            "setsid sleep 300 & echo $! > {}/helper_$TORCHELASTIC_RESTART_COUNT; \
+             sleep 0.3; kill -0 $! || exit 9; exit 3",
+            dir.display()
+        );
+        let mut config = sh(&script, 1);
+        config.max_restarts = 1;
+        let outcome = Launch::new(config)
+            .run(CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!((outcome.exit_code, outcome.attempts), (3, 2));
+        for attempt in 0..2 {
+            let text = std::fs::read_to_string(dir.join(format!("helper_{attempt}"))).unwrap();
+            let pid: u32 = text.trim().parse().unwrap();
+            assert!(
+                !crate::gpu::release::alive(pid),
+                "attempt {attempt}'s helper {pid} outlived the launch"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
     async fn local_rendezvous_hosts_a_fresh_store_per_round() {
         let config = Config::for_program("/bin/true", vec![], 3);
         let stop = StopRequest::new(&CancellationToken::new());
