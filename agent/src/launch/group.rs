@@ -367,15 +367,13 @@ async fn stop_strays(
     grace: Duration,
     stop: &StopRequest,
 ) -> strays::Stopped {
-    let mut scope = scope.clone();
     let own: std::collections::HashSet<i32> = workers.iter().map(|w| w.pid.as_raw()).collect();
-    scope.foreign = spec
-        .reaper
-        .registered()
-        .into_iter()
-        .filter(|pid| !own.contains(pid))
-        .collect();
-    let stopped = strays::stop_tree(&scope, grace, stop).await;
+    let foreign = || {
+        let mut registered = spec.reaper.registered();
+        registered.retain(|pid| !own.contains(pid));
+        registered
+    };
+    let stopped = strays::stop_tree(scope, grace, stop, &foreign).await;
     let rank_pids: std::collections::HashSet<u32> =
         own.iter().filter_map(|p| u32::try_from(*p).ok()).collect();
     let strays = stopped

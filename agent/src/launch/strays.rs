@@ -19,7 +19,15 @@
 //! `docker run`, `systemd-run`, `ssh localhost`), and an orphan re-parented to the agent whose
 //! start time is before the attempt began (the agent cannot tell whose it is: as PID 1 that may
 //! be a `kubectl exec` session). Conversely, as PID 1 an orphaned `kubectl exec` process started
-//! *during* the attempt looks like the attempt's and is stopped with it.
+//! *during* the attempt looks like the attempt's and is stopped with it. Likewise, with several
+//! launches in one process (tests, embedders) another launch's workers and their descendants are
+//! left alone, but an orphan of theirs that the agent adopts during this attempt is taken for this
+//! attempt's.
+//!
+//! A cgroup per attempt would also catch processes that never were descendants' children in the
+//! tree sense (none exist without a daemon) and would survive a SIGKILLed agent; it is not used
+//! because Docker on cgroup v1 hosts, and pods without cgroup delegation, give the agent no
+//! cgroup it may create, and one mechanism that works everywhere is easier to reason about.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -203,7 +211,17 @@ impl Stopped {
 /// Stops the attempt's whole tree: SIGTERM to every process, SIGKILL to those left after
 /// `grace` (at once when kill-now is asked), walking `/proc` again every [`POLL`] so processes
 /// forked meanwhile are caught. Returns at once when the tree is already empty.
-pub async fn stop_tree(scope: &Scope, grace: Duration, stop: &StopRequest) -> Stopped {
+///
+/// `foreign` gives the agent children that are other launches' workers in this process; it is
+/// asked after each read of `/proc`, so a worker another launch spawned meanwhile (spawn and
+/// registration happen under one lock) is already known when it is seen.
+pub async fn stop_tree(
+    scope: &Scope,
+    grace: Duration,
+    stop: &StopRequest,
+    foreign: &(dyn Fn() -> HashSet<i32> + Sync),
+) -> Stopped {
+    let mut scope = scope.clone();
     let mut out = Stopped::default();
     let mut signalled: HashSet<(i32, u64)> = HashSet::new();
     let mut killed: HashSet<(i32, u64)> = HashSet::new();
@@ -213,7 +231,8 @@ pub async fn stop_tree(scope: &Scope, grace: Duration, stop: &StopRequest) -> St
         let Some(procs) = all_processes() else {
             return out;
         };
-        let tree = attempt_tree(&procs, scope);
+        scope.foreign = foreign();
+        let tree = attempt_tree(&procs, &scope);
         if tree.is_empty() {
             return out;
         }
