@@ -24,10 +24,10 @@
 //! left alone, but an orphan of theirs that the agent adopts during this attempt is taken for this
 //! attempt's.
 //!
-//! A cgroup per attempt would also catch processes that never were descendants' children in the
-//! tree sense (none exist without a daemon) and would survive a SIGKILLed agent; it is not used
-//! because Docker on cgroup v1 hosts, and pods without cgroup delegation, give the agent no
-//! cgroup it may create, and one mechanism that works everywhere is easier to reason about.
+//! A cgroup per attempt would add one thing: its membership outlives a SIGKILLed agent, so
+//! someone could still stop the tree. It is not used because Docker on cgroup v1 hosts, and pods
+//! without cgroup delegation, give the agent no cgroup it may create, and one mechanism that
+//! works everywhere is easier to reason about than two.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
