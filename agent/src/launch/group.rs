@@ -369,9 +369,8 @@ async fn stop_strays(
 ) -> strays::Stopped {
     let own: std::collections::HashSet<i32> = workers.iter().map(|w| w.pid.as_raw()).collect();
     let foreign = || {
-        let mut registered = spec.reaper.registered();
-        registered.retain(|pid| !own.contains(pid));
-        registered
+        let registered = spec.reaper.registered().into_iter();
+        registered.filter(|pid| !own.contains(pid)).collect()
     };
     let stopped = strays::stop_tree(scope, grace, stop, &foreign).await;
     let rank_pids: std::collections::HashSet<u32> =

@@ -595,15 +595,16 @@ async fn wait_for_gpus(
         released,
     });
     let previous = restart_count.saturating_sub(1);
-    let unhealthy = |detail: String| {
-        LaunchError::Coded {
+    let unhealthy = |detail: String| LaunchError::Coded {
         code: exit_code::UNHEALTHY_GPU,
         message: format!(
-            "the GPUs were not released {:.1}s after attempt {previous} stopped: {detail};              this node is unhealthy (--gpu-release-timeout {})",
+            "the GPUs were not released {:.1}s after attempt {previous} stopped: {detail}; {}",
             waited.as_secs_f64(),
-            timeout.as_secs_f64()
+            format_args!(
+                "this node is unhealthy (--gpu-release-timeout {})",
+                timeout.as_secs_f64()
+            ),
         ),
-    }
     };
     match result {
         Ok(Ok(Released::Yes)) => {

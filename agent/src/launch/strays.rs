@@ -219,7 +219,7 @@ pub async fn stop_tree(
     scope: &Scope,
     grace: Duration,
     stop: &StopRequest,
-    foreign: &(dyn Fn() -> HashSet<i32> + Sync),
+    foreign: &(dyn Fn() -> Vec<i32> + Sync),
 ) -> Stopped {
     let mut scope = scope.clone();
     let mut out = Stopped::default();
@@ -231,7 +231,7 @@ pub async fn stop_tree(
         let Some(procs) = all_processes() else {
             return out;
         };
-        scope.foreign = foreign();
+        scope.foreign = foreign().into_iter().collect();
         let tree = attempt_tree(&procs, &scope);
         if tree.is_empty() {
             return out;
