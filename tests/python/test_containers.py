@@ -205,6 +205,26 @@ def test_pid1_reaps_orphaned_grandchildren_single_pod(job, caps):
     assert c.wait(timeout=120) == 0, job.dump_logs()
 
 
+def test_pid1_restart_leaves_only_the_current_attempts_helpers(job, caps):
+    """Issue #20 with muster as PID 1: the rank leaves three helpers outside its session
+    (`setsid`, `start_new_session=True`, a setsid double fork that PID 1 adopts) and fails; after
+    the restart only attempt 1's helpers exist in the container, and muster stops those too
+    before it exits (its log names both sweeps)."""
+    caps.require("launch")
+    token = f"{job.name}x"
+    c = job.run(0, ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+                    "--shutdown-timeout", "2", f"{SCRIPTS}/spawn_strays.py"],
+                env={"OUT_DIR": dockerjob.SHARED_IN_CONTAINER, "TOKEN": token,
+                     "STRAY_RANK_WAITS": "1"})
+    wait_until(lambda: (job.shared / "ready-1").exists(), timeout=120, what="attempt 1's helpers")
+    assert c.processes(f"strays-{token}-a0-") == 0, job.dump_logs()
+    assert c.processes(f"strays-{token}-a1-") == 3, job.dump_logs()
+    (job.shared / "finish").touch()
+    assert c.wait(timeout=120) == 3, job.dump_logs()
+    sweeps = [l for l in c.logs().splitlines() if "stray process(es)" in l]
+    assert len(sweeps) == 2 and all("stopped 3 stray" in l for l in sweeps), sweeps
+
+
 def assert_no_lasting_zombies(containers) -> None:
     """A zombie may exist for the instant between exit and reaping; one that is still there a
     second later was not reaped."""

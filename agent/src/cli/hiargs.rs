@@ -441,6 +441,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let shutdown_timeout =
         parse_duration(low, "shutdown-timeout")?.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT);
     let grace_period = parse_duration(low, "grace-period")?;
+    let gpu_release_timeout = parse_duration(low, "gpu-release-timeout")?
+        .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
     let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
         None => false,
         Some((_, "node")) => true,
@@ -563,6 +565,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         tmp_dir: get(low, "tmp-dir")
             .map(|r| PathBuf::from(r.value.trim()))
             .filter(|p| !p.as_os_str().is_empty()),
+        keep_strays: switch("keep-strays"),
+        gpu_release_timeout,
     })
 }
 
@@ -915,5 +919,35 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.checkpoint_token_file, Some(PathBuf::from("/s/t")));
+    }
+
+    #[test]
+    fn keep_strays_and_the_gpu_release_timeout() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(!c.keep_strays);
+        assert_eq!(c.gpu_release_timeout, Duration::from_secs(60));
+        let c = build_with(
+            &["--keep-strays", "--gpu-release-timeout", "2.5", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert!(c.keep_strays);
+        assert_eq!(c.gpu_release_timeout, Duration::from_millis(2500));
+        let c = build_with(
+            &["train.py"],
+            &[
+                PATH,
+                ("MUSTER_KEEP_STRAYS", "yes"),
+                ("MUSTER_GPU_RELEASE_TIMEOUT", "0"),
+            ],
+            0,
+        )
+        .unwrap();
+        assert!(c.keep_strays);
+        assert!(c.gpu_release_timeout.is_zero());
+        let err =
+            build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--gpu-release-timeout"), "{err}");
     }
 }

@@ -115,6 +115,8 @@ pub const FLAGS: &[FlagDef] = &[
     value("checkpoint-token-file", "PATH", "A file (a mounted Secret) holding a bearer token that lets a non-loopback caller POST /checkpoint; without it only loopback may"),
     value("progress-interval", "SECS", "At most one progress-bar update (a `\\r`-terminated segment) per rank and stream this often; 0 writes every update (default 10)"),
     value("tmp-dir", "DIR", "Where muster writes its own files (checkpoint helper, error files) (default: first writable of $TMPDIR, /tmp, /dev/shm; none: do without)"),
+    switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
+    value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

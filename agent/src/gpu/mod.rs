@@ -10,6 +10,8 @@
 //! - [`report`]: the verdict, the `topo -m` matrix, text and JSON output, and the compact
 //!   [`Summary`] a node publishes in its rendezvous registration.
 //! - [`cuda`]: the cudarc smoke test, run as `muster gpu-check --cuda-smoke-child`.
+//! - [`release`]: before a restart, the bounded wait until the previous attempt's compute
+//!   processes and memory are gone from the local GPUs (else the node is unhealthy).
 //! - [`gate`]: what the launch does with it: `--gpu-check off|warn|require`
 //!   ([`gate::for_launch`], called by `cli::launch` before the first round; its verdict goes into
 //!   the gang registration through `GangRendezvous::set_gpu_verdict`), and the gang-wide
@@ -33,6 +35,7 @@ pub mod cuda;
 mod fabric;
 pub mod gate;
 pub mod nvml;
+pub mod release;
 pub mod report;
 pub mod snapshot;
 

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+/// Default `--gpu-release-timeout` (NVIDIA's ft_launcher waits up to 50 s for the same thing).
+pub const DEFAULT_GPU_RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default `--shutdown-timeout` (torchrun's).
 pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default `--log-line-prefix-template`: host and global rank, which is what a pod log needs.
@@ -216,6 +218,12 @@ pub struct Config {
     /// `--tmp-dir`: where muster's own files go (checkpoint helper, error files); `None`: the
     /// first writable of `$TMPDIR`, `/tmp`, `/dev/shm` (see [`crate::scratch`]).
     pub tmp_dir: Option<PathBuf>,
+    /// `--keep-strays`: let processes the workers started outlive the attempt (only the workers'
+    /// process groups are swept).
+    pub keep_strays: bool,
+    /// `--gpu-release-timeout`: how long a restart waits for the previous attempt's GPU
+    /// processes and memory to go (zero: no wait).
+    pub gpu_release_timeout: Duration,
 }
 
 impl Config {
@@ -255,6 +263,8 @@ impl Config {
             checkpoint_token_file: None,
             warnings: Vec::new(),
             tmp_dir: None,
+            keep_strays: false,
+            gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
         }
     }
 }

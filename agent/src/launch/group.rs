@@ -3,8 +3,9 @@
 //!
 //! Any worker failing stops the whole local group (the stop signal to every worker's process
 //! group, SIGKILL after `--shutdown-timeout`), as torchrun does; the caller decides whether to
-//! restart. Whatever the outcome, every worker's process group is swept at the end so a worker's
-//! own children do not outlive the attempt.
+//! restart. Whatever the outcome, the attempt's whole process tree is stopped at the end
+//! ([`super::strays`]), so nothing a worker started outlives the attempt; with `--keep-strays`
+//! only the workers' process groups are swept.
 
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
@@ -24,6 +25,7 @@ use super::config::{Config, Streams};
 use super::observe::{Event, GroupResult, Phase, Publisher};
 use super::reaper::{ExitReport, ExitStatus, Reaper, Spawned};
 use super::signals::StopRequest;
+use super::strays::{self, Scope};
 use super::{env, summary, Failure, GroupOutcome, LaunchError, RankAssignment};
 use crate::logs::{self, Console, LineTarget, LogSink, PumpConfig};
 
@@ -65,6 +67,8 @@ pub struct WorkerGroupSpec {
 /// by an embedding caller): without it they would run on until the agent's thread exits.
 struct KillOnDrop {
     pgids: Vec<Pid>,
+    /// The attempt's process tree, when it is to be stopped with the attempt.
+    tree: Option<Scope>,
     armed: bool,
 }
 
@@ -74,8 +78,19 @@ impl Drop for KillOnDrop {
             for pgid in &self.pgids {
                 let _ = killpg(*pgid, Signal::SIGKILL);
             }
+            if let Some(scope) = &self.tree {
+                strays::kill_tree_now(scope);
+            }
         }
     }
+}
+
+/// One finished attempt: how it ended, and every process id that belonged to it (the workers
+/// and the strays stopped with them), for the GPU release wait.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempt {
+    pub outcome: GroupOutcome,
+    pub pids: Vec<u32>,
 }
 
 struct Worker {
@@ -204,9 +219,11 @@ pub async fn run_group(
     spec: &WorkerGroupSpec,
     assignment: &RankAssignment,
     stop: &StopRequest,
-) -> Result<GroupOutcome, LaunchError> {
+) -> Result<Attempt, LaunchError> {
     let config = &spec.config;
     let restart_count = assignment.restart_count;
+    // Taken before the first worker exists: every process of the attempt starts after it.
+    let tree = Scope::starting_now().filter(|_| !config.keep_strays);
     let attempt_dir = spec
         .run_dir
         .as_ref()
@@ -219,6 +236,7 @@ pub async fn run_group(
     let agent = nix::unistd::getpid();
     let mut guard = KillOnDrop {
         pgids: Vec::new(),
+        tree: tree.clone(),
         armed: true,
     };
 
@@ -295,6 +313,9 @@ pub async fn run_group(
                 stop,
             )
             .await;
+            if let Some(scope) = &tree {
+                stop_strays(spec, scope, &workers, restart_count, Duration::ZERO, stop).await;
+            }
             return Err(err);
         }
     }
@@ -353,7 +374,18 @@ pub async fn run_group(
             .stop(&mut workers, sig, config.shutdown_timeout, stop)
             .await;
     }
-    sweep_groups(&workers, config.shutdown_timeout, stop).await;
+    let mut pids: Vec<u32> = workers
+        .iter()
+        .filter_map(|w| u32::try_from(w.pid.as_raw()).ok())
+        .collect();
+    match &tree {
+        Some(scope) => {
+            let grace = config.shutdown_timeout;
+            let stopped = stop_strays(spec, scope, &workers, restart_count, grace, stop).await;
+            pids.extend(stopped.pids());
+        }
+        None => sweep_groups(&workers, config.shutdown_timeout, stop).await,
+    }
     guard.armed = false;
     drain(&mut pumps, &pipes_closed).await;
 
@@ -377,7 +409,51 @@ pub async fn run_group(
             GroupOutcome::Stopped { .. } => GroupResult::Stopped,
         },
     });
-    Ok(outcome)
+    Ok(Attempt { outcome, pids })
+}
+
+/// Stops whatever is left of the attempt's process tree once its workers are gone (their
+/// helpers, in the workers' sessions or not), logs and publishes what it stopped.
+async fn stop_strays(
+    spec: &WorkerGroupSpec,
+    scope: &Scope,
+    workers: &[Worker],
+    restart_count: u32,
+    grace: Duration,
+    stop: &StopRequest,
+) -> strays::Stopped {
+    let own: std::collections::HashSet<i32> = workers.iter().map(|w| w.pid.as_raw()).collect();
+    let foreign = || {
+        let registered = spec.reaper.registered().into_iter();
+        registered.filter(|pid| !own.contains(pid)).collect()
+    };
+    let stopped = strays::stop_tree(scope, grace, stop, &foreign).await;
+    let rank_pids: std::collections::HashSet<u32> =
+        own.iter().filter_map(|p| u32::try_from(*p).ok()).collect();
+    let strays = stopped
+        .pids()
+        .filter(|pid| !rank_pids.contains(pid))
+        .count();
+    if !stopped.processes.is_empty() {
+        tracing::info!(
+            "attempt {restart_count}: stopped {} stray process(es) the workers left behind ({} with SIGKILL): {}",
+            stopped.processes.len(),
+            stopped.killed,
+            stopped.named()
+        );
+        spec.publisher.event(Event::StraysStopped {
+            restart_count,
+            count: u32::try_from(strays).unwrap_or(u32::MAX),
+            killed: u32::try_from(stopped.killed).unwrap_or(u32::MAX),
+        });
+    }
+    if !stopped.survivors.is_empty() {
+        tracing::error!(
+            "attempt {restart_count}: process(es) {:?} did not die after SIGKILL",
+            stopped.survivors
+        );
+    }
+    stopped
 }
 
 /// Watches one of a worker's pipes: the console target and, when asked for, the log file.

@@ -19,6 +19,9 @@
 //!    the budget lasts, else exit with the root-cause worker's code (or 128+signal) after a
 //!    [`summary`]; [`GroupOutcome::Stopped`] (a terminate signal or the caller's token) → exit
 //!    128+signal, or 0 when every worker still exited cleanly.
+//! 4. **Clean restart**: each attempt ends with its whole process tree stopped ([`strays`]);
+//!    before the next one starts, the agent waits (`--gpu-release-timeout`) until NVML shows the
+//!    local GPUs free of it ([`crate::gpu::release`]), else exits 204.
 //!
 //! Observers (metrics, health probes) subscribe with [`Launch::observer`]: a `watch` of the
 //! [`Phase`] and a `broadcast` of [`Event`]s. The preemption work hooks SIGTERM with
@@ -32,6 +35,7 @@ pub mod observe;
 pub mod reaper;
 pub mod signals;
 mod store_host;
+pub mod strays;
 pub mod summary;
 
 use std::ffi::OsString;
@@ -46,7 +50,7 @@ use nix::sys::signal::Signal;
 use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
-pub use group::{run_group, WorkerGroupSpec};
+pub use group::{run_group, Attempt, WorkerGroupSpec};
 pub use observe::{Event, Observer, Phase, Publisher};
 pub use reaper::{ExitStatus, Reaper};
 pub use signals::{StopRequest, TerminateHook};
@@ -520,7 +524,15 @@ async fn attempts(
 ) -> Result<Outcome, LaunchError> {
     let config = &spec.config;
     let mut restart_count = 0;
+    // The GPU use before the attempt that just ended, and its processes: what the next attempt
+    // waits to see released.
+    let mut previous: Option<(Vec<crate::gpu::release::GpuUse>, Vec<u32>)> = None;
     loop {
+        if let Some((baseline, pids)) = previous.take() {
+            if !stop.is_requested() {
+                wait_for_gpus(spec, baseline, pids, restart_count, stop).await?;
+            }
+        }
         if stop.is_requested() {
             let last = GroupOutcome::Stopped {
                 signal: stop.received_signal(),
@@ -541,7 +553,8 @@ async fn attempts(
             assignment: round.assignment.clone(),
         });
         let attempt_stop = stop.child();
-        let outcome = {
+        let baseline = gpu_baseline(config).await;
+        let attempt = {
             let group = run_group(spec, &round.assignment, &attempt_stop);
             tokio::pin!(group);
             tokio::select! {
@@ -555,7 +568,8 @@ async fn attempts(
         if let Some(store) = round.store {
             store.shutdown().await;
         }
-        let outcome = outcome?;
+        let Attempt { outcome, pids } = attempt?;
+        previous = baseline.map(|b| (b, pids));
         match rendezvous.after_group(&outcome, stop).await? {
             Some(AfterGroup::Restart) => {
                 restart_count += 1;
@@ -592,6 +606,94 @@ async fn attempts(
                 })
             }
         }
+    }
+}
+
+/// How long one NVML read for the baseline may take before the agent goes on without it (a GPU
+/// in a bad state can hang NVML calls; the pre-flight catches that, this must not block).
+const GPU_BASELINE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Beyond `--gpu-release-timeout`, how long an NVML call that does not return is given.
+const GPU_WAIT_HANG: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The local GPUs' use before an attempt starts, when a restart may follow and the release wait
+/// is on; `None` on a node without GPUs.
+async fn gpu_baseline(config: &Config) -> Option<Vec<crate::gpu::release::GpuUse>> {
+    let may_restart = config.max_restarts > 0 || config.nnodes.max > 1;
+    if config.gpu_release_timeout.is_zero() || !may_restart {
+        return None;
+    }
+    let library = crate::gpu::nvml::library_override();
+    let read =
+        tokio::task::spawn_blocking(move || crate::gpu::release::baseline(library.as_deref()));
+    if let Ok(Ok(baseline)) = tokio::time::timeout(GPU_BASELINE_TIMEOUT, read).await {
+        baseline
+    } else {
+        tracing::warn!("NVML did not answer within {GPU_BASELINE_TIMEOUT:?}: no GPU release wait");
+        None
+    }
+}
+
+/// Before attempt `restart_count` starts: waits, within `--gpu-release-timeout`, until the local
+/// GPUs are free of the previous attempt (`pids`); a GPU still held makes the node unhealthy
+/// (204), so the gang does not spend its restarts on out-of-memory failures.
+async fn wait_for_gpus(
+    spec: &WorkerGroupSpec,
+    baseline: Vec<crate::gpu::release::GpuUse>,
+    pids: Vec<u32>,
+    restart_count: u32,
+    stop: &StopRequest,
+) -> Result<(), LaunchError> {
+    use crate::gpu::release::{wait_released, Released};
+    let config = &spec.config;
+    let timeout = config.gpu_release_timeout;
+    let keep_strays = config.keep_strays;
+    let library = crate::gpu::nvml::library_override();
+    let started = tokio::time::Instant::now();
+    let wait = tokio::task::spawn_blocking(move || {
+        wait_released(library.as_deref(), &baseline, &pids, keep_strays, timeout)
+    });
+    let result = tokio::select! {
+        result = tokio::time::timeout(timeout + GPU_WAIT_HANG, wait) => result,
+        // The stop is handled by the loop; the blocking wait ends on its own within the bound.
+        () = stop.requested() => return Ok(()),
+    };
+    let waited = started.elapsed();
+    let released = matches!(result, Ok(Ok(Released::Yes | Released::Unreadable(_))));
+    spec.publisher.event(Event::GpuReleaseWaited {
+        restart_count,
+        waited,
+        released,
+    });
+    let previous = restart_count.saturating_sub(1);
+    let unhealthy = |detail: String| LaunchError::Coded {
+        code: exit_code::UNHEALTHY_GPU,
+        message: format!(
+            "the GPUs were not released {:.1}s after attempt {previous} stopped: {detail}; {}",
+            waited.as_secs_f64(),
+            format_args!(
+                "this node is unhealthy (--gpu-release-timeout {})",
+                timeout.as_secs_f64()
+            ),
+        ),
+    };
+    match result {
+        Ok(Ok(Released::Yes)) => {
+            tracing::info!(
+                "GPUs free of attempt {previous} after {:.1}s; starting attempt {restart_count}",
+                waited.as_secs_f64()
+            );
+            Ok(())
+        }
+        Ok(Ok(Released::No(held))) => {
+            let held: Vec<String> = held.iter().map(ToString::to_string).collect();
+            Err(unhealthy(held.join("; ")))
+        }
+        Ok(Ok(Released::Unreadable(e))) => {
+            tracing::warn!("cannot read the GPUs before attempt {restart_count}: {e}; not waiting");
+            Ok(())
+        }
+        Ok(Err(e)) => Err(unhealthy(format!("the NVML reader failed: {e}"))),
+        Err(_) => Err(unhealthy("an NVML call did not return".to_owned())),
     }
 }
 
@@ -865,6 +967,35 @@ mod tests {
             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         panic!("workers {pids:?} outlived the abandoned launch");
+    }
+
+    #[tokio::test]
+    async fn a_helper_in_its_own_session_goes_with_its_attempt() {
+        let dir = std::env::temp_dir().join(format!("muster-strays-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Each attempt's rank leaves `setsid sleep` behind (a new session: no process-group
+        // signal reaches it), checks that it runs (else 9), and fails.
+        let script = format!(
+            "setsid sleep 300 & echo $! > {}/helper_$TORCHELASTIC_RESTART_COUNT; \
+             sleep 0.3; kill -0 $! || exit 9; exit 3",
+            dir.display()
+        );
+        let mut config = sh(&script, 1);
+        config.max_restarts = 1;
+        let outcome = Launch::new(config)
+            .run(CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!((outcome.exit_code, outcome.attempts), (3, 2));
+        for attempt in 0..2 {
+            let text = std::fs::read_to_string(dir.join(format!("helper_{attempt}"))).unwrap();
+            let pid: u32 = text.trim().parse().unwrap();
+            assert!(
+                !crate::gpu::release::alive(pid),
+                "attempt {attempt}'s helper {pid} outlived the launch"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[tokio::test]

@@ -61,6 +61,20 @@ pub enum Event {
         signal: Signal,
         action: SignalAction,
     },
+    /// The attempt's leftover processes (helpers the workers started) were stopped: `count` of
+    /// them, `killed` of those with SIGKILL after the grace.
+    StraysStopped {
+        restart_count: u32,
+        count: u32,
+        killed: u32,
+    },
+    /// Before attempt `restart_count` started, the agent waited `waited` for the previous
+    /// attempt's GPU processes and memory to be released (`released`: false when it gave up).
+    GpuReleaseWaited {
+        restart_count: u32,
+        waited: std::time::Duration,
+        released: bool,
+    },
 }
 
 /// A subscription to the launch loop.

@@ -163,6 +163,12 @@ impl Reaper {
         })
     }
 
+    /// Every child spawned through a reaper of this process and not reaped yet (the workers of
+    /// every launch in the process).
+    pub fn registered(&self) -> std::collections::HashSet<i32> {
+        self.lock().keys().map(|pid| pid.as_raw()).collect()
+    }
+
     /// Sends `sig` to the process group of every live child spawned here.
     pub fn signal_all(&self, sig: Signal) {
         for pid in self.lock().keys() {

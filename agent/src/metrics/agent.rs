@@ -242,6 +242,10 @@ impl ObserverState {
             }
             // Recorded by the observer loop itself (it knows the local world size).
             Event::AttemptStarted { .. } => {}
+            Event::StraysStopped { count, killed, .. } => metrics.strays_stopped(*count, *killed),
+            Event::GpuReleaseWaited {
+                waited, released, ..
+            } => metrics.gpu_release_waited(*waited, *released),
             Event::SignalReceived { signal, action } => {
                 metrics.signal_received(*signal as i32);
                 if *action == SignalAction::Checkpoint {

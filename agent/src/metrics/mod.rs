@@ -454,6 +454,9 @@ struct Inner {
     gpu_nvlink_links: IntGaugeVec,
     gpu_preflight_healthy: IntGauge,
     gpu_preflight_duration: Gauge,
+    /// Leftover processes of finished attempts stopped, by the signal that ended them.
+    strays_stopped: IntCounterVec,
+    gpu_release_wait: HistogramVec,
     http_requests: IntCounterVec,
     http_shed: IntCounterVec,
     checkpoint_rejected: IntCounterVec,
@@ -690,6 +693,22 @@ impl Metrics {
                 "muster_gpu_preflight_duration_seconds",
                 "How long the last GPU pre-flight took.",
             ),
+            strays_stopped: defs.counter_vec(
+                "muster_stray_processes_stopped_total",
+                "Processes a finished attempt's workers left behind, stopped with the attempt, by signal.",
+                &["signal"],
+            ),
+            gpu_release_wait: defs.register(
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "muster_gpu_release_wait_seconds",
+                        "Waits before a restart for the previous attempt's GPU processes and memory to go, by outcome.",
+                    )
+                    .buckets(WAIT_BUCKETS_SECONDS.to_vec()),
+                    &["outcome"],
+                )
+                .expect(STATIC_DEFINITION),
+            ),
             http_requests: defs.counter_vec(
                 "muster_http_requests_total",
                 "Requests served by the metrics endpoint, by handler and status code.",
@@ -750,6 +769,12 @@ impl Metrics {
             inner
                 .checkpoint_duration
                 .with_label_values(&[outcome.as_str()]);
+        }
+        for signal in ["SIGTERM", "SIGKILL"] {
+            inner.strays_stopped.with_label_values(&[signal]);
+        }
+        for outcome in ["released", "timeout"] {
+            inner.gpu_release_wait.with_label_values(&[outcome]);
         }
         inner.gpu_preflight_healthy.set(1);
         Self {
@@ -929,6 +954,24 @@ impl Metrics {
     pub fn gpu_preflight_finished(&self, healthy: bool, elapsed: Duration) {
         self.inner.gpu_preflight_healthy.set(i64::from(healthy));
         self.inner.gpu_preflight_duration.set(elapsed.as_secs_f64());
+    }
+
+    /// An attempt's leftover processes were stopped: `count` of them, `killed` with SIGKILL.
+    pub fn strays_stopped(&self, count: u32, killed: u32) {
+        let killed = killed.min(count);
+        let c = &self.inner.strays_stopped;
+        c.with_label_values(&["SIGTERM"])
+            .inc_by(u64::from(count - killed));
+        c.with_label_values(&["SIGKILL"]).inc_by(u64::from(killed));
+    }
+
+    /// A restart waited `waited` for the GPUs; `released`: false when it gave up (exit 204).
+    pub fn gpu_release_waited(&self, waited: Duration, released: bool) {
+        let outcome = if released { "released" } else { "timeout" };
+        self.inner
+            .gpu_release_wait
+            .with_label_values(&[outcome])
+            .observe(waited.as_secs_f64());
     }
 
     // ---- workers ------------------------------------------------------------------------------

@@ -175,6 +175,10 @@ pub struct Counter {
 pub struct Process {
     pub pid: u32,
     pub used_memory_bytes: u64,
+    /// Seconds the process stays listed (and its memory used), counted from the first time
+    /// anyone in this process asks for a process list (so a memory reading taken before that
+    /// does not start the clock); absent: listed forever.
+    pub listed_for_s: Option<f64>,
 }
 
 /// Reads a fixture file, resolving `base` chains and overrides, and checks it against [`Node`].

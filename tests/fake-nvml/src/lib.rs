@@ -74,6 +74,8 @@ const VALUE_TYPE_UNSIGNED_LONG_LONG: u32 = 3;
 
 struct State {
     node: Node,
+    /// When a process list was first read: the clock of `listed_for_s`.
+    lists_read_since: Option<std::time::Instant>,
     /// Reads so far, per (device, link, counter name).
     counter_reads: std::collections::HashMap<(usize, u32, String), u64>,
     fabric_reads: Vec<u32>,
@@ -191,6 +193,18 @@ fn parse_bus_id(bus_id: &str) -> (u32, u32, u32) {
     (domain, bus, dev)
 }
 
+/// The processes device `index` lists now (`listed_for_s` runs from the first list read).
+fn listed(state: &State, index: usize) -> impl Iterator<Item = &fixture::Process> {
+    let elapsed = state.lists_read_since.map(|t| t.elapsed().as_secs_f64());
+    dev(state, index)
+        .processes
+        .iter()
+        .filter(move |p| match (p.listed_for_s, elapsed) {
+            (Some(limit), Some(elapsed)) => elapsed < limit,
+            _ => true,
+        })
+}
+
 fn dev(state: &State, index: usize) -> &Device {
     &state.node.devices[index]
 }
@@ -218,6 +232,7 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
                 if guard.is_none() {
                     *guard = Some(State {
                         node,
+                        lists_read_since: None,
                         counter_reads: std::collections::HashMap::new(),
                         fabric_reads: vec![0; n],
                     });
@@ -411,11 +426,7 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return ERROR_INVALID_ARGUMENT;
         }
         let total = dev(s, i).memory_total_bytes;
-        let used = dev(s, i)
-            .processes
-            .iter()
-            .map(|p| p.used_memory_bytes)
-            .sum::<u64>();
+        let used = listed(s, i).map(|p| p.used_memory_bytes).sum::<u64>();
         (*out).total = total;
         (*out).reserved = 0;
         (*out).used = used.min(total);
@@ -777,7 +788,9 @@ pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
         if count.is_null() {
             return ERROR_INVALID_ARGUMENT;
         }
-        let procs = &dev(s, i).processes;
+        s.lists_read_since
+            .get_or_insert_with(std::time::Instant::now);
+        let procs: Vec<&fixture::Process> = listed(s, i).collect();
         let room = *count as usize;
         *count = procs.len() as c_uint;
         if procs.is_empty() {
