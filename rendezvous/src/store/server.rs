@@ -474,6 +474,11 @@ async fn serve_connection(
             .stats
             .blocked_clients
             .store(inner.state.blocked_clients(), Ordering::Relaxed);
+        // A disconnected waiter's registrations were given back.
+        shared
+            .stats
+            .bytes_stored
+            .store(inner.state.bytes(), Ordering::Relaxed);
     }
     match close {
         Close::PeerClosed | Close::Shutdown => debug!(%peer, "connection closed"),
