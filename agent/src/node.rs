@@ -57,6 +57,8 @@ pub struct GangRendezvous {
     running: Option<Running>,
     /// The GPU pre-flight verdict to publish with the registration (opaque JSON).
     gpu_verdict: serde_json::Value,
+    /// `--max-store-bytes`, for both stores this node may host.
+    max_store_bytes: usize,
 }
 
 impl GangRendezvous {
@@ -120,6 +122,7 @@ impl GangRendezvous {
             hosted: None,
             running: None,
             gpu_verdict: serde_json::Value::Null,
+            max_store_bytes: config.max_store_bytes,
         })
     }
 
@@ -231,7 +234,7 @@ impl GangRendezvous {
         };
         let store = if rdzv.is_coordinator() {
             Some(
-                HostedStore::start(advertised)
+                HostedStore::start(advertised, self.max_store_bytes)
                     .await
                     .map_err(|source| LaunchError::Store {
                         ip: advertised,
@@ -382,11 +385,13 @@ impl GangRendezvous {
             IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
         };
         let addr = SocketAddr::new(bind_ip, self.endpoint.port);
-        let server = ServerThread::start(addr, server::Config::default())
-            .await
-            .map_err(|e| {
-                LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
-            })?;
+        let config = server::Config {
+            max_store_bytes: self.max_store_bytes,
+            ..server::Config::default()
+        };
+        let server = ServerThread::start(addr, config).await.map_err(|e| {
+            LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
+        })?;
         let local = server.local_addr();
         crate::metrics::agent::rendezvous_store_started(server.stats());
         self.hosted = Some(server);

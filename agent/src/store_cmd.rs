@@ -40,8 +40,9 @@ struct StoreArgs {
     max_store_bytes: usize,
 }
 
-/// `1073741824`, `1024MiB`, `1GiB`: a plain number of bytes or a binary-unit suffix.
-fn parse_byte_size(text: &str) -> Result<usize, String> {
+/// `1073741824`, `1024MiB`, `1GiB`: a plain number of bytes or a binary-unit suffix (also the
+/// agent's `--max-store-bytes`).
+pub(crate) fn parse_byte_size(text: &str) -> Result<usize, String> {
     let text = text.trim();
     let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
         Some(at) => text.split_at(at),
@@ -130,7 +131,15 @@ mod tests {
         assert_eq!(parse_byte_size("64KiB"), Ok(64 << 10));
         assert_eq!(parse_byte_size("512 MiB"), Ok(512 << 20));
         assert_eq!(parse_byte_size("1GiB"), Ok(1 << 30));
-        for bad in ["", "0", "1GB", "-1", "1.5GiB", "GiB", "99999999999999999999"] {
+        for bad in [
+            "",
+            "0",
+            "1GB",
+            "-1",
+            "1.5GiB",
+            "GiB",
+            "99999999999999999999",
+        ] {
             assert!(parse_byte_size(bad).is_err(), "{bad:?} was accepted");
         }
         assert_eq!(

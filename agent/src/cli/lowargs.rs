@@ -113,6 +113,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("numa-binding", "node", "Pin each local rank to the CPUs of its GPU's NUMA node (GPUs in PCI bus order)"),
     value("preempted-exit-code", "CODE", "Exit code after a committed preemption checkpoint (default 0; 200 for podFailurePolicy)"),
     value("checkpoint-token-file", "PATH", "A file (a mounted Secret) holding a bearer token that lets a non-loopback caller POST /checkpoint; without it only loopback may"),
+    value("max-store-bytes", "BYTES", "What each store the agent hosts (rendezvous, workers') may hold, e.g. 1GiB; a write past it closes the writer's connection (default 1GiB)"),
 ];
 
 /// Where a value came from; shown in error messages so a bad `PET_*` is easy to find.

@@ -199,6 +199,8 @@ pub struct Config {
     pub numa_binding: bool,
     /// `--checkpoint-token-file`: a bearer token that lets a non-loopback peer `POST /checkpoint`.
     pub checkpoint_token_file: Option<PathBuf>,
+    /// `--max-store-bytes`: what each store the agent hosts may hold.
+    pub max_store_bytes: usize,
 }
 
 impl Config {
@@ -236,6 +238,7 @@ impl Config {
             preempted_exit_code: 0,
             numa_binding: false,
             checkpoint_token_file: None,
+            max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
         }
     }
 }

@@ -945,7 +945,10 @@ mod tests {
             apply(Request::Wait {
                 keys: vec![b("/never")]
             }),
-            Err(StateError::StoreFull { command: "WAIT", .. })
+            Err(StateError::StoreFull {
+                command: "WAIT",
+                ..
+            })
         ));
         assert_eq!(apply(set("/k1", "")), Ok(()), "shrinking is always allowed");
         assert_eq!(apply(set("/k1", "vvvv")), Ok(()), "and frees room again");
@@ -980,7 +983,9 @@ mod tests {
         let multi_get = |n: usize| Request::MultiGet {
             keys: vec![b("/v"); n],
         };
-        state.apply(0, multi_get(2), &mut reply, &mut woken).unwrap();
+        state
+            .apply(0, multi_get(2), &mut reply, &mut woken)
+            .unwrap();
         assert_eq!(reply.len(), 2 * 48);
         reply.clear();
         let err = state

@@ -12,8 +12,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 use crate::common::{
-    cmd, expect_closed, key, read_n, still_served, validated, TestResult, TestServer,
-    MAGIC, READ_TIMEOUT,
+    cmd, expect_closed, key, read_n, still_served, validated, TestResult, TestServer, MAGIC,
+    READ_TIMEOUT,
 };
 
 const VALUE: usize = 256 * 1024;
@@ -28,7 +28,9 @@ fn small_caps() -> Config {
 
 /// A validated connection whose receive buffer is small, so that the kernel does not soak up
 /// many replies the client has not read.
-async fn slow_reader(server: &TestServer) -> Result<TcpStream, Box<dyn std::error::Error + Send + Sync>> {
+async fn slow_reader(
+    server: &TestServer,
+) -> Result<TcpStream, Box<dyn std::error::Error + Send + Sync>> {
     let socket = TcpSocket::new_v4()?;
     socket.set_recv_buffer_size(64 * 1024)?;
     let mut s = tokio::time::timeout(READ_TIMEOUT, socket.connect(server.addr)).await??;
@@ -160,7 +162,10 @@ async fn a_full_store_closes_the_writer_and_keeps_serving_the_others() -> TestRe
     // Reads go on; a full store can be emptied and then written again.
     let mut other = validated(server.addr).await?;
     other.write_all(&cmd(3, &[&key(b"/fill/0")])).await?;
-    assert_eq!(read_n(&mut other, 8).await?, (value.len() as u64).to_le_bytes());
+    assert_eq!(
+        read_n(&mut other, 8).await?,
+        (value.len() as u64).to_le_bytes()
+    );
     read_n(&mut other, value.len()).await?;
     other.write_all(&cmd(8, &[&key(b"/fill/0")])).await?;
     assert_eq!(read_n(&mut other, 8).await?, 1i64.to_le_bytes());
