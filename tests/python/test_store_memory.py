@@ -38,12 +38,11 @@ FILL_SLACK = STORE_CAP + 48 * MiB
 # Its writes keep their sizes (an overwrite of the same size needs no room, so it is served even
 # while the store is full; ADD's counter only grows by a digit now and then).
 STEADY = r"""
-import datetime, json, sys, time
+import datetime, json, os, sys, time
 import torch.distributed as dist
 host, port, stop_file = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=30), use_libuv=True)
 ops, worst, n = 0, 0.0, 0
-import os
 while not os.path.exists(stop_file):
     t = time.monotonic()
     n += 1

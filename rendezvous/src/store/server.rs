@@ -8,6 +8,12 @@
 //! which totally orders them; the client's task then writes the outbox out. That ordering is what
 //! keeps WAIT/CANCEL_WAIT race-free.
 //!
+//! Memory is bounded three ways (docs/store.md § A hostile client): the state refuses to grow
+//! past `max_store_bytes`; a connection whose unread replies pass `max_pending_output` is
+//! neither decoded nor read from until they drain (and is closed if it stays stuck for
+//! `write_stall_timeout`); and one request may not grow a receive buffer past
+//! [`MAX_REQUEST_BYTES`].
+//!
 //! `muster store` runs the server on one current-thread runtime, which busy-polls its sockets
 //! for a moment after serving a request; see docs/store.md § Performance. One thread is also
 //! what keeps requests in arrival order across connections (epoll reports ready sockets first
@@ -510,6 +516,7 @@ async fn connection_loop(
     let mut held_back = false;
     loop {
         let batch = if held_back {
+            activity.served_batch();
             process(&mut inbuf, id, &mut validated, shared)
         } else {
             tokio::select! {
@@ -518,6 +525,7 @@ async fn connection_loop(
                     Ok(n) => {
                         stats.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
                         let batch = process(&mut inbuf, id, &mut validated, shared);
+                        activity.served_batch();
                         if batch.result.is_ok() && !batch.held_back {
                             if inbuf.is_empty() && inbuf.capacity() > READ_CHUNK {
                                 // Give back what a large value needed once.
@@ -544,7 +552,6 @@ async fn connection_loop(
                 }
             }
         };
-        activity.served_batch();
         let Batch {
             reply,
             mut result,

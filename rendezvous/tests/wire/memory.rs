@@ -146,13 +146,14 @@ async fn a_full_store_closes_the_writer_and_keeps_serving_the_others() -> TestRe
             break;
         }
         let mut count = [0u8; 8];
-        match tokio::time::timeout(READ_TIMEOUT, filler.read_exact(&mut count)).await? {
-            Ok(_) => assert_eq!(i64::from_le_bytes(count), i64::from(i + 1)),
-            Err(_) => {
-                closed_after = Some(i);
-                break;
-            }
+        if tokio::time::timeout(READ_TIMEOUT, filler.read_exact(&mut count))
+            .await?
+            .is_err()
+        {
+            closed_after = Some(i);
+            break;
         }
+        assert_eq!(i64::from_le_bytes(count), i64::from(i + 1));
     }
     // 1 MiB holds ten values of 100 KiB and their keys; the eleventh does not fit.
     assert_eq!(closed_after, Some(10));
