@@ -14,6 +14,7 @@ shows what a torch client sees when its own write does not fit.
 """
 
 import json
+import os
 import re
 import socket
 import struct
@@ -22,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import StoreProcess, torch_python
+from conftest import StoreProcess, muster_bin, torch_python
 
 MAGIC = 0x3C85F7CE
 MiB = 1 << 20
@@ -208,3 +209,41 @@ def test_pipelined_gets_and_a_filled_store_leave_memory_bounded(tmp_path):
             steady.kill()
             steady.wait()
         store.stop()
+
+
+# A worker filling the agent's own workers' store (MASTER_ADDR:MASTER_PORT) with 1 MiB values.
+FILL_WORKER = r"""
+import datetime, os
+import torch.distributed as dist
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False,
+                      datetime.timedelta(seconds=10))
+stored = 0
+try:
+    for i in range(16):
+        store.set(f"big/{i}", b"x" * (1 << 20))
+        store.num_keys()  # SET has no reply: a refusal shows on the next call
+        stored += 1
+    print(f"not refused after {stored}", flush=True)
+except Exception as e:  # noqa: BLE001
+    print(f"refused after {stored}: {type(e).__name__}", flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_the_agents_store_takes_max_store_bytes(tmp_path, how):
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MUSTER_"))}
+    env["PYTHON_EXEC"] = torch_python()
+    args = [muster_bin(), "--standalone", "--nproc-per-node", "1", "--metrics-addr", "none"]
+    if how == "flag":
+        args += ["--max-store-bytes", "4MiB"]
+    else:
+        env["MUSTER_MAX_STORE_BYTES"] = "4194304"
+    p = subprocess.run([*args, str(script)], env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stderr
+    # 4 MiB holds three 1 MiB values with their keys, not four.
+    assert "refused after 3: DistNetworkError" in p.stdout, p.stdout + p.stderr
+    assert "store full" in p.stderr, p.stderr
