@@ -57,6 +57,8 @@ pub struct GangRendezvous {
     running: Option<Running>,
     /// The GPU pre-flight verdict to publish with the registration (opaque JSON).
     gpu_verdict: serde_json::Value,
+    /// `--max-store-bytes`, for both stores this node may host.
+    max_store_bytes: usize,
 }
 
 impl GangRendezvous {
@@ -121,6 +123,7 @@ impl GangRendezvous {
             hosted: None,
             running: None,
             gpu_verdict: serde_json::Value::Null,
+            max_store_bytes: config.max_store_bytes,
         })
     }
 
@@ -232,7 +235,7 @@ impl GangRendezvous {
         };
         let store = if rdzv.is_coordinator() {
             Some(
-                HostedStore::start(advertised)
+                HostedStore::start(advertised, self.max_store_bytes)
                     .await
                     .map_err(|source| LaunchError::Store {
                         ip: advertised,
@@ -394,6 +397,7 @@ impl GangRendezvous {
             // A member whose host vanished without closing its connection shows as closed
             // after about three keep-alive intervals (the idle time, then two probes).
             tcp_keepalive: Some(self.cfg.keep_alive_interval),
+            max_store_bytes: self.max_store_bytes,
             ..server::Config::default()
         };
         let server = ServerThread::start(addr, config).await.map_err(|e| {

@@ -34,6 +34,40 @@ struct StoreArgs {
     /// burst.
     #[arg(long, default_value_t = DEFAULT_BUSY_POLL_US, env = "MUSTER_STORE_BUSY_POLL_US", value_name = "MICROSECONDS", value_parser = parse_busy_poll)]
     busy_poll_us: u64,
+    /// Bytes of keys, values, queues and waiters the store may hold (each entry also charged
+    /// 64 bytes of overhead); a request that would pass it closes its client's connection.
+    /// A number of bytes, or with a KiB, MiB or GiB suffix.
+    #[arg(long, default_value = "1GiB", value_parser = parse_byte_size, env = "MUSTER_STORE_MAX_STORE_BYTES", value_name = "BYTES")]
+    max_store_bytes: usize,
+}
+
+/// `1073741824`, `1024MiB`, `1GiB`: a plain number of bytes or a binary-unit suffix (also the
+/// agent's `--max-store-bytes`).
+pub(crate) fn parse_byte_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, ""),
+    };
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} (use a number of bytes or KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    let number: usize = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 1073741824 or 1GiB)"))?;
+    number
+        .checked_mul(1 << shift)
+        .filter(|&bytes| bytes > 0)
+        .ok_or_else(|| format!("{text:?} is zero or too large"))
 }
 
 /// The longest busy poll accepted: 10 ms, 100 times the default. A wake-up costs tens of
@@ -101,6 +135,7 @@ async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
         Config {
             max_connections: args.max_connections,
             busy_poll: Duration::from_micros(args.busy_poll_us),
+            max_store_bytes: args.max_store_bytes,
             ..Config::default()
         },
     )
@@ -155,5 +190,29 @@ mod tests {
             .render_help()
             .to_string();
         assert!(help.contains("Usage: muster store [OPTIONS]"), "{help}");
+    }
+
+    #[test]
+    fn byte_sizes_take_plain_numbers_and_binary_units() {
+        assert_eq!(parse_byte_size("4096"), Ok(4096));
+        assert_eq!(parse_byte_size("64KiB"), Ok(64 << 10));
+        assert_eq!(parse_byte_size("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_byte_size("1GiB"), Ok(1 << 30));
+        for bad in [
+            "",
+            "0",
+            "1GB",
+            "-1",
+            "1.5GiB",
+            "GiB",
+            "99999999999999999999",
+        ] {
+            assert!(parse_byte_size(bad).is_err(), "{bad:?} was accepted");
+        }
+        assert_eq!(
+            rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
+            parse_byte_size("1GiB").unwrap_or_default(),
+            "the flag's default matches the library's"
+        );
     }
 }

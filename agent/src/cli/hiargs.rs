@@ -567,6 +567,11 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             .filter(|p| !p.as_os_str().is_empty()),
         keep_strays: switch("keep-strays"),
         gpu_release_timeout,
+        max_store_bytes: match get(low, "max-store-bytes") {
+            None => rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
+            Some(raw) => crate::store_cmd::parse_byte_size(&raw.value)
+                .map_err(|why| bad(raw, "max-store-bytes", why))?,
+        },
     })
 }
 
@@ -949,5 +954,22 @@ mod tests {
         let err =
             build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--gpu-release-timeout"), "{err}");
+    }
+
+    #[test]
+    fn max_store_bytes_from_flag_or_env_with_units() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.max_store_bytes, 1 << 30);
+        let c = build_with(&["--max-store-bytes", "256MiB", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.max_store_bytes, 256 << 20);
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_MAX_STORE_BYTES", "4096")],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.max_store_bytes, 4096);
+        let err = build_with(&["--max-store-bytes", "1GB", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.to_string().contains("--max-store-bytes"), "{err}");
     }
 }

@@ -224,6 +224,8 @@ pub struct Config {
     /// `--gpu-release-timeout`: how long a restart waits for the previous attempt's GPU
     /// processes and memory to go (zero: no wait).
     pub gpu_release_timeout: Duration,
+    /// `--max-store-bytes`: what each store the agent hosts may hold.
+    pub max_store_bytes: usize,
 }
 
 impl Config {
@@ -265,6 +267,7 @@ impl Config {
             tmp_dir: None,
             keep_strays: false,
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
+            max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
         }
     }
 }

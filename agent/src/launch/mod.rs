@@ -312,7 +312,7 @@ impl Rendezvous for LocalRendezvous {
     ) -> BoxFuture<'a, Result<Round, LaunchError>> {
         Box::pin(async move {
             let ip = Self::advertised_ip(config).await?;
-            let store = HostedStore::start(ip)
+            let store = HostedStore::start(ip, config.max_store_bytes)
                 .await
                 .map_err(|source| LaunchError::Store { ip, source })?;
             Ok(Round {

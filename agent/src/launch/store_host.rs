@@ -15,9 +15,13 @@ pub struct HostedStore {
 
 impl HostedStore {
     /// Binds `ip` on an ephemeral port and starts serving, on a thread of its own (see
-    /// [`ServerThread`] for why not on the agent's runtime).
-    pub async fn start(ip: IpAddr) -> std::io::Result<HostedStore> {
-        let server = ServerThread::start(SocketAddr::new(ip, 0), Config::default())
+    /// [`ServerThread`] for why not on the agent's runtime), holding at most `max_store_bytes`.
+    pub async fn start(ip: IpAddr, max_store_bytes: usize) -> std::io::Result<HostedStore> {
+        let config = Config {
+            max_store_bytes,
+            ..Config::default()
+        };
+        let server = ServerThread::start(SocketAddr::new(ip, 0), config)
             .await
             .map_err(std::io::Error::other)?;
         Ok(HostedStore { server })

@@ -8,6 +8,12 @@
 //! which totally orders them; the client's task then writes the outbox out. That ordering is what
 //! keeps WAIT/CANCEL_WAIT race-free.
 //!
+//! Memory is bounded three ways (docs/store.md § A hostile client): the state refuses to grow
+//! past `max_store_bytes`; a connection whose unread replies pass `max_pending_output` is
+//! neither decoded nor read from until they drain (and is closed if it stays stuck for
+//! `write_stall_timeout`); and one request may not grow a receive buffer past
+//! [`MAX_REQUEST_BYTES`].
+//!
 //! `muster store` runs the server on one current-thread runtime, which busy-polls its sockets
 //! for a moment after serving a request; see docs/store.md § Performance. One thread is also
 //! what keeps requests in arrival order across connections (epoll reports ready sockets first
@@ -38,11 +44,41 @@ use tracing::{debug, info, warn};
 
 use super::busy_poll::{busy_poll, Activity};
 use super::protocol::{reply, Command, DecodeError, Request, VALIDATION_MAGIC};
-use super::state::{ClientId, State, StateError};
+use super::state::{ClientId, Limits, State, StateError};
 
 /// Connections accepted at once unless configured otherwise. Far above any real job's agent and
 /// worker count per store; the cap exists so a runaway client cannot exhaust file descriptors.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 65_536;
+
+/// Bytes the store may hold unless configured otherwise (keys, values, queues and waiters, each
+/// with a per-entry overhead; see [`super::state::ENTRY_OVERHEAD`]). A job's stores hold
+/// kilobytes (rank assignments, bootstrap addresses) to a few megabytes (a large world's
+/// gloo/NCCL exchange); 1 GiB is far above that and far below a training pod's memory limit,
+/// so a client that fills it gets its connection closed instead of the agent OOM-killed.
+pub const DEFAULT_MAX_STORE_BYTES: usize = 1 << 30;
+
+/// Reply bytes one connection may have queued before the server stops decoding its requests
+/// (backpressure); also the longest reply one request may produce. A torch client sends one
+/// request and reads its reply before the next, so it never queues more than one reply (at most
+/// one 8 MiB value, or a MULTI_GET); only a client that pipelines requests without reading the
+/// replies reaches this. 64 MiB is eight of the largest values torch allows: a pipelining client
+/// still has plenty in flight, and one that does not read costs the store at most this much
+/// (plus the reply being written) instead of one read's worth of GETs of an 8 MiB value
+/// (16 KiB of 10-byte GETs asked for 13 GiB).
+pub const DEFAULT_MAX_PENDING_OUTPUT: usize = 64 << 20;
+
+/// How long a connection that went past [`DEFAULT_MAX_PENDING_OUTPUT`] may leave its replies
+/// unread (no byte accepted by its socket) before it is closed. Only pipelining clients get
+/// there, so the deadline cannot catch a torch client paused in a debugger; it frees a stuck
+/// hostile connection's memory and slot instead of holding them until the peer goes away.
+pub const DEFAULT_WRITE_STALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Longest request accepted: the receive buffer of a connection never holds more than this of
+/// one request. The codec bounds each field (8 KiB keys, 8 MiB values, 131,072 keys) but not
+/// their product: a MULTI_SET could announce 131,072 values of 8 MiB (1 TiB). A torch client's
+/// requests are one key and value (at most 8 MiB + 8 KiB) or a list of keys; 64 MiB leaves a
+/// MULTI_SET of seven full-size values or ~1 million 50-byte keys.
+pub const MAX_REQUEST_BYTES: usize = 64 << 20;
 
 /// Receive buffer of an idle connection. Small, because a job's store holds one connection per
 /// agent and per worker, mostly idle: 16k connections × 1 KiB is 16 MiB.
@@ -73,6 +109,14 @@ pub struct Config {
     /// the connection. `None` (the default) leaves the system's setting (usually off). The
     /// rendezvous store sets it so a peer whose host vanished without a FIN shows as closed.
     pub tcp_keepalive: Option<Duration>,
+    /// Bytes the store may hold; a request that would pass it closes its connection (there is
+    /// no reply code for it in the protocol), and the store keeps serving everyone else.
+    pub max_store_bytes: usize,
+    /// Reply bytes a connection may have queued before its requests stop being decoded until
+    /// the client reads; also the longest single reply.
+    pub max_pending_output: usize,
+    /// How long a connection past `max_pending_output` may read nothing before it is closed.
+    pub write_stall_timeout: Duration,
 }
 
 /// Unanswered keep-alive probes before the kernel gives up on a peer.
@@ -84,6 +128,9 @@ impl Default for Config {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             busy_poll: Duration::ZERO,
             tcp_keepalive: None,
+            max_store_bytes: DEFAULT_MAX_STORE_BYTES,
+            max_pending_output: DEFAULT_MAX_PENDING_OUTPUT,
+            write_stall_timeout: DEFAULT_WRITE_STALL_TIMEOUT,
         }
     }
 }
@@ -118,6 +165,13 @@ pub struct Stats {
     pub blocked_clients: AtomicUsize,
     /// Regular keys in the store.
     pub keys: AtomicUsize,
+    /// Bytes the store holds, as charged against `max_store_bytes`.
+    pub bytes_stored: AtomicUsize,
+    /// Requests refused because the store was full (their connections were closed).
+    pub store_full: AtomicU64,
+    /// Times a connection's requests stopped being decoded because its unread replies passed
+    /// `max_pending_output`.
+    pub backpressured: AtomicU64,
     requests: [AtomicU64; Command::ALL.len()],
     /// Peer addresses of the open connections. Touched once per connection open and close, never
     /// per request; read by the rendezvous host to tell a late peer (connection open) from a
@@ -159,6 +213,8 @@ impl Stats {
 struct Shared {
     inner: Mutex<Inner>,
     stats: Arc<Stats>,
+    max_pending_output: usize,
+    write_stall_timeout: Duration,
 }
 
 struct Inner {
@@ -221,16 +277,21 @@ impl Server {
         Ok(Server {
             listener,
             local_addr,
-            config,
             shared: Arc::new(Shared {
                 inner: Mutex::new(Inner {
-                    state: State::new(),
+                    state: State::with_limits(Limits {
+                        max_bytes: config.max_store_bytes,
+                        max_reply: config.max_pending_output,
+                    }),
                     outboxes: HashMap::new(),
                     next_client: 1,
                     closing: false,
                 }),
                 stats: Arc::new(Stats::default()),
+                max_pending_output: config.max_pending_output,
+                write_stall_timeout: config.write_stall_timeout,
             }),
+            config,
         })
     }
 
@@ -251,6 +312,7 @@ impl Server {
         info!(
             addr = %self.local_addr,
             busy_poll_us = self.config.busy_poll.as_micros(),
+            max_store_bytes = self.config.max_store_bytes,
             "store listening"
         );
         let activity = Arc::new(Activity::default());
@@ -436,6 +498,9 @@ enum Close {
     Shutdown,
     Io(std::io::Error),
     Protocol(String),
+    /// The client went past one of the memory bounds (store full, a reply or request too
+    /// large, replies left unread past the deadline).
+    Limit(String),
 }
 
 async fn serve_connection(
@@ -473,6 +538,11 @@ async fn serve_connection(
             .stats
             .blocked_clients
             .store(inner.state.blocked_clients(), Ordering::Relaxed);
+        // A disconnected waiter's registrations were given back.
+        shared
+            .stats
+            .bytes_stored
+            .store(inner.state.bytes(), Ordering::Relaxed);
     }
     match close {
         Close::PeerClosed | Close::Shutdown => debug!(%peer, "connection closed"),
@@ -481,6 +551,7 @@ async fn serve_connection(
             shared.stats.protocol_errors.fetch_add(1, Ordering::Relaxed);
             warn!(%peer, "closing connection: {reason}");
         }
+        Close::Limit(reason) => warn!(%peer, "closing connection: {reason}"),
     }
 }
 
@@ -497,44 +568,71 @@ async fn connection_loop(
     // Kept across iterations so that it is registered with the `Notify` once, not once per
     // request; replaced only after it fires.
     let mut woken = pin!(notify.notified());
+    // Complete requests were left in `inbuf` because the replies before them passed
+    // `max_pending_output`: they are served once those replies are written, and nothing more is
+    // read from the client until then (its own TCP window then stops it sending).
+    let mut held_back = false;
     loop {
-        let pending = tokio::select! {
-            read = stream.read_buf(&mut inbuf) => match read {
-                Ok(0) => return Close::PeerClosed,
-                Ok(n) => {
-                    stats.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
-                    let (pending, result) = process(&mut inbuf, id, &mut validated, shared);
-                    activity.served_batch();
-                    if let Err(reason) = result {
-                        // Replies to the requests before the bad one are still owed.
-                        let _ = write(stream, &pending, notify, &mut woken, shared).await;
-                        return Close::Protocol(reason);
+        let batch = if held_back {
+            activity.served_batch();
+            process(&mut inbuf, id, &mut validated, shared)
+        } else {
+            tokio::select! {
+                read = stream.read_buf(&mut inbuf) => match read {
+                    Ok(0) => return Close::PeerClosed,
+                    Ok(n) => {
+                        stats.bytes_received.fetch_add(n as u64, Ordering::Relaxed);
+                        let batch = process(&mut inbuf, id, &mut validated, shared);
+                        activity.served_batch();
+                        if batch.result.is_ok() && !batch.held_back {
+                            if inbuf.is_empty() && inbuf.capacity() > READ_CHUNK {
+                                // Give back what a large value needed once.
+                                inbuf = BytesMut::with_capacity(IDLE_BUFFER);
+                            } else if inbuf.capacity() - inbuf.len() < IDLE_BUFFER {
+                                // read_buf needs spare capacity (with none it would read 0
+                                // bytes, which looks like end of stream); grow in chunks while
+                                // data streams in.
+                                inbuf.reserve(if n >= IDLE_BUFFER { READ_CHUNK } else { IDLE_BUFFER });
+                            }
+                        }
+                        batch
                     }
-                    if inbuf.is_empty() && inbuf.capacity() > READ_CHUNK {
-                        // Give back what a large value needed once.
-                        inbuf = BytesMut::with_capacity(IDLE_BUFFER);
-                    } else if inbuf.capacity() - inbuf.len() < IDLE_BUFFER {
-                        // read_buf needs spare capacity (with none it would read 0 bytes, which
-                        // looks like end of stream); grow in chunks while data streams in.
-                        inbuf.reserve(if n >= IDLE_BUFFER { READ_CHUNK } else { IDLE_BUFFER });
+                    Err(err) => return Close::Io(err),
+                },
+                // Another client's write released us (send the STOP_WAITING byte(s) queued for
+                // us), or the server is shutting down.
+                () = woken.as_mut() => {
+                    woken.set(notify.notified());
+                    match take_pending(id, shared) {
+                        Some(reply) => Batch { reply, result: Ok(()), held_back: false },
+                        None => return Close::Shutdown,
                     }
-                    pending
-                }
-                Err(err) => return Close::Io(err),
-            },
-            // Another client's write released us (send the STOP_WAITING byte(s) queued for
-            // us), or the server is shutting down.
-            () = woken.as_mut() => {
-                woken.set(notify.notified());
-                match take_pending(id, shared) {
-                    Some(pending) => pending,
-                    None => return Close::Shutdown,
                 }
             }
         };
-        let mut pending = pending;
+        let Batch {
+            reply,
+            mut result,
+            held_back: cut,
+        } = batch;
+        held_back = cut;
+        if result.is_ok() && !held_back && inbuf.len() > MAX_REQUEST_BYTES {
+            // What is left is one incomplete request, already longer than any accepted.
+            result = Err(Close::Limit(format!(
+                "request longer than {MAX_REQUEST_BYTES} bytes ({} received so far)",
+                inbuf.len()
+            )));
+        }
+        if let Err(close) = result {
+            // Replies to the requests before the bad one are still owed.
+            let _ = write(stream, &reply, notify, &mut woken, shared, None).await;
+            return close;
+        }
+        // Only a connection that went past the cap has a deadline for reading its replies.
+        let stall = held_back.then_some(shared.write_stall_timeout);
+        let mut pending = reply;
         loop {
-            match write(stream, &pending, notify, &mut woken, shared).await {
+            match write(stream, &pending, notify, &mut woken, shared, stall).await {
                 Ok(Written::All) => break,
                 Ok(Written::AllAndWoken) => match take_pending(id, shared) {
                     Some(more) => pending = more,
@@ -546,15 +644,20 @@ async fn connection_loop(
     }
 }
 
-/// Decodes and applies every complete request in `inbuf`, under one lock.
-/// Returns the bytes now owed to this client (taken under the same lock, so nothing queued for
-/// it can be reordered) and whether the connection may go on.
-fn process(
-    inbuf: &mut BytesMut,
-    id: ClientId,
-    validated: &mut bool,
-    shared: &Shared,
-) -> (BytesMut, Result<(), String>) {
+/// What one pass over a connection's receive buffer produced.
+struct Batch {
+    /// Bytes now owed to the client.
+    reply: BytesMut,
+    /// Whether the connection may go on.
+    result: Result<(), Close>,
+    /// Complete requests were left undecoded because `reply` passed `max_pending_output`.
+    held_back: bool,
+}
+
+/// Decodes and applies every complete request in `inbuf`, under one lock, until the reply
+/// passes `max_pending_output`. The reply includes whatever was queued for this client before
+/// (taken under the same lock, so nothing queued for it can be reordered).
+fn process(inbuf: &mut BytesMut, id: ClientId, validated: &mut bool, shared: &Shared) -> Batch {
     let stats = &shared.stats;
     let mut guard = shared.lock();
     let inner = &mut *guard;
@@ -565,12 +668,18 @@ fn process(
         .unwrap_or_default();
     let mut woken = Vec::new();
     let mut result = Ok(());
+    let mut held_back = false;
     loop {
+        if reply.len() >= shared.max_pending_output && !inbuf.is_empty() {
+            stats.backpressured.fetch_add(1, Ordering::Relaxed);
+            held_back = true;
+            break;
+        }
         let request = match Request::decode(inbuf) {
             Ok(Some(request)) => request,
             Ok(None) => break,
             Err(err) => {
-                result = Err(decode_reason(&err));
+                result = Err(Close::Protocol(decode_reason(&err)));
                 break;
             }
         };
@@ -586,24 +695,29 @@ fn process(
                     continue;
                 }
                 Request::Validate { magic } => {
-                    result = Err(format!(
+                    result = Err(Close::Protocol(format!(
                         "bad VALIDATE magic {magic:#010x} (expected {VALIDATION_MAGIC:#010x}); \
                          is the client a pre-2.1 PyTorch?"
-                    ));
+                    )));
                 }
                 _ => {
-                    result = Err(format!(
+                    result = Err(Close::Protocol(format!(
                         "first message was {} instead of VALIDATE",
                         command.name()
-                    ));
+                    )));
                 }
             }
             break;
         }
         if let Err(err) = inner.state.apply(id, request, &mut reply, &mut woken) {
             result = Err(match err {
-                StateError::UnexpectedValidate => "VALIDATE sent twice".to_owned(),
-                other @ StateError::NotANumber { .. } => other.to_string(),
+                StateError::UnexpectedValidate => Close::Protocol("VALIDATE sent twice".to_owned()),
+                other @ StateError::NotANumber { .. } => Close::Protocol(other.to_string()),
+                other @ StateError::StoreFull { .. } => {
+                    stats.store_full.fetch_add(1, Ordering::Relaxed);
+                    Close::Limit(other.to_string())
+                }
+                other @ StateError::ReplyTooLarge { .. } => Close::Limit(other.to_string()),
             });
             break;
         }
@@ -621,7 +735,14 @@ fn process(
         .blocked_clients
         .store(inner.state.blocked_clients(), Ordering::Relaxed);
     stats.keys.store(inner.state.num_keys(), Ordering::Relaxed);
-    (reply, result)
+    stats
+        .bytes_stored
+        .store(inner.state.bytes(), Ordering::Relaxed);
+    Batch {
+        reply,
+        result,
+        held_back,
+    }
 }
 
 fn decode_reason(err: &DecodeError) -> String {
@@ -653,24 +774,46 @@ enum Written {
 
 /// Writes bytes owed to the client: at once when the socket takes them (the common case: a
 /// reply is a few bytes), else waiting for room while still hearing shutdown, so a client that
-/// stops reading cannot hold its task past shutdown.
+/// stops reading cannot hold its task past shutdown. With a `stall` deadline, a client whose
+/// socket takes no byte for that long is closed.
 async fn write<'n>(
     stream: &mut TcpStream,
     mut pending: &[u8],
     notify: &'n Notify,
     woken: &mut Pin<&mut Notified<'n>>,
     shared: &Shared,
+    stall: Option<Duration>,
 ) -> Result<Written, Close> {
     let total = pending.len();
     let mut was_woken = false;
+    let deadline = |stall: Duration| tokio::time::Instant::now() + stall;
+    let mut stalled_at = stall.map(deadline);
     while !pending.is_empty() {
         match stream.try_write(pending) {
             // A socket that takes nothing would spin this loop forever (write_all's WriteZero).
             Ok(0) => return Err(Close::Io(std::io::ErrorKind::WriteZero.into())),
-            Ok(n) => pending = &pending[n..],
+            Ok(n) => {
+                pending = &pending[n..];
+                stalled_at = stall.map(deadline);
+            }
             Err(err) if err.kind() == std::io::ErrorKind::WouldBlock => {
+                let give_up = async {
+                    match stalled_at {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                };
                 tokio::select! {
                     ready = stream.writable() => ready.map_err(Close::Io)?,
+                    () = give_up => {
+                        return Err(Close::Limit(format!(
+                            "it read none of its replies for {} s with {} bytes of them unsent \
+                             (past the {}-byte backlog limit)",
+                            stall.unwrap_or_default().as_secs(),
+                            pending.len(),
+                            shared.max_pending_output,
+                        )));
+                    }
                     () = woken.as_mut() => {
                         woken.set(notify.notified());
                         if shared.is_closing() {

@@ -24,6 +24,41 @@ type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 /// Identifies a connection for the lifetime of the server.
 pub type ClientId = u64;
 
+/// What one stored entry costs beyond its key and value bytes, charged against
+/// [`Limits::max_bytes`]: the hash-map slot (two `Bytes` handles, 64 bytes) and the allocator's
+/// headers of the two owned buffers. Without it a flood of empty keys would be nearly free to
+/// store and still cost real memory.
+pub const ENTRY_OVERHEAD: usize = 64;
+
+/// What one queued element or one waiter's registration costs beyond its bytes (a `Bytes`
+/// handle in a `VecDeque` or a `Vec`, plus the allocation header).
+pub const ITEM_OVERHEAD: usize = 48;
+
+/// Bounds on what the store holds and answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Bytes of keys, values, queued elements and waiters' registrations (each with its
+    /// overhead above) the store may hold. A request that would go past it is refused.
+    pub max_bytes: usize,
+    /// Longest reply one request may produce: bounds MULTI_GET (up to 131,072 copies of an
+    /// 8 MiB value in one request) and LIST_KEYS, the only replies not bounded by the codec.
+    pub max_reply: usize,
+}
+
+impl Limits {
+    /// No bound at all (the store as torch has it).
+    pub const UNLIMITED: Limits = Limits {
+        max_bytes: usize::MAX,
+        max_reply: usize::MAX,
+    };
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self::UNLIMITED
+    }
+}
+
 /// A request the state refuses; the server closes that client's connection.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StateError {
@@ -34,6 +69,25 @@ pub enum StateError {
     /// VALIDATE is only valid as the first message; the server handles that one.
     #[error("VALIDATE after the handshake")]
     UnexpectedValidate,
+    /// The request would take the store past [`Limits::max_bytes`]. There is no reply code
+    /// for it in the protocol; the connection is closed, which a torch client reports as a
+    /// connection error on this or its next call.
+    #[error(
+        "store full: it holds {used} bytes of its {max}-byte limit and {command} needs {more} more"
+    )]
+    StoreFull {
+        command: &'static str,
+        used: usize,
+        more: usize,
+        max: usize,
+    },
+    /// The reply would exceed [`Limits::max_reply`].
+    #[error("the reply to {command} would be {len} bytes, over the {max}-byte limit")]
+    ReplyTooLarge {
+        command: &'static str,
+        len: usize,
+        max: usize,
+    },
 }
 
 /// What a client is blocked on.
@@ -43,6 +97,8 @@ struct WaitState {
     remaining: usize,
     /// Every key the client is registered on (in `waiting` or `barriers`), for clean-up.
     keys: Vec<Bytes>,
+    /// What these registrations are charged against the limit; given back with the wait.
+    charged: usize,
 }
 
 /// The store's contents and waiters.
@@ -58,11 +114,28 @@ pub struct State {
     /// released by its count reaching the world size, not by the key being written.
     barriers: Map<Bytes, Vec<ClientId>>,
     waits: Map<ClientId, WaitState>,
+    limits: Limits,
+    /// What everything above is charged against `limits.max_bytes`.
+    bytes: usize,
 }
 
 impl State {
+    /// A store without limits.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A store bounded by `limits`.
+    pub fn with_limits(limits: Limits) -> Self {
+        Self {
+            limits,
+            ..Self::default()
+        }
+    }
+
+    /// Bytes charged against [`Limits::max_bytes`] now.
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     /// Number of clients currently blocked in WAIT or BARRIER.
@@ -86,7 +159,7 @@ impl State {
     ) -> Result<(), StateError> {
         match request {
             Request::Validate { .. } => return Err(StateError::UnexpectedValidate),
-            Request::Set { key, value } => self.set(&key, &value, woken),
+            Request::Set { key, value } => self.set(&key, &value, woken, "SET")?,
             Request::CompareSet {
                 key,
                 expected,
@@ -96,15 +169,12 @@ impl State {
                     // The "lie": nothing to compare with, so the expected value is returned and
                     // nothing is created.
                     None if !expected.is_empty() => expected,
-                    None => {
-                        self.values.insert(key.clone(), desired.clone());
+                    Some(current) if *current != expected => current.clone(),
+                    // Missing and expected empty, or present and equal: replaced.
+                    _ => {
+                        self.store_value(&key, &desired, "COMPARE_SET")?;
                         desired
                     }
-                    Some(current) if *current == expected => {
-                        self.values.insert(key.clone(), desired.clone());
-                        desired
-                    }
-                    Some(current) => current.clone(),
                 };
                 put_bytes(reply, &current);
                 // libuv: every COMPARE_SET wakes the key's waiters, even a failed one (classic
@@ -128,14 +198,22 @@ impl State {
                     reply::NOT_READY
                 });
             }
-            Request::Wait { keys } => self.wait(client, keys, reply),
+            Request::Wait { keys } => self.wait(client, keys, reply)?,
             Request::GetNumKeys => reply.put_i64_le(self.values.len() as i64),
             Request::DeleteKey { key } => {
                 // Deleting wakes nobody (both backends).
-                let deleted = self.values.remove(&key).is_some();
-                reply.put_i64_le(i64::from(deleted));
+                let deleted = self.values.remove_entry(&key);
+                if let Some((key, value)) = &deleted {
+                    self.bytes -= entry_cost(key, value);
+                }
+                reply.put_i64_le(i64::from(deleted.is_some()));
             }
             Request::Append { key, value } => {
+                let more = match self.values.get(&key) {
+                    Some(_) => value.len(),
+                    None => entry_cost(&key, &value),
+                };
+                self.charge("APPEND", more)?;
                 match self.values.entry(key.clone()) {
                     Entry::Occupied(mut e) => {
                         let mut joined = BytesMut::with_capacity(e.get().len() + value.len());
@@ -150,14 +228,21 @@ impl State {
                 self.wake(&key, woken);
             }
             Request::MultiGet { keys } => {
+                let len = keys
+                    .iter()
+                    .map(|key| 8 + self.values.get(key).map_or(0, Bytes::len))
+                    .sum();
+                self.check_reply("MULTI_GET", len)?;
                 for key in &keys {
                     let value = self.values.get(key).map_or(&[][..], |v| &v[..]);
                     put_bytes(reply, value);
                 }
             }
             Request::MultiSet { pairs } => {
+                // Pairs before one that does not fit stay stored, as a torch client's connection
+                // error cannot tell how far the request went either.
                 for (key, value) in &pairs {
-                    self.set(key, value, woken);
+                    self.set(key, value, woken, "MULTI_SET")?;
                 }
             }
             Request::CancelWait => {
@@ -166,6 +251,14 @@ impl State {
             }
             Request::Ping { nonce } => reply.put_u32_le(nonce),
             Request::QueuePush { key, value } => {
+                let more = value.len()
+                    + ITEM_OVERHEAD
+                    + if self.queues.contains_key(&key) {
+                        0
+                    } else {
+                        key.len() + ENTRY_OVERHEAD
+                    };
+                self.charge("QUEUE_PUSH", more)?;
                 self.queues
                     .entry(own(&key))
                     .or_default()
@@ -179,6 +272,13 @@ impl State {
                 reply.put_i64_le(len as i64);
                 if let Some(value) = queue.and_then(VecDeque::pop_front) {
                     put_bytes(reply, &value);
+                    self.bytes -= value.len() + ITEM_OVERHEAD;
+                    if len == 1 {
+                        // An empty queue is the same as none to every command (CHECK, WAIT,
+                        // QUEUE_LEN, QUEUE_POP); dropping it gives its key's bytes back.
+                        self.queues.remove(&key);
+                        self.bytes -= key.len() + ENTRY_OVERHEAD;
+                    }
                 }
             }
             Request::QueueLen { key } => {
@@ -186,6 +286,8 @@ impl State {
                 reply.put_i64_le(len as i64);
             }
             Request::ListKeys => {
+                let len = 8 + self.values.keys().map(|k| 8 + k.len()).sum::<usize>();
+                self.check_reply("LIST_KEYS", len)?;
                 reply.put_i64_le(self.values.len() as i64);
                 for key in self.values.keys() {
                     put_bytes(reply, key);
@@ -193,6 +295,10 @@ impl State {
             }
             Request::Barrier { key, world_size } => {
                 let count = self.add(&key, 1, woken)?;
+                let registration = key.len() + ITEM_OVERHEAD;
+                if count < world_size {
+                    self.charge("BARRIER", registration)?;
+                }
                 if count >= world_size {
                     reply.put_u8(reply::STOP_WAITING);
                     if let Some(blocked) = self.barriers.remove(&key) {
@@ -205,6 +311,7 @@ impl State {
                     let wait = self.waits.entry(client).or_default();
                     wait.remaining += 1;
                     wait.keys.push(key);
+                    wait.charged += registration;
                 }
             }
         }
@@ -216,6 +323,7 @@ impl State {
         let Some(wait) = self.waits.remove(&client) else {
             return;
         };
+        self.bytes -= wait.charged;
         for key in wait.keys {
             for map in [&mut self.waiting, &mut self.barriers] {
                 if let Some(list) = map.get_mut(&key) {
@@ -228,16 +336,69 @@ impl State {
         }
     }
 
-    fn set(&mut self, key: &Bytes, value: &Bytes, woken: &mut Vec<ClientId>) {
-        let value = own(value);
+    fn set(
+        &mut self,
+        key: &Bytes,
+        value: &Bytes,
+        woken: &mut Vec<ClientId>,
+        command: &'static str,
+    ) -> Result<(), StateError> {
+        self.store_value(key, value, command)?;
+        self.wake(key, woken);
+        Ok(())
+    }
+
+    /// Stores `value` under `key` if the limit allows; wakes nobody.
+    fn store_value(
+        &mut self,
+        key: &Bytes,
+        value: &Bytes,
+        command: &'static str,
+    ) -> Result<(), StateError> {
         // Overwriting an existing key keeps its allocation for the key (the common case in
         // pipelined SET loops and counters).
-        if let Some(slot) = self.values.get_mut(key) {
-            *slot = value;
+        if let Some(old) = self.values.get(key).map(Bytes::len) {
+            if value.len() > old {
+                self.charge(command, value.len() - old)?;
+            } else {
+                self.bytes -= old - value.len();
+            }
+            if let Some(slot) = self.values.get_mut(key) {
+                *slot = own(value);
+            }
         } else {
-            self.values.insert(own(key), value);
+            self.charge(command, entry_cost(key, value))?;
+            self.values.insert(own(key), own(value));
         }
-        self.wake(key, woken);
+        Ok(())
+    }
+
+    /// Adds `more` bytes to what the store holds, or refuses when that would pass the limit.
+    /// Requests that shrink the store are never refused: a full store can always be emptied.
+    fn charge(&mut self, command: &'static str, more: usize) -> Result<(), StateError> {
+        match self.bytes.checked_add(more) {
+            Some(total) if total <= self.limits.max_bytes => {
+                self.bytes = total;
+                Ok(())
+            }
+            _ => Err(StateError::StoreFull {
+                command,
+                used: self.bytes,
+                more,
+                max: self.limits.max_bytes,
+            }),
+        }
+    }
+
+    fn check_reply(&self, command: &'static str, len: usize) -> Result<(), StateError> {
+        if len > self.limits.max_reply {
+            return Err(StateError::ReplyTooLarge {
+                command,
+                len,
+                max: self.limits.max_reply,
+            });
+        }
+        Ok(())
     }
 
     fn add(
@@ -255,7 +416,7 @@ impl State {
         };
         // i64 overflow wraps, as the C++ signed addition does in practice.
         let updated = current.wrapping_add(delta);
-        self.set(key, &Bytes::from(updated.to_string()), woken);
+        self.set(key, &Bytes::from(updated.to_string()), woken, "ADD")?;
         Ok(updated)
     }
 
@@ -264,19 +425,29 @@ impl State {
         self.values.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
     }
 
-    fn wait(&mut self, client: ClientId, keys: Vec<Bytes>, reply: &mut BytesMut) {
+    fn wait(
+        &mut self,
+        client: ClientId,
+        keys: Vec<Bytes>,
+        reply: &mut BytesMut,
+    ) -> Result<(), StateError> {
         let missing: Vec<Bytes> = keys.into_iter().filter(|k| !self.exists(k)).collect();
         if missing.is_empty() {
             reply.put_u8(reply::STOP_WAITING);
-            return;
+            return Ok(());
         }
+        // Registrations cost memory too, and a client may pipeline any number of WAITs.
+        let charged = missing.iter().map(|k| k.len() + ITEM_OVERHEAD).sum();
+        self.charge("WAIT", charged)?;
         let wait = self.waits.entry(client).or_default();
+        wait.charged += charged;
         wait.remaining += missing.len();
         for key in missing {
             let key = own(&key);
             self.waiting.entry(key.clone()).or_default().push(client);
             wait.keys.push(key);
         }
+        Ok(())
     }
 
     /// A write to `key`: every registration on it is released.
@@ -307,11 +478,18 @@ impl State {
         if let Some(wait) = self.waits.get_mut(&id) {
             wait.remaining = wait.remaining.saturating_sub(1);
             if wait.remaining == 0 {
+                let charged = wait.charged;
                 self.waits.remove(&id);
+                self.bytes -= charged;
                 woken.push(id);
             }
         }
     }
+}
+
+/// What a stored key and value are charged.
+fn entry_cost(key: &[u8], value: &[u8]) -> usize {
+    key.len() + value.len() + ENTRY_OVERHEAD
 }
 
 /// Keys and values arrive as slices of a whole receive buffer; storing such a slice would keep
@@ -688,6 +866,140 @@ mod tests {
         );
         assert_eq!(h.take_woken(), [1]);
         assert_eq!(h.get("/log"), b"abcd");
+    }
+
+    #[test]
+    fn every_stored_byte_is_charged_and_given_back() {
+        let mut h = Harness::new();
+        h.set("/k", "12345");
+        assert_eq!(h.state.bytes(), 2 + 5 + ENTRY_OVERHEAD);
+        h.set("/k", "1");
+        assert_eq!(h.state.bytes(), 2 + 1 + ENTRY_OVERHEAD, "overwrite shrinks");
+        h.run(
+            0,
+            Request::Append {
+                key: b("/k"),
+                value: b("23"),
+            },
+        );
+        h.add("/n", 7);
+        h.cas("/c", "", "v");
+        h.run(
+            0,
+            Request::MultiSet {
+                pairs: vec![(b("/m"), b("mm"))],
+            },
+        );
+        for v in ["a", "bb"] {
+            h.run(
+                0,
+                Request::QueuePush {
+                    key: b("/q"),
+                    value: b(v),
+                },
+            );
+        }
+        h.wait(1, &["/w", "/w"]);
+        h.wait(2, &["/x"]);
+        h.run(
+            3,
+            Request::Barrier {
+                key: b("/b"),
+                world_size: 2,
+            },
+        );
+        assert!(h.state.bytes() > 0);
+        // Release, cancel and disconnect every waiter; drain and delete everything.
+        h.set("/w", "");
+        h.run(2, Request::CancelWait);
+        h.state.cancel_wait(3);
+        for _ in 0..3 {
+            h.run(0, Request::QueuePop { key: b("/q") });
+        }
+        for key in ["/k", "/n", "/c", "/m", "/w", "/b"] {
+            h.run(0, Request::DeleteKey { key: b(key) });
+        }
+        assert_eq!(h.state.num_keys(), 0);
+        assert_eq!(h.state.bytes(), 0, "every charge was given back");
+    }
+
+    #[test]
+    fn a_full_store_refuses_growth_but_not_shrinking() {
+        let mut state = State::with_limits(Limits {
+            max_bytes: 2 * (3 + 4 + ENTRY_OVERHEAD),
+            max_reply: 1024,
+        });
+        let mut apply = |req: Request| state.apply(0, req, &mut BytesMut::new(), &mut Vec::new());
+        let set = |k: &str, v: &str| Request::Set {
+            key: b(k),
+            value: b(v),
+        };
+        assert_eq!(apply(set("/k1", "vvvv")), Ok(()));
+        assert_eq!(apply(set("/k2", "vvvv")), Ok(()));
+        let full = apply(set("/k3", "v"));
+        assert!(
+            matches!(full, Err(StateError::StoreFull { command: "SET", .. })),
+            "{full:?}"
+        );
+        assert!(matches!(
+            apply(Request::Wait {
+                keys: vec![b("/never")]
+            }),
+            Err(StateError::StoreFull {
+                command: "WAIT",
+                ..
+            })
+        ));
+        assert_eq!(apply(set("/k1", "")), Ok(()), "shrinking is always allowed");
+        assert_eq!(apply(set("/k1", "vvvv")), Ok(()), "and frees room again");
+        assert_eq!(
+            apply(Request::DeleteKey { key: b("/k2") }),
+            Ok(()),
+            "a full store can be emptied"
+        );
+        assert_eq!(apply(set("/k3", "v")), Ok(()));
+    }
+
+    #[test]
+    fn replies_over_the_limit_are_refused_before_they_are_built() {
+        let mut state = State::with_limits(Limits {
+            max_bytes: usize::MAX,
+            max_reply: 100,
+        });
+        let mut reply = BytesMut::new();
+        let mut woken = Vec::new();
+        let value = Bytes::from(vec![b'x'; 40]);
+        state
+            .apply(
+                0,
+                Request::Set {
+                    key: b("/v"),
+                    value,
+                },
+                &mut reply,
+                &mut woken,
+            )
+            .unwrap();
+        let multi_get = |n: usize| Request::MultiGet {
+            keys: vec![b("/v"); n],
+        };
+        state
+            .apply(0, multi_get(2), &mut reply, &mut woken)
+            .unwrap();
+        assert_eq!(reply.len(), 2 * 48);
+        reply.clear();
+        let err = state
+            .apply(0, multi_get(3), &mut reply, &mut woken)
+            .unwrap_err();
+        assert_eq!(
+            err,
+            StateError::ReplyTooLarge {
+                command: "MULTI_GET",
+                len: 3 * 48,
+                max: 100
+            }
+        );
+        assert!(reply.is_empty(), "nothing was built");
     }
 
     #[test]
