@@ -201,11 +201,8 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             crate::scratch::FIX
         );
     }
-    let script_metrics = crate::metrics::script::attach(
-        endpoint.local_addr(),
-        &metrics,
-        preemption.writable_base(),
-    );
+    let script_metrics =
+        crate::metrics::script::attach(endpoint.local_addr(), &metrics, preemption.writable_base());
     if let Some(script) = &script_metrics {
         let inherited = python_path
             .or_else(|| std::env::var_os("PYTHONPATH"))

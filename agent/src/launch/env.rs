@@ -129,7 +129,7 @@ mod tests {
         let mut c = Config::for_program("/bin/true", vec![], 1);
         c.signals =
             crate::cli::hiargs::parse_signals("SIGTERM,usr1:forward,SIGUSR2:ignore,INT").unwrap();
-        let env = worker_env(&c, &assignment(), 0, Path::new("e"), &|_| None);
+        let env = worker_env(&c, &assignment(), 0, Some(Path::new("e")), &|_| None);
         assert_eq!(
             get(&env, "TORCHELASTIC_SIGNALS_TO_HANDLE"),
             Some("SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2")

@@ -706,7 +706,7 @@ struct RunDir {
     path: Option<PathBuf>,
     /// Dropped last: removes the private directory (also when the launch future is dropped
     /// half-way by an embedding caller).
-    _scratch: Option<crate::scratch::ScratchDir>,
+    scratch: Option<crate::scratch::ScratchDir>,
 }
 
 impl RunDir {
@@ -723,7 +723,7 @@ impl RunDir {
             })?;
             return Ok(RunDir {
                 path: Some(path),
-                _scratch: None,
+                scratch: None,
             });
         }
         let Some(scratch) =
@@ -732,7 +732,7 @@ impl RunDir {
             tracing::debug!("no writable directory: the workers get no TORCHELASTIC_ERROR_FILE");
             return Ok(RunDir {
                 path: None,
-                _scratch: None,
+                scratch: None,
             });
         };
         let path = scratch.path().join(run);
@@ -742,13 +742,13 @@ impl RunDir {
         })?;
         Ok(RunDir {
             path: Some(path),
-            _scratch: Some(scratch),
+            scratch: Some(scratch),
         })
     }
 
     /// Whether the directory outlives the agent (else its error files go with it).
     fn is_kept(&self) -> bool {
-        self.path.is_some() && self._scratch.is_none()
+        self.path.is_some() && self.scratch.is_none()
     }
 }
 

@@ -31,8 +31,8 @@ pub mod auth;
 mod conns;
 mod http;
 mod live;
-pub mod script;
 mod output;
+pub mod script;
 mod store;
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -1172,7 +1172,7 @@ impl Metrics {
         self.inner
             .gang_running
             .set(i64::from(self.is_gang_running()));
-                let mut families = self.inner.registry.gather();
+        let mut families = self.inner.registry.gather();
         if let Some(script) = self.inner.script.get() {
             families.extend(script.families());
         }
