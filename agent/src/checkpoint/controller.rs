@@ -196,11 +196,25 @@ impl Preemption {
 
     /// The agent's exit code given the launch's: a checkpoint's outcome takes precedence.
     pub fn exit_code(&self, launch_code: u8) -> u8 {
-        match self.outcome() {
-            Some(Outcome::Committed { .. }) => self.preempted_exit_code,
-            Some(Outcome::Aborted { .. }) => exit_code::CHECKPOINT_ABORTED,
-            Some(Outcome::Unsupported { .. }) | None => launch_code,
+        exit_code_after(
+            self.outcome().as_ref(),
+            launch_code,
+            self.preempted_exit_code,
+        )
+    }
+}
+
+/// A preemption that ends without a committed checkpoint is 201 however the workers ended:
+/// with scripts that do not use the helper the workers get SIGTERM and may well exit 0, and a
+/// 0 would make the pod `Succeeded`, which every Kubernetes training API counts as finished
+/// work (the job would end Complete with its training unfinished).
+fn exit_code_after(outcome: Option<&Outcome>, launch_code: u8, preempted_exit_code: u8) -> u8 {
+    match outcome {
+        Some(Outcome::Committed { .. }) => preempted_exit_code,
+        Some(Outcome::Aborted { .. } | Outcome::Unsupported { .. }) => {
+            exit_code::CHECKPOINT_ABORTED
         }
+        None => launch_code,
     }
 }
 
@@ -471,5 +485,31 @@ mod tests {
         assert_eq!(budget(Duration::from_secs(5)), Duration::from_secs(4));
         assert_eq!(budget(Duration::from_secs(600)), Duration::from_secs(595));
         assert_eq!(budget(Duration::ZERO), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_preemption_without_a_committed_checkpoint_is_never_success() {
+        let unsupported = Outcome::Unsupported {
+            reason: "node 1 [0] does not use the helper".into(),
+        };
+        assert_eq!(
+            exit_code_after(Some(&unsupported), 0, 200),
+            exit_code::CHECKPOINT_ABORTED
+        );
+        assert_eq!(
+            exit_code_after(Some(&unsupported), 143, 200),
+            exit_code::CHECKPOINT_ABORTED
+        );
+        let aborted = Outcome::Aborted {
+            reason: "deadline".into(),
+        };
+        assert_eq!(
+            exit_code_after(Some(&aborted), 0, 0),
+            exit_code::CHECKPOINT_ABORTED
+        );
+        let committed = Outcome::Committed { step: 7 };
+        assert_eq!(exit_code_after(Some(&committed), 0, 200), 200);
+        assert_eq!(exit_code_after(None, 0, 200), 0);
+        assert_eq!(exit_code_after(None, 3, 200), 3);
     }
 }

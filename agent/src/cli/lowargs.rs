@@ -381,7 +381,7 @@ pub fn help_text() -> String {
          Exit codes: 0 all workers succeeded; 1-127 the root-cause worker's code; 128+N the\n\
          root-cause worker died of signal N, or the agent was stopped by signal N (0 if every\n\
          worker still exited cleanly); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
-         201 preempted, checkpoint aborted; 202 configuration error; 203 rendezvous timeout;\n\
+         201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU; 205 store host lost; 206 internal error.\n",
     );
     out
