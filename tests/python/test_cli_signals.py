@@ -101,10 +101,11 @@ def test_one_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path, sig
         rc, _, err = finish(p)
     finally:
         kill_all([p.pid])
-    # Each rank ran its whole graceful stop (1.5 s) and exited 0: a clean drain, exit 0.
+    # Each rank ran its whole graceful stop (1.5 s) and exited 0: a clean drain, exit 0 after
+    # SIGINT; after SIGTERM (a preemption) 201, since no checkpoint was committed.
     for r in range(2):
         assert (tmp_path / f"stopped_{r}").exists(), f"rank {r} was killed mid-stop:\n{err}"
-    assert rc == 0, err
+    assert rc == (0 if sig == signal.SIGINT else 201), err
     assert "killing the workers now" not in err and "sending SIGKILL" not in err, err
     # Normally the agent saw both (the log says so); on a loaded machine the kernel may still
     # have merged them, and the outcome above is then trivially right.

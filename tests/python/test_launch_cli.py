@@ -50,7 +50,7 @@ def test_unwritable_log_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     p = muster(["--log-dir", str(blocker / "logs"), "--no-python", "/bin/true"])
-    assert_config_error(p, "log directory")
+    assert_config_error(p, "--log-dir")
 
 
 def test_run_path_is_rejected_with_a_reason():

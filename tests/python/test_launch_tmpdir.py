@@ -17,9 +17,12 @@ NO_WRITABLE = "no writable directory for muster's files"
 # A worker that reports what muster gave it, checked while muster's files still exist.
 REPORT = r"""
 import os, sys
-first = os.environ.get("PYTHONPATH", "").split(":")[0]
+# The helper's directory: the script-metrics hook's directory may come before it.
+entries = os.environ.get("PYTHONPATH", "").split(":")
+with_helper = [e for e in entries if os.path.isfile(os.path.join(e, "muster_checkpoint.py"))]
+first = with_helper[0] if with_helper else entries[0]
 print("SOCKET", os.environ.get("MUSTER_CHECKPOINT_SOCKET", "unset"))
-print("HELPER", os.path.isfile(os.path.join(first, "muster_checkpoint.py")), first)
+print("HELPER", bool(with_helper), first)
 print("ERRFILE", os.environ.get("TORCHELASTIC_ERROR_FILE", "unset"))
 sys.path.insert(0, first)
 import muster_checkpoint

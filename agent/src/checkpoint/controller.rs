@@ -204,17 +204,17 @@ impl Preemption {
     }
 }
 
-/// A preemption that ends without a committed checkpoint is 201 however the workers ended:
-/// with scripts that do not use the helper the workers get SIGTERM and may well exit 0, and a
+/// A preemption that ends without a committed checkpoint never exits 0: with scripts that do
+/// not use the helper the workers get SIGTERM and may well exit 0 from their own handler, and a
 /// 0 would make the pod `Succeeded`, which every Kubernetes training API counts as finished
-/// work (the job would end Complete with its training unfinished).
+/// work (the job would end Complete with its training unfinished). That case is 201; any other
+/// code still says how the workers ended (143: they died of the SIGTERM).
 fn exit_code_after(outcome: Option<&Outcome>, launch_code: u8, preempted_exit_code: u8) -> u8 {
     match outcome {
         Some(Outcome::Committed { .. }) => preempted_exit_code,
-        Some(Outcome::Aborted { .. } | Outcome::Unsupported { .. }) => {
-            exit_code::CHECKPOINT_ABORTED
-        }
-        None => launch_code,
+        Some(Outcome::Aborted { .. }) => exit_code::CHECKPOINT_ABORTED,
+        Some(Outcome::Unsupported { .. }) if launch_code == 0 => exit_code::CHECKPOINT_ABORTED,
+        Some(Outcome::Unsupported { .. }) | None => launch_code,
     }
 }
 
@@ -496,10 +496,7 @@ mod tests {
             exit_code_after(Some(&unsupported), 0, 200),
             exit_code::CHECKPOINT_ABORTED
         );
-        assert_eq!(
-            exit_code_after(Some(&unsupported), 143, 200),
-            exit_code::CHECKPOINT_ABORTED
-        );
+        assert_eq!(exit_code_after(Some(&unsupported), 143, 200), 143);
         let aborted = Outcome::Aborted {
             reason: "deadline".into(),
         };

@@ -379,8 +379,8 @@ pub fn help_text() -> String {
          A script ending in .py runs as `$PYTHON_EXEC -u script.py` (else python3, else python on\n\
          PATH); -m runs `python -u -m module`; --no-python execs the program directly.\n\n\
          Exit codes: 0 all workers succeeded; 1-127 the root-cause worker's code; 128+N the\n\
-         root-cause worker died of signal N, or the agent was stopped by signal N (0 if every\n\
-         worker still exited cleanly); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
+         root-cause worker died of signal N, or the agent was stopped by signal N (after SIGINT 0\n\
+         if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
          201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU; 205 store host lost; 206 internal error.\n",
     );
