@@ -46,6 +46,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc, timeout):
+    """SIGTERM `proc` if it still runs, SIGKILL it if it has not exited after `timeout` seconds;
+    returns its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class StoreProcess:
     """`muster store` on 127.0.0.1, started on port 0; the address is read from its first line."""
 
@@ -67,14 +80,7 @@ class StoreProcess:
         self.port = int(port)
 
     def stop(self, timeout=10):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 @pytest.fixture
