@@ -59,6 +59,27 @@ def stop_process(proc, timeout):
     return proc.returncode
 
 
+def alive(pid):
+    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def finish(p, timeout):
+    """Waits for `p` to exit, at most `timeout` seconds (then kills it and raises); returns
+    (exit status, stdout, stderr)."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise
+    return p.returncode, out, err
+
+
 class StoreProcess:
     """`muster store` on 127.0.0.1, started on port 0; the address is read from its first line."""
 

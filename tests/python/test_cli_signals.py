@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python, wait_until
+from conftest import alive, finish, muster_bin, torch_python, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -28,15 +28,6 @@ def clean_env(out, **extra):
     env["MUSTER_METRICS_ADDR"] = "none"
     env.update(extra)
     return env
-
-
-def alive(pid):
-    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def children(pid):
@@ -58,16 +49,6 @@ def rank_pids(out, n, timeout=60):
     wait_until(lambda: all((out / f"pid_{r}").exists() for r in range(n)), timeout=timeout,
                what="every rank to start")
     return [int((out / f"pid_{r}").read_text()) for r in range(n)]
-
-
-def finish(p, timeout=60):
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise
-    return p.returncode, out, err
 
 
 def kill_all(pids):
@@ -98,7 +79,7 @@ def test_one_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path, sig
         # merge the two into one pending signal before the agent has seen the first.
         time.sleep(0.005)
         os.kill(p.pid, sig)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=60)
     finally:
         kill_all([p.pid])
     # Each rank ran its whole graceful stop (1.5 s) and exited 0: a clean drain, exit 0.
@@ -124,7 +105,7 @@ def test_a_signal_from_coreutils_timeout_is_one_request(tmp_path):
         start_new_session=True)
     try:
         rank_pids(tmp_path, 2)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=60)
     finally:
         kill_all([p.pid])
     for r in range(2):
@@ -143,7 +124,7 @@ def test_a_second_signal_a_while_later_still_kills_now_and_says_when(tmp_path):
         time.sleep(1.5)
         sent = time.monotonic()
         os.kill(p.pid, signal.SIGINT)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=60)
         took = time.monotonic() - sent
     finally:
         kill_all([p.pid])

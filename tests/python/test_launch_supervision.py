@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python, wait_until
+from conftest import alive, finish, muster_bin, torch_python, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -33,25 +33,6 @@ def worker_pids(out, n=2, timeout=20):
     return [int((out / f"pid_{r}").read_text()) for r in range(n)]
 
 
-def alive(pid):
-    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def finish(p, timeout=30):
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise
-    return p.returncode, out, err
-
-
 def test_agent_sigkill_leaves_no_worker(tmp_path):
     p = start([], tmp_path)
     try:
@@ -71,7 +52,7 @@ def test_sigterm_reaches_workers_and_clean_exit_is_zero(tmp_path):
     pids = worker_pids(tmp_path)
     sent = time.time()
     p.send_signal(signal.SIGTERM)
-    rc, _, err = finish(p)
+    rc, _, err = finish(p, timeout=30)
     # Every worker trapped SIGTERM and exited 0: a clean drain is success, not 143.
     assert rc == 0, err
     for r in range(2):
@@ -84,7 +65,7 @@ def test_sigterm_to_default_workers_exits_143(tmp_path):
     p = start([], tmp_path)
     worker_pids(tmp_path)
     p.send_signal(signal.SIGTERM)
-    rc, _, err = finish(p)
+    rc, _, err = finish(p, timeout=30)
     assert rc == 143, err
 
 
@@ -93,7 +74,7 @@ def test_workers_ignoring_sigterm_get_sigkill_after_the_timeout(tmp_path):
     pids = worker_pids(tmp_path)
     sent = time.monotonic()
     p.send_signal(signal.SIGTERM)
-    rc, _, err = finish(p)
+    rc, _, err = finish(p, timeout=30)
     took = time.monotonic() - sent
     assert rc == 143, err
     assert 0.9 <= took < 5, took
@@ -110,7 +91,7 @@ def test_forwarded_signal_keeps_workers_running(tmp_path):
                    what="SIGUSR1 at every worker")
         assert all(alive(x) for x in pids) and p.poll() is None
         p.send_signal(signal.SIGTERM)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=30)
         assert rc == 0, err
     finally:
         p.kill()
