@@ -40,6 +40,17 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def muster_env(extra=None) -> dict[str, str]:
+    """The environment for a muster under test: this one without any PET_* or MUSTER_* setting
+    (MUSTER_BIN aside), PYTHON_EXEC the torch interpreter, then `extra` on top."""
+    env = dict(os.environ, PYTHON_EXEC=torch_python())
+    for k in list(env):
+        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
+            del env[k]
+    env.update(extra or {})
+    return env
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -14,20 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive, finish, muster_bin, torch_python, wait_until
+from conftest import alive, finish, muster_bin, muster_env, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def clean_env(out, **extra):
     # TMPDIR: a SIGKILLed agent cannot remove its private run directory; keep it in the test's.
-    env = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR=str(out), TMPDIR=str(out))
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
-    env["MUSTER_METRICS_ADDR"] = "none"
-    env.update(extra)
-    return env
+    return muster_env(
+        {"OUT_DIR": str(out), "TMPDIR": str(out), "MUSTER_METRICS_ADDR": "none", **extra})
 
 
 def children(pid):

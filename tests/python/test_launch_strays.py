@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, muster_bin, wait_until
+from conftest import REPO, free_port, muster_bin, muster_env, wait_until
 
 # Shared with the container e2e (tests/python/test_containers.py), which mounts this folder.
 SCRIPTS = REPO / "tests" / "containers" / "scripts"
@@ -29,12 +29,7 @@ UNHEALTHY_GPU = 204
 
 
 def clean_env(**extra):
-    env = dict(os.environ, PYTHON_EXEC=sys.executable)
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
-    env.update(extra)
-    return env
+    return muster_env({"PYTHON_EXEC": sys.executable, **extra})
 
 
 def helpers(token):

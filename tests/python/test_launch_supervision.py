@@ -10,18 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import alive, finish, muster_bin, torch_python, wait_until
+from conftest import alive, finish, muster_bin, muster_env, torch_python, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def start(args, out, mode="plain", nproc=2):
     # TMPDIR: a SIGKILLed agent cannot remove its private run directory; keep it in the test's.
-    env = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR=str(out), MODE=mode,
-               TMPDIR=str(out))
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
+    env = muster_env({"OUT_DIR": str(out), "MODE": mode, "TMPDIR": str(out)})
     return subprocess.Popen([muster_bin(), "--nproc-per-node", str(nproc), *args,
                              str(SCRIPTS / "sleeper.py")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
