@@ -62,6 +62,19 @@ def assert_graceful_stop(out, rc, err):
     assert "killing the workers now" not in err, err
 
 
+def sigint_twice(p, out, what):
+    """SIGINT, and once both ranks have started their graceful stop, a second one 1.5 s later;
+    returns (exit status, stderr, seconds from the second SIGINT to the exit)."""
+    os.kill(p.pid, signal.SIGINT)
+    wait_until(lambda: all((out / f"stopping_{r}").exists() for r in range(2)),
+               timeout=20, what=what)
+    time.sleep(1.5)
+    sent = time.monotonic()
+    os.kill(p.pid, signal.SIGINT)
+    rc, _, err = finish(p, timeout=60)
+    return rc, err, time.monotonic() - sent
+
+
 # --- one signal, delivered twice ----------------------------------------------------------------
 
 def start_agent(out, args=(), **env):
@@ -115,14 +128,7 @@ def test_a_second_signal_a_while_later_still_kills_now_and_says_when(tmp_path):
     p = start_agent(tmp_path, STOP_S="30")
     try:
         rank_pids(tmp_path, 2)
-        os.kill(p.pid, signal.SIGINT)
-        wait_until(lambda: all((tmp_path / f"stopping_{r}").exists() for r in range(2)),
-                   timeout=20, what="the ranks to start stopping")
-        time.sleep(1.5)
-        sent = time.monotonic()
-        os.kill(p.pid, signal.SIGINT)
-        rc, _, err = finish(p, timeout=60)
-        took = time.monotonic() - sent
+        rc, err, took = sigint_twice(p, tmp_path, "the ranks to start stopping")
     finally:
         kill_all([p.pid])
     assert rc == 130, err
@@ -274,14 +280,7 @@ def test_a_second_sigint_to_the_dry_run_a_while_later_stops_everything_at_once(t
     agents, ranks = [], []
     try:
         agents, ranks = gang(p, tmp_path)
-        os.kill(p.pid, signal.SIGINT)
-        wait_until(lambda: all((tmp_path / f"stopping_{r}").exists() for r in range(2)),
-                   timeout=20, what="the ranks to start their (60 s) graceful stop")
-        time.sleep(1.5)
-        sent = time.monotonic()
-        os.kill(p.pid, signal.SIGINT)
-        rc, _, err = finish(p, timeout=60)
-        took = time.monotonic() - sent
+        rc, err, took = sigint_twice(p, tmp_path, "the ranks to start their (60 s) graceful stop")
     finally:
         kill_all([p.pid, *agents, *ranks])
     assert rc == 130, err
