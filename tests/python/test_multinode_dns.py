@@ -69,10 +69,13 @@ def kill_running(*procs):
             p.wait()
 
 
-def assert_waited_for_the_record(out):
-    """The joiner's log: the name did not resolve at first, then it did."""
-    assert f"waiting for DNS: {SHORT}: NXDOMAIN" in out, out
-    assert f"resolved {SHORT} to 127.0.0.1" in out, out
+def assert_joined_after_waiting(joiner, out1, host, out0):
+    """Both agents exited 0, and the joiner's log says the name did not resolve at first, then
+    did."""
+    assert joiner.returncode == 0, out1
+    assert host.returncode == 0, out0
+    assert f"waiting for DNS: {SHORT}: NXDOMAIN" in out1, out1
+    assert f"resolved {SHORT} to 127.0.0.1" in out1, out1
 
 
 def test_agents_wait_for_the_worker_0_record_then_join(dns, worker):  # noqa: F811
@@ -85,9 +88,7 @@ def test_agents_wait_for_the_worker_0_record_then_join(dns, worker):  # noqa: F8
         out0, _ = host.communicate(timeout=30)
     finally:
         kill_running(host, joiner)
-    assert joiner.returncode == 0, out1
-    assert host.returncode == 0, out0
-    assert_waited_for_the_record(out1)
+    assert_joined_after_waiting(joiner, out1, host, out0)
     assert "Traceback" not in out1 and "IPv6" not in out1
     assert (NAME, 1) in server.queries, "the search domain was applied"
     assert "sum=1" in out0 + out1
@@ -131,9 +132,7 @@ def test_worker_0_published_only_while_node_0_is_ready_still_forms_the_gang(dns,
         out0, _ = host.communicate(timeout=30)
     finally:
         kill_running(host, joiner)
-    assert joiner.returncode == 0, out1
-    assert host.returncode == 0, out0
-    assert_waited_for_the_record(out1)
+    assert_joined_after_waiting(joiner, out1, host, out0)
     assert server.answered >= 1 and 200 in readiness, readiness
     # 4 ranks: the all-reduce of the ranks 0..3 is 6, printed by every rank.
     assert (out0 + out1).count("sum=6") == 4, out0 + out1
