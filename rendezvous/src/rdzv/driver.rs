@@ -1330,8 +1330,7 @@ mod tests {
         let stop2 = CancellationToken::new();
         let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
         let w2 = spawn_watcher(&r2, &kv, &j2, &stop2);
-        let f0 = fired0.clone();
-        let b0 = spawn_barrier(r0, j0, f0);
+        let b0 = spawn_barrier(r0, j0, fired0.clone());
         tokio::time::sleep(Duration::from_secs(1)).await;
         let b1 = spawn_barrier(r1, j1, CancellationToken::new());
         let b2 = spawn_barrier(r2, j2, CancellationToken::new());
@@ -1380,8 +1379,7 @@ mod tests {
         );
         let stop1 = CancellationToken::new();
         let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
-        let f0 = fired0.clone();
-        let b0 = spawn_barrier(r0, j0, f0);
+        let b0 = spawn_barrier(r0, j0, fired0.clone());
         let b1 = spawn_barrier(r1, j1, CancellationToken::new());
         assert_eq!(w0.await.expect("task"), Event::Completed);
         assert!(!fired0.is_cancelled());
