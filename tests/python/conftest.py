@@ -40,10 +40,55 @@ def torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def muster_env(extra=None) -> dict[str, str]:
+    """The environment for a muster under test: this one without any PET_* or MUSTER_* setting
+    (MUSTER_BIN aside), PYTHON_EXEC the torch interpreter, then `extra` on top."""
+    env = dict(os.environ, PYTHON_EXEC=torch_python())
+    for k in list(env):
+        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
+            del env[k]
+    env.update(extra or {})
+    return env
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_process(proc, timeout):
+    """SIGTERM `proc` if it still runs, SIGKILL it if it has not exited after `timeout` seconds;
+    returns its exit status."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def alive(pid):
+    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def finish(p, timeout):
+    """Waits for `p` to exit, at most `timeout` seconds (then kills it and raises); returns
+    (exit status, stdout, stderr)."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        raise
+    return p.returncode, out, err
 
 
 class StoreProcess:
@@ -67,14 +112,7 @@ class StoreProcess:
         self.port = int(port)
 
     def stop(self, timeout=10):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
 
 @pytest.fixture

@@ -14,29 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python, wait_until
+from conftest import alive, finish, muster_bin, muster_env, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def clean_env(out, **extra):
     # TMPDIR: a SIGKILLed agent cannot remove its private run directory; keep it in the test's.
-    env = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR=str(out), TMPDIR=str(out))
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
-    env["MUSTER_METRICS_ADDR"] = "none"
-    env.update(extra)
-    return env
-
-
-def alive(pid):
-    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return muster_env(
+        {"OUT_DIR": str(out), "TMPDIR": str(out), "MUSTER_METRICS_ADDR": "none", **extra})
 
 
 def children(pid):
@@ -60,22 +46,34 @@ def rank_pids(out, n, timeout=60):
     return [int((out / f"pid_{r}").read_text()) for r in range(n)]
 
 
-def finish(p, timeout=60):
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise
-    return p.returncode, out, err
-
-
 def kill_all(pids):
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def assert_graceful_stop(out, rc, err, expected=0):
+    """Each rank ran its whole graceful stop (1.5 s) and exited 0: a clean drain, exit 0 (after
+    SIGINT; `expected`=201 after SIGTERM)."""
+    for r in range(2):
+        assert (out / f"stopped_{r}").exists(), f"rank {r} was killed mid-stop:\n{err}"
+    assert rc == expected, err
+    assert "killing the workers now" not in err, err
+
+
+def sigint_twice(p, out, what):
+    """SIGINT, and once both ranks have started their graceful stop, a second one 1.5 s later;
+    returns (exit status, stderr, seconds from the second SIGINT to the exit)."""
+    os.kill(p.pid, signal.SIGINT)
+    wait_until(lambda: all((out / f"stopping_{r}").exists() for r in range(2)),
+               timeout=20, what=what)
+    time.sleep(1.5)
+    sent = time.monotonic()
+    os.kill(p.pid, signal.SIGINT)
+    rc, _, err = finish(p, timeout=60)
+    return rc, err, time.monotonic() - sent
 
 
 # --- one signal, delivered twice ----------------------------------------------------------------
@@ -98,15 +96,12 @@ def test_one_signal_delivered_twice_at_once_still_stops_gracefully(tmp_path, sig
         # merge the two into one pending signal before the agent has seen the first.
         time.sleep(0.005)
         os.kill(p.pid, sig)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=60)
     finally:
         kill_all([p.pid])
-    # Each rank ran its whole graceful stop (1.5 s) and exited 0: a clean drain, exit 0 after
-    # SIGINT; after SIGTERM (a preemption) 201, since no checkpoint was committed.
-    for r in range(2):
-        assert (tmp_path / f"stopped_{r}").exists(), f"rank {r} was killed mid-stop:\n{err}"
-    assert rc == (0 if sig == signal.SIGINT else 201), err
-    assert "killing the workers now" not in err and "sending SIGKILL" not in err, err
+    # After SIGTERM (a preemption) the clean drain is 201: no checkpoint was committed.
+    assert_graceful_stop(tmp_path, rc, err, expected=0 if sig == signal.SIGINT else 201)
+    assert "sending SIGKILL" not in err, err
     # Normally the agent saw both (the log says so); on a loaded machine the kernel may still
     # have merged them, and the outcome above is then trivially right.
     assert "the same request" in err or err.count("received") == 1, err
@@ -125,27 +120,17 @@ def test_a_signal_from_coreutils_timeout_is_one_request(tmp_path):
         start_new_session=True)
     try:
         rank_pids(tmp_path, 2)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=60)
     finally:
         kill_all([p.pid])
-    for r in range(2):
-        assert (tmp_path / f"stopped_{r}").exists(), f"rank {r} was killed mid-stop:\n{err}"
-    assert rc == 0, err
-    assert "killing the workers now" not in err, err
+    assert_graceful_stop(tmp_path, rc, err)
 
 
 def test_a_second_signal_a_while_later_still_kills_now_and_says_when(tmp_path):
     p = start_agent(tmp_path, STOP_S="30")
     try:
         rank_pids(tmp_path, 2)
-        os.kill(p.pid, signal.SIGINT)
-        wait_until(lambda: all((tmp_path / f"stopping_{r}").exists() for r in range(2)),
-                   timeout=20, what="the ranks to start stopping")
-        time.sleep(1.5)
-        sent = time.monotonic()
-        os.kill(p.pid, signal.SIGINT)
-        rc, _, err = finish(p)
-        took = time.monotonic() - sent
+        rc, err, took = sigint_twice(p, tmp_path, "the ranks to start stopping")
     finally:
         kill_all([p.pid])
     assert rc == 130, err
@@ -297,14 +282,7 @@ def test_a_second_sigint_to_the_dry_run_a_while_later_stops_everything_at_once(t
     agents, ranks = [], []
     try:
         agents, ranks = gang(p, tmp_path)
-        os.kill(p.pid, signal.SIGINT)
-        wait_until(lambda: all((tmp_path / f"stopping_{r}").exists() for r in range(2)),
-                   timeout=20, what="the ranks to start their (60 s) graceful stop")
-        time.sleep(1.5)
-        sent = time.monotonic()
-        os.kill(p.pid, signal.SIGINT)
-        rc, _, err = finish(p, timeout=60)
-        took = time.monotonic() - sent
+        rc, err, took = sigint_twice(p, tmp_path, "the ranks to start their (60 s) graceful stop")
     finally:
         kill_all([p.pid, *agents, *ranks])
     assert rc == 130, err

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, muster_bin, torch_python, wait_until
+from conftest import REPO, free_port, muster_bin, stop_process, torch_python, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -91,13 +91,7 @@ class Agent:
         return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
         self.reader.join(timeout=5)
         return self.proc.returncode
 

@@ -3,14 +3,13 @@ schema documented in docs/launch.md (rank lines, agent messages, the root-cause 
 that ends a run, configuration errors), through a whole job with a failure and a restart.
 Also: --log-dir errors name the option and where its value came from."""
 import json
-import os
 import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python
+from conftest import muster_bin, muster_env
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,11 +82,7 @@ def check_record(line):
 
 
 def run(args, env=None, expect=None, cwd=None):
-    full_env = dict(os.environ, PYTHON_EXEC=torch_python(), MUSTER_METRICS_ADDR="none")
-    for k in list(full_env):
-        if k.startswith(("PET_", "MUSTER_")) and k not in ("MUSTER_BIN", "MUSTER_METRICS_ADDR"):
-            del full_env[k]
-    full_env.update(env or {})
+    full_env = muster_env({"MUSTER_METRICS_ADDR": "none", **(env or {})})
     p = subprocess.run([muster_bin(), *args], env=full_env, capture_output=True, text=True,
                        timeout=180, cwd=cwd)
     if expect is not None:

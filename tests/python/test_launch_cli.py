@@ -6,18 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python
+from conftest import muster_bin, muster_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 CONFIG_ERROR = 202
 
 
 def muster(args, env=None, timeout=30, cwd=None):
-    full_env = dict(os.environ, PYTHON_EXEC=torch_python())
-    for k in list(full_env):
-        if k.startswith(("PET_", "MUSTER_")) and k not in ("MUSTER_BIN",):
-            del full_env[k]
-    full_env.update(env or {})
+    full_env = muster_env(env)
     return subprocess.run([muster_bin(), *args], env=full_env, capture_output=True, text=True,
                           timeout=timeout, cwd=cwd)
 

@@ -5,17 +5,13 @@ import os
 import subprocess
 from pathlib import Path
 
-from conftest import muster_bin, torch_python
+from conftest import muster_bin, muster_env
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def muster(args, env=None, timeout=60):
-    full_env = dict(os.environ, PYTHON_EXEC=torch_python())
-    for k in list(full_env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del full_env[k]
-    full_env.update(env or {})
+    full_env = muster_env(env)
     p = subprocess.run([muster_bin(), *args], env=full_env, capture_output=True, timeout=timeout)
     assert p.returncode == 0, p.stderr.decode(errors="replace")
     return p.stdout.decode(), p.stderr.decode()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, muster_bin, torch_python
+from conftest import free_port, muster_bin, muster_env
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,13 +22,7 @@ HOST = os.uname().nodename.split(".")[0]
 
 
 def env_for(extra=None):
-    env = dict(os.environ, PYTHON_EXEC=torch_python())
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
-    env["MUSTER_METRICS_ADDR"] = "none"
-    env.update(extra or {})
-    return env
+    return muster_env({"MUSTER_METRICS_ADDR": "none", **(extra or {})})
 
 
 def run_sampling_rss(args, env):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, muster_bin, wait_until
+from conftest import REPO, free_port, muster_bin, muster_env, wait_until
 
 # Shared with the container e2e (tests/python/test_containers.py), which mounts this folder.
 SCRIPTS = REPO / "tests" / "containers" / "scripts"
@@ -29,12 +29,7 @@ UNHEALTHY_GPU = 204
 
 
 def clean_env(**extra):
-    env = dict(os.environ, PYTHON_EXEC=sys.executable)
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
-    env.update(extra)
-    return env
+    return muster_env({"PYTHON_EXEC": sys.executable, **extra})
 
 
 def helpers(token):
@@ -62,6 +57,12 @@ def kill_all(token):
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def kill_if_running(p):
+    if p.poll() is None:
+        p.kill()
+        p.communicate()
 
 
 def scrape(port):
@@ -107,9 +108,7 @@ def test_a_restart_leaves_only_the_current_attempts_helpers(tmp_path):
         assert "stopped 3 stray process(es)" in lines[0] and "(1 with SIGKILL)" in lines[0], lines
         assert "python" in lines[0], lines
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        kill_if_running(p)
         kill_all(token)
 
 
@@ -131,9 +130,7 @@ def test_helpers_go_with_a_successful_run_and_a_stop_signal(tmp_path):
         assert p.returncode == 143, err
         assert helpers(token) == {}, "helpers outlived a stopped muster"
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        kill_if_running(p)
         kill_all(token)
 
 
@@ -232,9 +229,7 @@ def test_a_restart_waits_until_the_gpus_are_released(tmp_path):
         waited = re.search(r"GPUs free of attempt 0 after ([0-9.]+)s", err)
         assert waited and 1.9 <= float(waited.group(1)) < 30, err
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        kill_if_running(p)
 
 
 @pytest.mark.timeout(120)
@@ -244,9 +239,7 @@ def test_gpus_never_released_make_the_node_unhealthy(tmp_path):
     try:
         out, err = p.communicate(timeout=90)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        kill_if_running(p)
     elapsed = time.monotonic() - started
     assert p.returncode == UNHEALTHY_GPU, err
     assert not (tmp_path / "started-1").exists(), "attempt 1 started on held GPUs"
@@ -266,8 +259,6 @@ def test_a_zero_timeout_does_not_wait(tmp_path):
         (tmp_path / "finish").write_text("")
         out, err = p.communicate(timeout=60)
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
+        kill_if_running(p)
     assert p.returncode == 0, err
     assert "GPUs free" not in err

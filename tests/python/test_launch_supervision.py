@@ -10,18 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import muster_bin, torch_python, wait_until
+from conftest import alive, finish, muster_bin, muster_env, torch_python, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def start(args, out, mode="plain", nproc=2):
     # TMPDIR: a SIGKILLed agent cannot remove its private run directory; keep it in the test's.
-    env = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR=str(out), MODE=mode,
-               TMPDIR=str(out))
-    for k in list(env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del env[k]
+    env = muster_env({"OUT_DIR": str(out), "MODE": mode, "TMPDIR": str(out)})
     return subprocess.Popen([muster_bin(), "--nproc-per-node", str(nproc), *args,
                              str(SCRIPTS / "sleeper.py")],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -31,25 +27,6 @@ def worker_pids(out, n=2, timeout=20):
     wait_until(lambda: all((out / f"pid_{r}").exists() for r in range(n)), timeout=timeout,
                what="workers to start")
     return [int((out / f"pid_{r}").read_text()) for r in range(n)]
-
-
-def alive(pid):
-    """Running (not gone, not a zombie waiting for its new parent to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def finish(p, timeout=30):
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        raise
-    return p.returncode, out, err
 
 
 def test_agent_sigkill_leaves_no_worker(tmp_path):
@@ -71,7 +48,7 @@ def test_sigterm_reaches_workers_and_a_clean_drain_exits_201(tmp_path):
     pids = worker_pids(tmp_path)
     sent = time.time()
     p.send_signal(signal.SIGTERM)
-    rc, _, err = finish(p)
+    rc, _, err = finish(p, timeout=30)
     # Every worker trapped SIGTERM and exited 0, but SIGTERM is a preemption and nothing was
     # committed: 201, never 0 (a Job would count the pod as finished work), nor 143.
     assert rc == 201, err
@@ -85,7 +62,7 @@ def test_sigterm_to_default_workers_exits_143(tmp_path):
     p = start([], tmp_path)
     worker_pids(tmp_path)
     p.send_signal(signal.SIGTERM)
-    rc, _, err = finish(p)
+    rc, _, err = finish(p, timeout=30)
     assert rc == 143, err
 
 
@@ -94,7 +71,7 @@ def test_workers_ignoring_sigterm_get_sigkill_after_the_timeout(tmp_path):
     pids = worker_pids(tmp_path)
     sent = time.monotonic()
     p.send_signal(signal.SIGTERM)
-    rc, _, err = finish(p)
+    rc, _, err = finish(p, timeout=30)
     took = time.monotonic() - sent
     assert rc == 143, err
     assert 0.9 <= took < 5, took
@@ -111,7 +88,7 @@ def test_forwarded_signal_keeps_workers_running(tmp_path):
                    what="SIGUSR1 at every worker")
         assert all(alive(x) for x in pids) and p.poll() is None
         p.send_signal(signal.SIGTERM)
-        rc, _, err = finish(p)
+        rc, _, err = finish(p, timeout=30)
         assert rc == 201, err  # the workers' clean drain after a preemption signal
     finally:
         p.kill()

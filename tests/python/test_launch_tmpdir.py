@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import muster_bin, torch_python
+from conftest import muster_bin, muster_env
 
 CONFIG_ERROR = 202
 NO_WRITABLE = "no writable directory for muster's files"
@@ -31,11 +31,7 @@ print("CONNECTED", muster_checkpoint.Checkpointer().active)
 
 
 def muster(args, env=None, timeout=60):
-    full_env = dict(os.environ, PYTHON_EXEC=torch_python())
-    for k in list(full_env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del full_env[k]
-    full_env.update(env or {})
+    full_env = muster_env(env)
     return subprocess.run([muster_bin(), *args], env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 

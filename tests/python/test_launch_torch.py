@@ -6,17 +6,13 @@ import re
 import subprocess
 from pathlib import Path
 
-from conftest import muster_bin, torch_python, torch_version
+from conftest import muster_bin, muster_env, torch_python, torch_version
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
 
 def run(cmd, env=None, timeout=120):
-    full_env = dict(os.environ, PYTHON_EXEC=torch_python())
-    for k in list(full_env):
-        if k.startswith(("PET_", "MUSTER_")) and k != "MUSTER_BIN":
-            del full_env[k]
-    full_env.update(env or {})
+    full_env = muster_env(env)
     return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, muster_bin, torch_python, wait_until
+from conftest import REPO, free_port, muster_bin, stop_process, torch_python, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -131,13 +131,7 @@ class Agent:
         return http_get(self.addr, path, timeout)
 
     def stop(self, timeout=20):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
         for reader in self._readers:
             reader.join(timeout=5)
         return self.proc.returncode
@@ -248,13 +242,7 @@ class Prometheus:
                    what=f"Prometheus to see {expr} == {expected} (last: {self.query(expr)})")
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 20)
         self.log.close()
 
 
@@ -518,13 +506,7 @@ class DryRun:
         return "".join(self.lines)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
         for reader in self._readers:
             reader.join(timeout=5)
 

@@ -61,6 +61,23 @@ def agent(rc, port, node_rank, script, conf, nnodes="2", nproc="1", extra=()):
                             stderr=subprocess.STDOUT, text=True)
 
 
+def kill_running(*procs):
+    """Kills the agents among `procs` that still run (None: one never started)."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def assert_joined_after_waiting(joiner, out1, host, out0):
+    """Both agents exited 0, and the joiner's log says the name did not resolve at first, then
+    did."""
+    assert joiner.returncode == 0, out1
+    assert host.returncode == 0, out0
+    assert f"waiting for DNS: {SHORT}: NXDOMAIN" in out1, out1
+    assert f"resolved {SHORT} to 127.0.0.1" in out1, out1
+
+
 def test_agents_wait_for_the_worker_0_record_then_join(dns, worker):  # noqa: F811
     server, rc = dns(delay=3)
     port = free_port()
@@ -70,14 +87,8 @@ def test_agents_wait_for_the_worker_0_record_then_join(dns, worker):  # noqa: F8
         out1, _ = joiner.communicate(timeout=60)
         out0, _ = host.communicate(timeout=30)
     finally:
-        for p in (host, joiner):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert joiner.returncode == 0, out1
-    assert host.returncode == 0, out0
-    assert f"waiting for DNS: {SHORT}: NXDOMAIN" in out1, out1
-    assert f"resolved {SHORT} to 127.0.0.1" in out1, out1
+        kill_running(host, joiner)
+    assert_joined_after_waiting(joiner, out1, host, out0)
     assert "Traceback" not in out1 and "IPv6" not in out1
     assert (NAME, 1) in server.queries, "the search domain was applied"
     assert "sum=1" in out0 + out1
@@ -120,14 +131,8 @@ def test_worker_0_published_only_while_node_0_is_ready_still_forms_the_gang(dns,
         out1, _ = joiner.communicate(timeout=90)
         out0, _ = host.communicate(timeout=30)
     finally:
-        for p in (host, joiner):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-    assert joiner.returncode == 0, out1
-    assert host.returncode == 0, out0
-    assert f"waiting for DNS: {SHORT}: NXDOMAIN" in out1, out1
-    assert f"resolved {SHORT} to 127.0.0.1" in out1, out1
+        kill_running(host, joiner)
+    assert_joined_after_waiting(joiner, out1, host, out0)
     assert server.answered >= 1 and 200 in readiness, readiness
     # 4 ranks: the all-reduce of the ranks 0..3 is 6, printed by every rank.
     assert (out0 + out1).count("sum=6") == 4, out0 + out1

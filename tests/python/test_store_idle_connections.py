@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import StoreProcess, muster_bin
+from conftest import StoreProcess, muster_bin, stop_process
 
 IDLE = 10_000
 MAGIC = 0x3C85F7CE
@@ -93,12 +93,7 @@ def test_ten_thousand_idle_connections():
     finally:
         for s in idle:
             s.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 10)
 
 
 def _cpu_seconds(pid):

@@ -32,6 +32,15 @@ pub(super) fn descs(defs: &[(&str, &str, &[&str])]) -> Vec<Desc> {
         .collect()
 }
 
+/// The help text of the family `name` among `descs` (empty for an unknown name).
+pub(super) fn help(descs: &[Desc], name: &str) -> String {
+    descs
+        .iter()
+        .find(|d| d.fq_name == name)
+        .map(|d| d.help.clone())
+        .unwrap_or_default()
+}
+
 const PHASE: &str = "muster_agent_phase";
 const HEARTBEAT_AGE: &str = "muster_agent_heartbeat_age_seconds";
 const LAST_ROUND: &str = "muster_rendezvous_last_round";
@@ -180,14 +189,6 @@ impl LiveCollector {
         let descs = descs(&defs);
         Self { live, descs }
     }
-
-    fn help(&self, name: &str) -> String {
-        self.descs
-            .iter()
-            .find(|d| d.fq_name == name)
-            .map(|d| d.help.clone())
-            .unwrap_or_default()
-    }
 }
 
 impl Collector for LiveCollector {
@@ -203,7 +204,7 @@ impl Collector for LiveCollector {
         let current = live.phase();
         families.push(family(
             PHASE,
-            self.help(PHASE),
+            help(&self.descs, PHASE),
             MetricType::GAUGE,
             Phase::ALL
                 .iter()
@@ -212,14 +213,14 @@ impl Collector for LiveCollector {
         ));
         families.push(family(
             HEARTBEAT_AGE,
-            self.help(HEARTBEAT_AGE),
+            help(&self.descs, HEARTBEAT_AGE),
             MetricType::GAUGE,
             vec![gauge(&[], live.heartbeat_age().as_secs_f64())],
         ));
         if let Some((outcome, reason)) = *lock(&live.last_round) {
             families.push(family(
                 LAST_ROUND,
-                self.help(LAST_ROUND),
+                help(&self.descs, LAST_ROUND),
                 MetricType::GAUGE,
                 vec![gauge(
                     &[("outcome", outcome.as_str()), ("reason", reason)],
@@ -241,13 +242,13 @@ impl Collector for LiveCollector {
             }
             families.push(family(
                 LAST_STEP,
-                self.help(LAST_STEP),
+                help(&self.descs, LAST_STEP),
                 MetricType::GAUGE,
                 last,
             ));
             families.push(family(
                 LAST_STEP_AGE,
-                self.help(LAST_STEP_AGE),
+                help(&self.descs, LAST_STEP_AGE),
                 MetricType::GAUGE,
                 age,
             ));
@@ -255,7 +256,7 @@ impl Collector for LiveCollector {
         let checkpoint = CheckpointPhase::from_u8(live.checkpoint_phase.load(Ordering::Relaxed));
         families.push(family(
             CHECKPOINT_PHASE,
-            self.help(CHECKPOINT_PHASE),
+            help(&self.descs, CHECKPOINT_PHASE),
             MetricType::GAUGE,
             CheckpointPhase::ALL
                 .iter()
@@ -269,7 +270,7 @@ impl Collector for LiveCollector {
         ));
         families.push(family(
             GRACE_REMAINING,
-            self.help(GRACE_REMAINING),
+            help(&self.descs, GRACE_REMAINING),
             MetricType::GAUGE,
             vec![gauge(&[], live.grace_remaining(now).as_secs_f64())],
         ));

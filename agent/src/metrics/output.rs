@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
 
-use super::live::{counter, descs, family};
+use super::live::{counter, descs, family, help};
 use crate::logs::OutputStats;
 
 const BYTES: &str = "muster_worker_output_bytes_total";
@@ -50,14 +50,6 @@ impl OutputCollector {
     pub(super) fn attach(&self, stats: Arc<OutputStats>) {
         *self.source.lock().unwrap_or_else(PoisonError::into_inner) = Some(stats);
     }
-
-    fn help(&self, name: &str) -> String {
-        self.descs
-            .iter()
-            .find(|d| d.fq_name == name)
-            .map(|d| d.help.clone())
-            .unwrap_or_default()
-    }
 }
 
 /// The registry owns a collector; the metrics handle keeps the same one to attach the source.
@@ -94,19 +86,19 @@ impl Collector for SharedOutputCollector {
         vec![
             family(
                 BYTES,
-                self.0.help(BYTES),
+                help(&self.0.descs, BYTES),
                 MetricType::COUNTER,
                 series(|s| s.bytes),
             ),
             family(
                 LINES,
-                self.0.help(LINES),
+                help(&self.0.descs, LINES),
                 MetricType::COUNTER,
                 series(|s| s.lines),
             ),
             family(
                 PROGRESS,
-                self.0.help(PROGRESS),
+                help(&self.0.descs, PROGRESS),
                 MetricType::COUNTER,
                 series(|s| s.progress),
             ),

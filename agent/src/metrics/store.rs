@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use prometheus::core::{Collector, Desc};
 use prometheus::proto::{MetricFamily, MetricType};
 
-use super::live::{counter, descs, family, gauge};
+use super::live::{counter, descs, family, gauge, help};
 
 const CONNECTIONS: &str = "muster_store_connections";
 const OPERATIONS: &str = "muster_store_operations_total";
@@ -195,14 +195,6 @@ impl StoreCollector {
             slot.carried.absorb(&old.snapshot());
         }
     }
-
-    fn help(&self, name: &str) -> String {
-        self.descs
-            .iter()
-            .find(|d| d.fq_name == name)
-            .map(|d| d.help.clone())
-            .unwrap_or_default()
-    }
 }
 
 /// A role's store (if running) and the totals carried over from its predecessors.
@@ -299,7 +291,7 @@ impl Collector for SharedStoreCollector {
         }
         families
             .into_iter()
-            .map(|(name, kind, samples)| family(name, collector.help(name), kind, samples))
+            .map(|(name, kind, samples)| family(name, help(&collector.descs, name), kind, samples))
             .collect()
     }
 }

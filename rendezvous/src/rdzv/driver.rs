@@ -928,6 +928,36 @@ mod tests {
         )
     }
 
+    /// Like `spawn_watcher`, but its connection has the local address `addr`, as node 0 sees it.
+    fn spawn_watcher_at(
+        r: &Rendezvous<MemKv>,
+        kv: &MemKv,
+        j: &Joined,
+        addr: SocketAddr,
+        stop: &CancellationToken,
+    ) -> tokio::task::JoinHandle<Event> {
+        tokio::spawn(
+            r.watcher(kv.connect().with_local_addr(addr), &j.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        )
+    }
+
+    /// Node 0's watcher asking `presence` whether a silent member's connection is open; never
+    /// stopped from outside, `fired` as in `Watcher::run`.
+    fn spawn_watcher_with_presence(
+        r: &Rendezvous<MemKv>,
+        kv: &MemKv,
+        j: &Joined,
+        presence: &Arc<FakePresence>,
+        fired: &CancellationToken,
+    ) -> tokio::task::JoinHandle<Event> {
+        tokio::spawn(
+            r.watcher(kv.clone(), &j.assignment)
+                .with_presence(presence.clone())
+                .run(CancellationToken::new(), fired.clone()),
+        )
+    }
+
     async fn form(kv: &MemKv, agents: Vec<Rendezvous<MemKv>>) -> Vec<(Rendezvous<MemKv>, Joined)> {
         let _ = kv;
         let tasks: Vec<_> = agents
@@ -945,6 +975,20 @@ mod tests {
             out.push((a, j.expect("joined")));
         }
         out
+    }
+
+    /// Nodes `0..n`, one worker each, formed into one round; element `i` is node `i`.
+    async fn form_nodes(kv: &MemKv, c: &Config, n: u32) -> Vec<(Rendezvous<MemKv>, Joined)> {
+        form(kv, (0..n).map(|r| agent(kv, c, Some(r), 1)).collect()).await
+    }
+
+    /// `r`'s exit barrier for round `j`, in a task.
+    fn spawn_barrier(
+        mut r: Rendezvous<MemKv>,
+        j: Joined,
+        interrupt: CancellationToken,
+    ) -> tokio::task::JoinHandle<Result<BarrierOutcome, RdzvError>> {
+        tokio::spawn(async move { r.exit_barrier(&j.assignment, &interrupt).await })
     }
 
     #[tokio::test(start_paused = true)]
@@ -1033,11 +1077,7 @@ mod tests {
     async fn a_silent_member_is_dead_after_the_heartbeat_timeout_and_it_costs_no_restart() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
-        let mut formed = form(
-            &kv,
-            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
-        )
-        .await;
+        let mut formed = form_nodes(&kv, &c, 2).await;
         let (r0, j0) = formed.remove(0);
         // Node 1 never starts its watcher: it is dead.
         let w = r0.watcher(kv.clone(), &j0.assignment);
@@ -1064,11 +1104,7 @@ mod tests {
     async fn a_live_member_keeps_the_round_and_a_failure_restarts_everyone_until_the_budget_ends() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
-        let mut formed = form(
-            &kv,
-            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
-        )
-        .await;
+        let mut formed = form_nodes(&kv, &c, 2).await;
         let (mut r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let stop = CancellationToken::new();
@@ -1109,11 +1145,7 @@ mod tests {
     async fn losing_the_store_is_reported_within_the_heartbeat_timeout() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
-        let mut formed = form(
-            &kv,
-            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
-        )
-        .await;
+        let mut formed = form_nodes(&kv, &c, 2).await;
         let (r1, j1) = formed.pop().expect("node 1");
         let w = spawn_watcher(&r1, &kv, &j1, &CancellationToken::new());
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -1129,11 +1161,7 @@ mod tests {
         let kv = MemKv::default();
         let c = cfg(2, 3);
         let started = Instant::now();
-        let mut formed = form(
-            &kv,
-            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
-        )
-        .await;
+        let mut formed = form_nodes(&kv, &c, 2).await;
         assert!(Instant::now() - started >= c.last_call_timeout);
         assert_eq!(formed[0].1.assignment.world_size, 2);
         let (r1, j1) = formed.pop().expect("node 1");
@@ -1194,11 +1222,7 @@ mod tests {
     async fn the_exit_barrier_waits_for_the_last_finisher() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
-        let mut formed = form(
-            &kv,
-            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
-        )
-        .await;
+        let mut formed = form_nodes(&kv, &c, 2).await;
         let (mut r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let mut r0 = r0;
@@ -1292,35 +1316,24 @@ mod tests {
     ) {
         let kv = MemKv::default();
         let mut c = cfg(3, 3);
-        let mut formed = form(&kv, (0..3).map(|r| agent(&kv, &c, Some(r), 1)).collect()).await;
-        let (mut r2, j2) = formed.pop().expect("node 2");
-        let (mut r1, j1) = formed.pop().expect("node 1");
+        let mut formed = form_nodes(&kv, &c, 3).await;
+        let (r2, j2) = formed.pop().expect("node 2");
+        let (r1, j1) = formed.pop().expect("node 1");
         let (mut r0, j0) = formed.pop().expect("node 0");
         // Node 0 reports, then looks for completion only much later (past every timeout).
         c.barrier_observe_delay = c.heartbeat_timeout * 10;
         r0.cfg = c.clone();
         let fired0 = CancellationToken::new();
         let presence = Arc::new(FakePresence::default());
-        let w0 = tokio::spawn(
-            r0.watcher(kv.clone(), &j0.assignment)
-                .with_presence(presence.clone())
-                .run(CancellationToken::new(), fired0.clone()),
-        );
+        let w0 = spawn_watcher_with_presence(&r0, &kv, &j0, &presence, &fired0);
         let stop1 = CancellationToken::new();
         let stop2 = CancellationToken::new();
         let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
         let w2 = spawn_watcher(&r2, &kv, &j2, &stop2);
-        let f0 = fired0.clone();
-        let b0 = tokio::spawn(async move { r0.exit_barrier(&j0.assignment, &f0).await });
+        let b0 = spawn_barrier(r0, j0, fired0.clone());
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let b1 = tokio::spawn(async move {
-            r1.exit_barrier(&j1.assignment, &CancellationToken::new())
-                .await
-        });
-        let b2 = tokio::spawn(async move {
-            r2.exit_barrier(&j2.assignment, &CancellationToken::new())
-                .await
-        });
+        let b1 = spawn_barrier(r1, j1, CancellationToken::new());
+        let b2 = spawn_barrier(r2, j2, CancellationToken::new());
         for (b, stop, w) in [(b1, &stop1, w1), (b2, &stop2, w2)] {
             assert_eq!(
                 b.await.expect("task").expect("barrier"),
@@ -1348,10 +1361,10 @@ mod tests {
     async fn the_watcher_firing_between_the_last_report_and_the_completion_changes_nothing() {
         let kv = MemKv::default();
         let c = cfg(3, 3);
-        let mut formed = form(&kv, (0..3).map(|r| agent(&kv, &c, Some(r), 1)).collect()).await;
+        let mut formed = form_nodes(&kv, &c, 3).await;
         let (_r2, j2) = formed.pop().expect("node 2");
-        let (mut r1, j1) = formed.pop().expect("node 1");
-        let (mut r0, j0) = formed.pop().expect("node 0");
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
         // Node 2 never heartbeats, so node 0's watcher judges it lost; its report lands between
         // that judgement and node 0's abort.
         let done_key = Keys::new("job").done(j2.assignment.generation);
@@ -1366,12 +1379,8 @@ mod tests {
         );
         let stop1 = CancellationToken::new();
         let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
-        let f0 = fired0.clone();
-        let b0 = tokio::spawn(async move { r0.exit_barrier(&j0.assignment, &f0).await });
-        let b1 = tokio::spawn(async move {
-            r1.exit_barrier(&j1.assignment, &CancellationToken::new())
-                .await
-        });
+        let b0 = spawn_barrier(r0, j0, fired0.clone());
+        let b1 = spawn_barrier(r1, j1, CancellationToken::new());
         assert_eq!(w0.await.expect("task"), Event::Completed);
         assert!(!fired0.is_cancelled());
         assert_eq!(
@@ -1391,31 +1400,24 @@ mod tests {
     async fn a_node_that_reports_finished_and_then_dies_before_completion_is_a_failure() {
         let kv = MemKv::default();
         let c = cfg(3, 3);
-        let mut formed = form(&kv, (0..3).map(|r| agent(&kv, &c, Some(r), 1)).collect()).await;
-        let (mut r2, j2) = formed.pop().expect("node 2");
+        let mut formed = form_nodes(&kv, &c, 3).await;
+        let (r2, j2) = formed.pop().expect("node 2");
         let (mut r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let a2 = SocketAddr::from(([127, 0, 0, 2], 4002));
         let presence = Arc::new(FakePresence::default());
         presence.set(a2, true);
         let fired0 = CancellationToken::new();
-        let w0 = tokio::spawn(
-            r0.watcher(kv.clone(), &j0.assignment)
-                .with_presence(presence.clone())
-                .run(CancellationToken::new(), fired0.clone()),
-        );
+        let w0 = spawn_watcher_with_presence(&r0, &kv, &j0, &presence, &fired0);
         let stop1 = CancellationToken::new();
         let w1 = spawn_watcher(&r1, &kv, &j1, &stop1);
         let stop2 = CancellationToken::new();
-        let w2 = tokio::spawn(
-            r2.watcher(kv.connect().with_local_addr(a2), &j2.assignment)
-                .run(stop2.clone(), CancellationToken::new()),
-        );
+        let w2 = spawn_watcher_at(&r2, &kv, &j2, a2, &stop2);
         tokio::time::sleep(Duration::from_secs(1)).await;
         // Node 2 reports finished, then its process dies before node 1 finishes: the kernel
         // closes its connection.
         let f2 = CancellationToken::new();
-        let b2 = tokio::spawn(async move { r2.exit_barrier(&j2.assignment, &f2).await });
+        let b2 = spawn_barrier(r2, j2, f2);
         tokio::time::sleep(Duration::from_millis(200)).await;
         b2.abort();
         stop2.cancel();
@@ -1450,26 +1452,15 @@ mod tests {
     async fn a_late_member_whose_connection_is_open_is_not_lost_until_the_stall_limit() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
-        let mut formed = form(
-            &kv,
-            vec![agent(&kv, &c, Some(0), 1), agent(&kv, &c, Some(1), 1)],
-        )
-        .await;
+        let mut formed = form_nodes(&kv, &c, 2).await;
         let (r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let a1 = SocketAddr::from(([127, 0, 0, 1], 4001));
         let presence = Arc::new(FakePresence::default());
         presence.set(a1, true);
         let stop1 = CancellationToken::new();
-        let w1 = tokio::spawn(
-            r1.watcher(kv.connect().with_local_addr(a1), &j1.assignment)
-                .run(stop1.clone(), CancellationToken::new()),
-        );
-        let w0 = tokio::spawn(
-            r0.watcher(kv.clone(), &j0.assignment)
-                .with_presence(presence.clone())
-                .run(CancellationToken::new(), CancellationToken::new()),
-        );
+        let w1 = spawn_watcher_at(&r1, &kv, &j1, a1, &stop1);
+        let w0 = spawn_watcher_with_presence(&r0, &kv, &j0, &presence, &CancellationToken::new());
         tokio::time::sleep(Duration::from_secs(1)).await;
         // Node 1 is starved: no heartbeat gets out, but its connection stays open.
         stop1.cancel();

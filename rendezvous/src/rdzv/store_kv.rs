@@ -151,6 +151,8 @@ impl super::Presence for crate::store::server::Stats {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use tokio_util::sync::CancellationToken;
 
     use super::super::{Config, Registration};
@@ -158,26 +160,57 @@ mod tests {
     use crate::rdzv::Rendezvous;
     use crate::store::server::{self, Server};
 
+    /// A store server on a free loopback port, serving until `stop`.
+    struct Served {
+        addr: SocketAddr,
+        stats: Arc<server::Stats>,
+        shutdown: CancellationToken,
+        serving: tokio::task::JoinHandle<Result<(), server::ServerError>>,
+    }
+
+    impl Served {
+        async fn start() -> Self {
+            let server = Server::bind(
+                "127.0.0.1:0".parse().expect("addr"),
+                server::Config::default(),
+            )
+            .await
+            .expect("bind");
+            let addr = server.local_addr();
+            let stats = server.stats();
+            let shutdown = CancellationToken::new();
+            let serving = tokio::spawn(server.run(shutdown.clone()));
+            Self {
+                addr,
+                stats,
+                shutdown,
+                serving,
+            }
+        }
+
+        async fn stop(self) {
+            self.shutdown.cancel();
+            let _ = self.serving.await;
+        }
+    }
+
+    async fn connect(addr: SocketAddr) -> StoreKv {
+        StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
+            .await
+            .expect("connect")
+    }
+
     #[tokio::test]
     async fn three_agents_form_a_gang_over_a_real_store() {
-        let server = Server::bind(
-            "127.0.0.1:0".parse().expect("addr"),
-            server::Config::default(),
-        )
-        .await
-        .expect("bind");
-        let addr = server.local_addr();
-        let shutdown = CancellationToken::new();
-        let serving = tokio::spawn(server.run(shutdown.clone()));
+        let served = Served::start().await;
+        let addr = served.addr;
         let mut cfg = Config::new("t", 3, 3);
         cfg.join_timeout = Duration::from_secs(10);
         let mut tasks = Vec::new();
         for rank in [2_u32, 0, 1] {
             let cfg = cfg.clone();
             tasks.push(tokio::spawn(async move {
-                let kv = StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
-                    .await
-                    .expect("connect");
+                let kv = connect(addr).await;
                 let reg = Registration {
                     agent_id: format!("a{rank}"),
                     node_rank: Some(rank),
@@ -198,25 +231,14 @@ mod tests {
         }
         bases.sort_unstable();
         assert_eq!(bases, vec![(0, 0), (1, 2), (2, 4)]);
-        shutdown.cancel();
-        let _ = serving.await;
+        served.stop().await;
     }
 
     #[tokio::test]
     async fn an_operation_dropped_half_way_does_not_garble_the_next_one() {
-        let server = Server::bind(
-            "127.0.0.1:0".parse().expect("addr"),
-            server::Config::default(),
-        )
-        .await
-        .expect("bind");
-        let addr = server.local_addr();
-        let stats = server.stats();
-        let shutdown = CancellationToken::new();
-        let serving = tokio::spawn(server.run(shutdown.clone()));
-        let mut kv = StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
-            .await
-            .expect("connect");
+        let served = Served::start().await;
+        let stats = &served.stats;
+        let mut kv = connect(served.addr).await;
         let first = kv.local_addr().expect("connected");
         // The barrier's way of waiting: a long WAIT cut short by another event.
         let cut = tokio::time::timeout(
@@ -243,7 +265,6 @@ mod tests {
             !stats.is_open(first),
             "the dropped connection is closed on the server"
         );
-        shutdown.cancel();
-        let _ = serving.await;
+        served.stop().await;
     }
 }

@@ -38,6 +38,23 @@ async fn slow_reader(
     Ok(s)
 }
 
+/// Stores a `VALUE`-byte value at `/big`, then has a slow reader ask for it 400 times in one
+/// write: 100 MiB of replies asked for. Returns the writer (kept open: it counts among the open
+/// connections) and the slow reader, which has read nothing yet.
+async fn flood_with_unread_gets(
+    server: &TestServer,
+) -> Result<(TcpStream, TcpStream), Box<dyn std::error::Error + Send + Sync>> {
+    let mut writer = validated(server.addr).await?;
+    writer
+        .write_all(&cmd(1, &[&key(b"/big"), &key(&vec![b'x'; VALUE])]))
+        .await?;
+    still_served(server.addr).await?;
+    let mut hostile = slow_reader(server).await?;
+    let gets: Vec<u8> = (0..400).flat_map(|_| cmd(3, &[&key(b"/big")])).collect();
+    hostile.write_all(&gets).await?;
+    Ok((writer, hostile))
+}
+
 /// Waits until `read` stops changing for a while (the server has done what it will do).
 async fn settled(read: impl Fn() -> u64) -> u64 {
     let mut last = read();
@@ -54,15 +71,7 @@ async fn settled(read: impl Fn() -> u64) -> u64 {
 #[tokio::test]
 async fn unread_replies_stop_decoding_at_the_cap_and_resume_when_read() -> TestResult {
     let server = TestServer::with_config(small_caps()).await?;
-    let mut writer = validated(server.addr).await?;
-    writer
-        .write_all(&cmd(1, &[&key(b"/big"), &key(&vec![b'x'; VALUE])]))
-        .await?;
-    still_served(server.addr).await?;
-    // 400 GETs of a 256 KiB value in one write: 100 MiB of replies asked for.
-    let mut hostile = slow_reader(&server).await?;
-    let gets: Vec<u8> = (0..400).flat_map(|_| cmd(3, &[&key(b"/big")])).collect();
-    hostile.write_all(&gets).await?;
+    let (_writer, mut hostile) = flood_with_unread_gets(&server).await?;
     let stats = &server.stats;
     let served = settled(|| stats.requests(Command::Get)).await;
     // 1 MiB queued plus what the two sockets' buffers hold (a few MiB on loopback).
@@ -93,14 +102,7 @@ async fn a_client_stuck_past_the_cap_is_closed_after_the_deadline() -> TestResul
         ..small_caps()
     })
     .await?;
-    let mut writer = validated(server.addr).await?;
-    writer
-        .write_all(&cmd(1, &[&key(b"/big"), &key(&vec![b'x'; VALUE])]))
-        .await?;
-    still_served(server.addr).await?;
-    let mut hostile = slow_reader(&server).await?;
-    let gets: Vec<u8> = (0..400).flat_map(|_| cmd(3, &[&key(b"/big")])).collect();
-    hostile.write_all(&gets).await?;
+    let (_writer, mut hostile) = flood_with_unread_gets(&server).await?;
     let stats = &server.stats;
     // The writer and the hostile client: the hostile one goes once the deadline passes.
     let started = std::time::Instant::now();
