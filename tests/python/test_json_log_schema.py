@@ -27,7 +27,7 @@ EVENTS = {
 }
 
 WORKER = r"""
-import os, sys
+import os, sys, time
 from torch.distributed.elastic.multiprocessing.errors import record
 
 @record
@@ -38,7 +38,16 @@ def main():
     for i in range(5):
         sys.stderr.write(f"{i * 25}%\r")
     sys.stderr.write("done\n")
+    # Rank 1 fails only once rank 0 has written everything: else the group's stop could cut
+    # rank 0 short (a slow torch import under load) and the test would count a missing line.
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    mark = os.path.join(os.environ["SYNC_DIR"], f"rank0-wrote-{attempt}")
+    if rank == 0:
+        open(mark, "w").close()
     if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(mark) and time.monotonic() < deadline:
+            time.sleep(0.02)
         raise ValueError(f"rank 1 says boom (attempt {os.environ['TORCHELASTIC_RESTART_COUNT']})")
 
 main()
@@ -104,7 +113,8 @@ def test_every_line_of_a_failing_job_is_one_schema(tmp_path, keep_files):
             "--progress-interval", "0"]
     if keep_files:
         args += ["--log-dir", str(logs), "--tee", "3"]
-    p = run([*args, str(worker)], env={"MUSTER_LOG": "debug"}, expect=1)
+    p = run([*args, str(worker)], env={"MUSTER_LOG": "debug", "SYNC_DIR": str(tmp_path)},
+            expect=1)
     out, err = records(p)
     every = out + err
     assert len(every) >= 12

@@ -136,8 +136,10 @@ def test_a_trainjob_environment_trains_to_the_end(tmp_path):
                 p.kill()
                 p.wait()
         dns.stop()
-    for index, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"node {index} exited {p.returncode}:\n{out}"
+    every = "\n".join(f"--- node {i} (exit {p.returncode}):\n{out}"
+                      for i, (p, out) in enumerate(zip(procs, outs)))
+    for index, p in enumerate(procs):
+        assert p.returncode == 0, f"node {index} exited {p.returncode}:\n{every}"
     nproc = gpu_devices() or 1
     world = nodes * nproc
     text = "".join(outs)
