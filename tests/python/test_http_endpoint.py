@@ -210,7 +210,9 @@ def test_probes_are_answered_while_another_address_holds_a_thousand_hostile_conn
 
 
 def global_ipv4():
-    """This machine's first non-loopback IPv4 address: a peer the agent must treat as remote."""
+    """This machine's first non-loopback IPv4 address: a peer the agent must treat as remote.
+    Requests are sent FROM it (bound source) TO 127.0.0.1, so no traffic targets anything but
+    loopback while the agent still sees a non-loopback peer."""
     try:
         out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
                              capture_output=True, text=True, timeout=10).stdout
@@ -263,7 +265,7 @@ def test_a_remote_caller_cannot_stop_the_job_and_loopback_still_can(tmp_path):
     agent = training_agent(tmp_path)
     try:
         wait_for_progress(agent, 10)
-        remote = (REMOTE, agent.port)
+        remote = agent.addr  # to loopback, from the non-loopback source: the peer the agent sees
         status, body, _ = request(remote, "POST", "/checkpoint", source=REMOTE)
         assert status == 403, body
         assert "only accepted from inside the pod" in body
@@ -289,7 +291,7 @@ def test_a_remote_caller_with_the_token_may_checkpoint(tmp_path):
     agent = training_agent(tmp_path, extra=("--checkpoint-token-file", str(token_file)))
     try:
         wait_for_progress(agent, 10)
-        remote = (REMOTE, agent.port)
+        remote = agent.addr  # to loopback, from the non-loopback source: the peer the agent sees
         status, body, _ = request(remote, "POST", "/checkpoint", source=REMOTE)
         assert status == 401, body
         status, body, _ = request(remote, "POST", "/checkpoint", source=REMOTE,
