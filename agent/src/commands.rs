@@ -41,7 +41,7 @@ fn error_record(err: &anyhow::Error, code: u8, format: LogFormat) -> String {
             extra.insert("agent_exit_code".into(), code.into());
             crate::logs::record::agent_record(
                 "ERROR",
-                &crate::launch::short_hostname(),
+                &crate::host::short_name(),
                 &format!("{err:#}"),
                 extra,
             )

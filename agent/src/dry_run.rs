@@ -90,7 +90,11 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // PR_SET_PDEATHSIG follows the thread that forked them.
     runtime.block_on(async {
         let writer = logs::start().context("cannot start the log writer")?;
-        cli::init_tracing(config.logs.format, writer.sink());
+        logs::init_tracing(
+            config.logs.format,
+            logs::Diagnostics::Console(writer.sink()),
+            cli::LAUNCH_LOG_FILTER,
+        );
         let result = drive(&rest, &Plan::of(&config), &writer.sink()).await;
         writer.finish();
         result

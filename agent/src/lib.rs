@@ -19,7 +19,6 @@
 //! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
 //! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
 //! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
-//! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
 //!   SIGTERM/SIGINT → cancellation for the simple subcommands.
 //! - [`scratch`]: where muster's own files go (`--tmp-dir`, `$TMPDIR`, `/tmp`, `/dev/shm`) on a
@@ -33,8 +32,8 @@ pub mod discovery;
 pub mod dry_run;
 pub mod exit_code;
 pub mod gpu;
+pub mod host;
 pub mod launch;
-pub mod logging;
 pub mod logs;
 pub mod metrics;
 pub mod node;

@@ -102,7 +102,7 @@ impl GangRendezvous {
         let flag = config.node_rank_given.then(|| config.node_rank.to_string());
         let index = std::env::var("JOB_COMPLETION_INDEX").ok();
         let (claimed_rank, rank_source) =
-            identity::node_rank(flag.as_deref(), index.as_deref(), &hostname())
+            identity::node_rank(flag.as_deref(), index.as_deref(), &crate::host::name())
                 .map_err(|e| cfg_err(&e))?;
         if let Some(rank) = claimed_rank.filter(|r| *r >= config.nnodes.max) {
             return Err(LaunchError::Config(format!(
@@ -204,13 +204,13 @@ impl GangRendezvous {
         let reg = Registration {
             agent_id: format!(
                 "{}-{}-{:08x}",
-                hostname(),
+                crate::host::name(),
                 std::process::id(),
                 rand::random::<u32>()
             ),
             node_rank: if is_host { Some(0) } else { self.claimed_rank },
             addr: advertised.to_string(),
-            host: hostname(),
+            host: crate::host::name(),
             local_world_size: self.local_world_size,
             coordinator: is_host,
             gpu: self.gpu_verdict.clone(),
@@ -491,14 +491,6 @@ fn test_barrier_observe_delay() -> Duration {
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s >= 0.0)
         .map_or(Duration::ZERO, Duration::from_secs_f64)
-}
-
-/// The full host name (identity and messages).
-pub fn hostname() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 /// `count` global ranks from `first`, read as written: `rank 4`, `ranks 4, 5`, `ranks 4–7`

@@ -12,7 +12,6 @@ use rendezvous::store::server::{Config, Server, DEFAULT_MAX_CONNECTIONS};
 use tokio_util::sync::CancellationToken;
 
 use crate::exit_code::{self, Exit};
-use crate::logging;
 
 /// Run a standalone store speaking PyTorch's c10d TCPStore protocol (torch 2.15).
 #[derive(Debug, Parser)]
@@ -110,7 +109,11 @@ pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
         }
         Err(err) => return Err(Exit::config(clap_message(&err)).into()),
     };
-    logging::init(logging::LogFormat::Text);
+    crate::logs::init_tracing(
+        crate::logs::LogFormat::Text,
+        crate::logs::Diagnostics::Stderr,
+        "info",
+    );
     // One thread, like libuv's event loop: requests are served in arrival order across
     // connections, and the busy poll needs the thread that owns the I/O driver.
     let runtime = tokio::runtime::Builder::new_current_thread()

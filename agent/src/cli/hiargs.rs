@@ -28,24 +28,6 @@ pub struct Probe<'a> {
     pub is_file: &'a dyn Fn(&Path) -> bool,
 }
 
-/// GPUs visible to this node: the NVIDIA character devices `/dev/nvidia0`, `/dev/nvidia1`, ...
-///
-/// The GPU pre-flight replaces this with NVML's count; device nodes are what the container
-/// runtime exposes, so the count is right without loading any driver library.
-pub fn gpu_count() -> u32 {
-    let Ok(dir) = std::fs::read_dir("/dev") else {
-        return 0;
-    };
-    dir.filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name().to_str().is_some_and(|n| {
-                n.strip_prefix("nvidia")
-                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-            })
-        })
-        .count() as u32
-}
-
 /// CPUs this process may use (affinity and cgroup quota aware, unlike torch's `os.cpu_count()`).
 pub fn cpu_count() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
@@ -506,10 +488,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         None => {
             let asks_gpu = get(low, "nproc-per-node").is_some_and(|r| r.value.trim() == "gpu");
             let visible = (probe.env)("NVIDIA_VISIBLE_DEVICES").and_then(|v| v.into_string().ok());
-            match crate::gpu::gate::Mode::default_for(asks_gpu, visible.as_deref()) {
-                crate::gpu::gate::Mode::Require => GpuCheck::Require,
-                _ => GpuCheck::Off,
-            }
+            GpuCheck::default_for(asks_gpu, visible.as_deref())
         }
         Some((_, "warn")) => GpuCheck::Warn,
         Some((_, "off")) => GpuCheck::Off,

@@ -9,18 +9,20 @@ pub mod hiargs;
 pub mod lowargs;
 
 use std::ffi::OsString;
-use std::io::IsTerminal;
 use std::path::Path;
 
 use anyhow::Context;
 use tokio_util::sync::CancellationToken;
-use tracing_subscriber::EnvFilter;
 
 use crate::checkpoint::{self, controller::Preemption};
 use crate::exit_code::Exit;
 use crate::launch::config::{Config, LogFormat};
 use crate::launch::Launch;
-use crate::logs::{self, LogSink, TracingWriter};
+use crate::logs;
+
+/// What the agent shows of its own diagnostics unless `MUSTER_LOG` says otherwise: the workers'
+/// store logs every start and stop at info, which is noise in a launch.
+pub const LAUNCH_LOG_FILTER: &str = "info,rendezvous=warn";
 
 /// Parses the launch form (`args` without the program name) against the real environment.
 pub fn parse(args: &[OsString]) -> Result<Parsed, hiargs::ConfigError> {
@@ -33,7 +35,7 @@ pub fn parse(args: &[OsString]) -> Result<Parsed, hiargs::ConfigError> {
         return Ok(Parsed::Version);
     }
     let probe = hiargs::Probe {
-        gpu_count: &hiargs::gpu_count,
+        gpu_count: &crate::gpu::gpu_count,
         cpu_count: &hiargs::cpu_count,
         env: &env,
         is_file: &|p: &Path| p.is_file(),
@@ -74,7 +76,11 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
 
 async fn launch(config: Config) -> anyhow::Result<u8> {
     let writer = logs::start().context("cannot start the log writer")?;
-    init_tracing(config.logs.format, writer.sink());
+    logs::init_tracing(
+        config.logs.format,
+        logs::Diagnostics::Console(writer.sink()),
+        LAUNCH_LOG_FILTER,
+    );
     for warning in &config.warnings {
         tracing::warn!("{warning}");
     }
@@ -117,11 +123,11 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     let mut gpu_fatal = false;
     let preflight = async {
         if fixed_gang {
-            let (report, fatal) = crate::gpu::gate::for_gang(launch.config()).await?;
+            let (report, fatal) = crate::gpu::gate::for_gang(launch.config().gpu_check).await?;
             gpu_fatal = fatal;
             Ok(report)
         } else {
-            crate::gpu::gate::for_launch(launch.config()).await
+            crate::gpu::gate::for_launch(launch.config().gpu_check).await
         }
     };
     let gpu = match crate::metrics::agent::preflight(&metrics, preflight).await {
@@ -234,30 +240,6 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
             Err(anyhow::Error::new(Exit::new(code, e.to_string())))
         }
     }
-}
-
-/// The agent's own messages go through the console writer, so they never split a worker line.
-/// `muster dry-run` writes its own messages the same way.
-pub(crate) fn init_tracing(format: LogFormat, sink: LogSink) {
-    let filter = ["MUSTER_LOG", "RUST_LOG"]
-        .iter()
-        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
-        .and_then(|spec| EnvFilter::try_new(spec).ok())
-        // The workers' store logs every start and stop at info; that is noise in a launch.
-        .unwrap_or_else(|| EnvFilter::new("info,rendezvous=warn"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(TracingWriter::new(sink))
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_target(false);
-    let _already_set = match format {
-        LogFormat::Text => builder.without_time().try_init(),
-        LogFormat::Json => builder
-            .event_format(logs::record::JsonEvents::new(
-                crate::launch::short_hostname(),
-            ))
-            .try_init(),
-    };
 }
 
 /// The log format the launch form asked for, as far as it can be told from `args` (with the

@@ -131,7 +131,7 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 pub fn preflight(opts: &PreflightOptions) -> Report {
     let node = nvml::snapshot(&opts.nvml_options());
     let results = checks::evaluate(&node, &opts.policy);
-    let mut report = Report::new(hostname(), opts.policy.expected_gpus, &node, results);
+    let mut report = Report::new(crate::host::name(), opts.policy.expected_gpus, &node, results);
     let driver_loaded = matches!(node.driver, snapshot::DriverState::Loaded { .. });
     let expected = opts.policy.expected_gpus.is_some_and(|n| n > 0);
     if opts.cuda && (driver_loaded || expected) {
@@ -155,7 +155,7 @@ pub fn preflight_isolated(opts: &PreflightOptions, timeout: Duration) -> Report 
     let failed = |reason: String| {
         let check = CheckResult::node(checks::name::PREFLIGHT, Status::Fail, reason);
         Report {
-            host: hostname(),
+            host: crate::host::name(),
             verdict: Verdict::Unhealthy,
             expected_gpus: opts.policy.expected_gpus,
             driver_version: None,
@@ -194,6 +194,24 @@ pub fn preflight_isolated(opts: &PreflightOptions, timeout: Duration) -> Report 
     };
     child::run_json(cmd, timeout, "an NVML or CUDA call did not return")
         .unwrap_or_else(|e| failed(format!("GPU pre-flight did not complete: {e}")))
+}
+
+/// GPUs the container runtime exposed to this node: the NVIDIA character devices
+/// `/dev/nvidia0`, `/dev/nvidia1`, ... (`--nproc-per-node gpu`, and the count the launch's
+/// pre-flight expects). Device nodes need no driver library, so the count is right even where
+/// NVML cannot load.
+pub fn gpu_count() -> u32 {
+    let Ok(dir) = std::fs::read_dir("/dev") else {
+        return 0;
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| {
+                n.strip_prefix("nvidia")
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            })
+        })
+        .count() as u32
 }
 
 /// Local GPUs in PCI bus id order (the order `CUDA_DEVICE_ORDER=PCI_BUS_ID` gives, and the order
@@ -254,13 +272,6 @@ pub fn cpulist(cpus: &[u32]) -> String {
         i += 1;
     }
     parts.join(",")
-}
-
-fn hostname() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "unknown-host".into())
 }
 
 /// `muster gpu-check`: check this node's GPUs and print the report.

@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+pub use crate::gpu::gate::GpuCheck;
+pub use crate::logs::LogFormat;
+
 /// Default `--gpu-release-timeout` (NVIDIA's ft_launcher waits up to 50 s for the same thing).
 pub const DEFAULT_GPU_RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default `--shutdown-timeout` (torchrun's).
@@ -65,16 +68,6 @@ impl StreamSpec {
     pub fn is_empty(&self) -> bool {
         self.all == Streams::NONE && self.per_rank.values().all(|s| *s == Streams::NONE)
     }
-}
-
-/// How worker lines are written to the console.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LogFormat {
-    /// `<prefix><line>`.
-    #[default]
-    Text,
-    /// One JSON object per line, every record in the schema of [`crate::logs::record`].
-    Json,
 }
 
 /// Everything about worker output.
@@ -162,15 +155,6 @@ impl Default for SignalPolicy {
             .collect(),
         }
     }
-}
-
-/// `--gpu-check`: stored here; the GPU pre-flight reads it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GpuCheck {
-    Off,
-    #[default]
-    Warn,
-    Require,
 }
 
 /// The validated launch configuration.

@@ -482,7 +482,7 @@ impl Launch {
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
-            hostname: short_hostname(),
+            hostname: crate::host::short_name(),
             run_dir: run_dir.path.clone(),
             files: config.logs.log_dir.is_some(),
             reaper,
@@ -750,15 +750,6 @@ impl RunDir {
     fn is_kept(&self) -> bool {
         self.path.is_some() && self.scratch.is_none()
     }
-}
-
-/// The host name up to the first dot (what torchrun's `${hostname}` gives).
-pub fn short_hostname() -> String {
-    let name = nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned());
-    name.split('.').next().unwrap_or(&name).to_owned()
 }
 
 /// Runs a launch with the single-node rendezvous and no hooks.

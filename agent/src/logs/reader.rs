@@ -15,7 +15,7 @@ use super::progress::{Coalescer, Emit, Kind, Seen};
 use super::split::Splitter;
 use super::stats::StreamCounters;
 use super::{Console, LogSink};
-use crate::launch::config::LogFormat;
+use super::LogFormat;
 
 /// How a pipe's lines reach the console.
 #[derive(Debug, Clone)]
