@@ -20,6 +20,9 @@ mod tests {
     #[test]
     fn the_short_name_is_a_prefix_without_dots() {
         let (full, short) = (super::name(), super::short_name());
-        assert!(full.starts_with(&short) && !short.contains('.'), "{full} {short}");
+        assert!(
+            full.starts_with(&short) && !short.contains('.'),
+            "{full} {short}"
+        );
     }
 }

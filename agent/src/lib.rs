@@ -25,21 +25,19 @@
 //!   possibly read-only root filesystem.
 #![deny(unsafe_code)]
 
+pub mod app;
 pub mod checkpoint;
 pub mod cli;
-pub mod commands;
+pub mod cmd;
 pub mod discovery;
-pub mod dry_run;
+pub mod events;
 pub mod exit_code;
 pub mod gpu;
 pub mod host;
 pub mod launch;
 pub mod logs;
 pub mod metrics;
-pub mod node;
 pub mod scratch;
-pub mod signals;
-pub mod store_cmd;
 pub mod sys;
 
-pub use commands::main;
+pub use cmd::main;

@@ -188,8 +188,7 @@ fn referenced_top_levels(code: &str, module: &[String]) -> BTreeSet<String> {
     while i < bytes.len() {
         let starts_word = i == 0 || !(is_ident_byte(bytes[i - 1]) || bytes[i - 1] == b'$');
         let rest = &code[i..];
-        let (base, consumed): (Vec<String>, usize) = if starts_word && rest.starts_with("crate::")
-        {
+        let (base, consumed): (Vec<String>, usize) = if starts_word && rest.starts_with("crate::") {
             (Vec::new(), "crate::".len())
         } else if starts_word && rest.starts_with("super::") {
             let mut depth = 0;
@@ -245,7 +244,10 @@ fn first_segments(text: &str) -> Vec<String> {
 }
 
 fn ident(text: &str) -> Option<String> {
-    let end = text.bytes().position(|b| !is_ident_byte(b)).unwrap_or(text.len());
+    let end = text
+        .bytes()
+        .position(|b| !is_ident_byte(b))
+        .unwrap_or(text.len());
     (end > 0).then(|| text[..end].to_owned())
 }
 
@@ -409,10 +411,18 @@ fn the_checker_sees_paths_the_way_rustc_does() {
     ]);
     assert_eq!(
         find_cycle(&cyclic),
-        Some(vec!["a", "b", "c", "a"].into_iter().map(String::from).collect())
+        Some(
+            vec!["a", "b", "c", "a"]
+                .into_iter()
+                .map(String::from)
+                .collect()
+        )
     );
     let acyclic = BTreeMap::from([
-        ("a".to_owned(), BTreeSet::from(["b".to_owned(), "c".to_owned()])),
+        (
+            "a".to_owned(),
+            BTreeSet::from(["b".to_owned(), "c".to_owned()]),
+        ),
         ("b".to_owned(), BTreeSet::from(["c".to_owned()])),
     ]);
     assert_eq!(find_cycle(&acyclic), None);

@@ -230,7 +230,10 @@ mod tests {
     #[test]
     fn the_default_follows_the_gpu_request() {
         assert_eq!(GpuCheck::default_for(true, None), GpuCheck::Require);
-        assert_eq!(GpuCheck::default_for(false, Some("GPU-1,GPU-2")), GpuCheck::Require);
+        assert_eq!(
+            GpuCheck::default_for(false, Some("GPU-1,GPU-2")),
+            GpuCheck::Require
+        );
         assert_eq!(GpuCheck::default_for(false, Some("all")), GpuCheck::Require);
         assert_eq!(GpuCheck::default_for(false, Some("void")), GpuCheck::Off);
         assert_eq!(GpuCheck::default_for(false, Some("")), GpuCheck::Off);

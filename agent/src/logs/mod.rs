@@ -185,8 +185,15 @@ impl LogWriter {
     }
 
     /// Writes everything queued so far, then stops the thread. Later messages go straight to
-    /// the console (see [`LogSink::agent_line`]).
-    pub fn finish(mut self) {
+    /// the console (see [`LogSink::agent_line`]). Dropping the writer does the same, so every
+    /// way out of a command (an early error included) flushes the console.
+    pub fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
         let _ = self.sink.tx.send(Msg::Shutdown);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -1,5 +1,5 @@
-//! The multi-node driver: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch
-//! loop's seam ([`crate::launch::Rendezvous`]).
+//! Many nodes: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch loop's
+//! seam ([`super::Rendezvous`]).
 //!
 //! On the first round it works out who this node is (node rank from `--node-rank`, the Job
 //! index or the host name's ordinal), resolves and reaches the endpoint ([`crate::discovery`]),
@@ -13,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use rendezvous::rdzv::{
-    self, identity, BarrierOutcome, BumpKind, Event, RdzvError, Registration, StoreKv,
+    self, identity, BarrierOutcome, BumpKind, Event as WatchEvent, Registration, StoreKv,
 };
 use rendezvous::store::server::{self, ServerThread};
 use tokio::task::JoinHandle;
@@ -22,25 +22,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::discovery;
+use crate::events::{Event, Events};
 use crate::exit_code;
 use crate::launch::{
     AfterGroup, BoxFuture, Config, GroupOutcome, HostedStore, LaunchError, RankAssignment, Round,
     StopRequest,
 };
 
-/// Whether this launch needs the multi-node rendezvous.
-pub fn is_multi_node(config: &Config) -> bool {
-    !config.standalone && config.nnodes.max > 1
-}
-
 struct Running {
     assignment: rdzv::Assignment,
     stop: CancellationToken,
     fired: CancellationToken,
-    task: JoinHandle<Event>,
+    task: JoinHandle<WatchEvent>,
 }
 
-/// [`crate::launch::Rendezvous`] for many nodes.
+/// [`super::Rendezvous`] for many nodes.
 pub struct GangRendezvous {
     cfg: rdzv::Config,
     endpoint: discovery::Endpoint,
@@ -59,6 +55,8 @@ pub struct GangRendezvous {
     gpu_verdict: serde_json::Value,
     /// `--max-store-bytes`, for both stores this node may host.
     max_store_bytes: usize,
+    /// Where discovery and the hosted store are reported.
+    events: Events,
 }
 
 impl GangRendezvous {
@@ -124,7 +122,15 @@ impl GangRendezvous {
             running: None,
             gpu_verdict: serde_json::Value::Null,
             max_store_bytes: config.max_store_bytes,
+            events: Events::default(),
         })
+    }
+
+    /// Reports DNS lookups and the hosted rendezvous store to `events`.
+    #[must_use]
+    pub fn with_events(mut self, events: Events) -> Self {
+        self.events = events;
+        self
     }
 
     /// Whether this node knows, before any lookup, that it hosts the rendezvous store (its rank
@@ -154,9 +160,9 @@ impl GangRendezvous {
         let is_host = if let Some(rank) = self.claimed_rank {
             rank == 0
         } else {
-            let ips = discovery::resolve(&self.endpoint.host, deadline)
+            let ips = discovery::resolve(&self.endpoint.host, deadline, &self.events)
                 .await
-                .map_err(|e| timeout_error(&e))?;
+                .map_err(LaunchError::DiscoveryTimeout)?;
             let mine = discovery::interface_addrs();
             let hosts = ips
                 .iter()
@@ -193,13 +199,13 @@ impl GangRendezvous {
         } else {
             let ips = match endpoint_ips {
                 Some(ips) => ips,
-                None => discovery::resolve(&self.endpoint.host, deadline)
+                None => discovery::resolve(&self.endpoint.host, deadline, &self.events)
                     .await
-                    .map_err(|e| timeout_error(&e))?,
+                    .map_err(LaunchError::DiscoveryTimeout)?,
             };
             discovery::connect(&self.endpoint, &ips, deadline, op_timeout)
                 .await
-                .map_err(|e| timeout_error(&e))?
+                .map_err(LaunchError::DiscoveryTimeout)?
         };
         let reg = Registration {
             agent_id: format!(
@@ -228,10 +234,7 @@ impl GangRendezvous {
             .advertised
             .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
         let Some(rdzv) = self.rdzv.as_mut() else {
-            return Err(LaunchError::Coded {
-                code: exit_code::INTERNAL_ERROR,
-                message: "rendezvous not started".into(),
-            });
+            return Err(LaunchError::Internal("rendezvous not started"));
         };
         let store = if rdzv.is_coordinator() {
             Some(
@@ -252,7 +255,7 @@ impl GangRendezvous {
                 if let Some(s) = store {
                     s.shutdown().await;
                 }
-                return Err(rdzv_error(&e));
+                return Err(LaunchError::Rendezvous(e));
             }
         };
         let a = joined.assignment;
@@ -270,10 +273,7 @@ impl GangRendezvous {
             .kv()
             .reconnect()
             .await
-            .map_err(|e| LaunchError::Coded {
-                code: exit_code::STORE_HOST_LOST,
-                message: format!("lost the store host (node 0): {e}"),
-            })?;
+            .map_err(|e| LaunchError::StoreHostLost(e.to_string()))?;
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
         let mut watcher = rdzv.watcher(watch_kv, &a);
@@ -324,7 +324,7 @@ impl GangRendezvous {
                     let barrier = rdzv
                         .exit_barrier(&running.assignment, &running.fired)
                         .await
-                        .map_err(|e| rdzv_error(&e))?;
+                        .map_err(LaunchError::Rendezvous)?;
                     if barrier != BarrierOutcome::Interrupted {
                         running.stop.cancel();
                         let _ = running.task.await;
@@ -343,7 +343,7 @@ impl GangRendezvous {
                     let rec = rdzv
                         .report_failure(code, &what)
                         .await
-                        .map_err(|e| rdzv_error(&e))?;
+                        .map_err(LaunchError::Rendezvous)?;
                     return Ok(match rec.kind {
                         BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
                         _ => AfterGroup::Restart,
@@ -358,19 +358,16 @@ impl GangRendezvous {
         }
         // The gang re-forms: see why.
         match running.task.await {
-            Ok(Event::Generation(rec)) if rec.kind == BumpKind::Fatal => {
+            Ok(WatchEvent::Generation(rec)) if rec.kind == BumpKind::Fatal => {
                 warn!("the job failed on another node: {}", rec.reason);
                 Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(1)))
             }
-            Ok(Event::Generation(rec)) => {
+            Ok(WatchEvent::Generation(rec)) => {
                 warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
                 Ok(AfterGroup::Restart)
             }
-            Ok(Event::StoreLost(why)) => Err(LaunchError::Coded {
-                code: exit_code::STORE_HOST_LOST,
-                message: format!("lost the store host (node 0): {why}"),
-            }),
-            Ok(Event::Stopped | Event::Completed) | Err(_) => {
+            Ok(WatchEvent::StoreLost(why)) => Err(LaunchError::StoreHostLost(why)),
+            Ok(WatchEvent::Stopped | WatchEvent::Completed) | Err(_) => {
                 Ok(AfterGroup::Finish(outcome.exit_code()))
             }
         }
@@ -404,7 +401,9 @@ impl GangRendezvous {
             LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
         })?;
         let local = server.local_addr();
-        crate::metrics::agent::rendezvous_store_started(server.stats());
+        self.events.publish(Event::RendezvousStoreHosted {
+            stats: server.stats(),
+        });
         self.hosted = Some(server);
         let ip = if local.ip().is_unspecified() {
             advertised
@@ -418,7 +417,7 @@ impl GangRendezvous {
         )
         .await
         .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))?;
-        crate::metrics::agent::rendezvous_store_accepting();
+        self.events.publish(Event::RendezvousStoreAccepting);
         Ok(kv)
     }
 }
@@ -431,7 +430,7 @@ impl Drop for GangRendezvous {
     }
 }
 
-impl crate::launch::Rendezvous for GangRendezvous {
+impl super::Rendezvous for GangRendezvous {
     fn next_round<'a>(
         &'a mut self,
         _config: &'a Config,
@@ -457,27 +456,6 @@ impl crate::launch::Rendezvous for GangRendezvous {
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
         Box::pin(async move { self.after(outcome, stop).await.map(Some) })
-    }
-}
-
-fn rdzv_error(e: &RdzvError) -> LaunchError {
-    let code = match e {
-        RdzvError::Timeout(_) => exit_code::RENDEZVOUS_TIMEOUT,
-        RdzvError::StoreLost(_) => exit_code::STORE_HOST_LOST,
-        RdzvError::Rejected(_) => exit_code::CONFIG_ERROR,
-        RdzvError::Fatal { exit_code, .. } => *exit_code,
-        RdzvError::Malformed { .. } | RdzvError::Encode(_) => exit_code::INTERNAL_ERROR,
-    };
-    LaunchError::Coded {
-        code,
-        message: e.to_string(),
-    }
-}
-
-fn timeout_error(e: &discovery::DiscoveryError) -> LaunchError {
-    LaunchError::Coded {
-        code: exit_code::RENDEZVOUS_TIMEOUT,
-        message: format!("rendezvous timed out: {e}"),
     }
 }
 
