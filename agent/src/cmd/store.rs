@@ -60,8 +60,8 @@ fn parse_busy_poll(text: &str) -> Result<u64, String> {
 }
 
 /// Long enough to cover a client's turn-around on a VM (reading the reply, sending the next
-/// request: ~30-40 µs measured on the 2-vCPU CI machine), short enough to be noise in CPU
-/// accounting (100 µs per burst is 0.01 % of a core at 1 burst/s).
+/// request; measured in docs/store.md § Performance), short enough to be noise in CPU accounting
+/// (100 µs per burst is 0.01 % of a core at 1 burst/s).
 const DEFAULT_BUSY_POLL_US: u64 = 100;
 
 /// `muster store ...` (`args[0]` is the binary, `args[1]` is `store`).

@@ -10,7 +10,7 @@
 //!    [`RankAssignment`] (ranks, world size, where the workers' store is, the run id) and, on the
 //!    node that hosts it, the [`HostedStore`]: a fresh store on an ephemeral port for every
 //!    attempt, so a restarted group never reads the dead attempt's keys. [`LocalRendezvous`] does
-//!    this for one node; the multi-node rendezvous plugs in here through
+//!    this for one node; the gang rendezvous ([`rdzv::GangRendezvous`]) plugs in here through
 //!    [`Launch::with_rendezvous`].
 //! 2. **Run the group**: [`run_group`] starts `nproc-per-node` workers with torchrun's
 //!    environment ([`env`]), each in its own session and process group with a parent-death

@@ -2,9 +2,13 @@
 //!
 //! # Theory of operation
 //! [`Metrics`] is a cheap-to-clone handle (one `Arc` inside) over a private
-//! [`prometheus::Registry`]. The rest of the agent calls small, intention-revealing methods on it
-//! (`set_phase`, `rendezvous_round_finished`, `worker_exited`, ...); each one is a handful of
-//! atomic operations or a lock held for a few instructions, so recording never slows supervision.
+//! [`prometheus::Registry`]. Nothing in the agent calls into it: the observer of [`agent`],
+//! started by the composition root ([`crate::app`]), follows the launch loop's phases and events
+//! and the typed events of the parts below it ([`crate::events`]) and records them through small,
+//! intention-revealing methods (`rendezvous_round_finished`, `worker_exited`, ...); each one is a
+//! handful of atomic operations or a lock held for a few instructions, so recording never slows
+//! supervision. A new metric is a field defined in [`Metrics::new`], a method that records it,
+//! and the line of that observer that calls the method for its event.
 //! Values that depend on the moment of the scrape (how long ago a rank reported its step, how much
 //! of the grace budget is left, the current phase as a state set) are kept as raw atomics and
 //! turned into metric families only when `/metrics` is gathered, inside the HTTP task ([`live`]).
