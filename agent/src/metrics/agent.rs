@@ -336,7 +336,7 @@ impl ObserverState {
                 }
                 // No barrier ran (the scripts lack the helper): not a checkpoint.
                 CheckpointResult::Unsupported => {
-                    metrics.set_checkpoint_phase(CheckpointPhase::Idle)
+                    metrics.set_checkpoint_phase(CheckpointPhase::Idle);
                 }
             },
             Part::WorkerStep { local_rank, step } => metrics.worker_step(local_rank, step),
