@@ -88,7 +88,6 @@ const IDLE_BUFFER: usize = 1024;
 /// little more so a batch of pipelined requests is usually one read.
 const READ_CHUNK: usize = 16 * 1024;
 
-
 /// How long the accept loop pauses after an accept error (EMFILE, ENFILE, ...) before trying
 /// again, so a descriptor shortage does not become a busy loop.
 const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(50);
