@@ -781,7 +781,8 @@ async fn metrics_are_served_as_prometheus_text() {
     let samples = parse_exposition(&reply.body);
     assert_eq!(value(&samples, "muster_build_info", &[]), Some(1.0));
 
-    // HEAD: the GET's headers, no body, then (HTTP/1.0) a close.
+    // HEAD: the GET's headers, no body, then (HTTP/1.0) a close. hyper answers an HTTP/1.0
+    // request in HTTP/1.0.
     let mut stream = TcpStream::connect(addr).await.unwrap();
     stream
         .write_all(b"HEAD /metrics HTTP/1.0\r\n\r\n")
@@ -793,7 +794,7 @@ async fn metrics_are_served_as_prometheus_text() {
         .unwrap()
         .unwrap();
     let raw = String::from_utf8(raw).unwrap();
-    assert!(raw.starts_with("HTTP/1.1 200 OK\r\n"), "{raw}");
+    assert!(raw.starts_with("HTTP/1.0 200 OK\r\n"), "{raw}");
     assert!(raw.ends_with("\r\n\r\n"), "no body after the head: {raw}");
     assert!(!raw.contains("Content-Length: 0\r\n"), "{raw}");
 
@@ -1127,6 +1128,93 @@ async fn bare_line_ends_get_400_at_once() {
 }
 
 #[tokio::test]
+async fn what_hyper_would_take_or_answer_otherwise_is_refused_as_before() {
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let cases: [(&[u8], u16); 7] = [
+        (b"GET metrics HTTP/1.1\r\n\r\n", 400),
+        (b"OPTIONS * HTTP/1.1\r\n\r\n", 400),
+        (b"GET /  HTTP/1.1\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\n\r\n", 505),
+        (b"GET / HTTP/1.1\r\nno colon\r\n\r\n", 400),
+        (
+            b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            400,
+        ),
+        (b"GET /\xff HTTP/1.1\r\n\r\n", 400),
+    ];
+    for (request, want) in cases {
+        let reply = timeout(Duration::from_secs(2), send(addr, request))
+            .await
+            .expect("answered at once");
+        assert_eq!(reply.status, want, "{}", String::from_utf8_lossy(request));
+    }
+    // A good request, then a bad one in the same write: the first is answered, then the 400.
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\n\r\nGET /healthz HTTP/1.1\n\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    assert_eq!(read_reply(&mut stream, &mut buf).await.unwrap().status, 200);
+    assert_eq!(read_reply(&mut stream, &mut buf).await.unwrap().status, 400);
+    assert!(closed_by_server(&mut stream).await);
+    // Answers hyper gives itself are counted like the others.
+    let samples = scrape(&metrics);
+    let count = |code: &str| {
+        value(
+            &samples,
+            "muster_http_requests_total",
+            &[("handler", "other"), ("code", code)],
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!((count("400"), count("505")), (7.0, 1.0));
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_stalled_body_gets_408_and_a_quiet_keep_alive_connection_is_closed() {
+    let metrics = Metrics::new();
+    let config = EndpointConfig {
+        request_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_millis(400),
+        ..EndpointConfig::default()
+    };
+    let (addr, shutdown) = start(&metrics, config);
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"POST /checkpoint HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        .await
+        .unwrap();
+    let reply = read_reply(&mut stream, &mut Vec::new()).await.unwrap();
+    assert_eq!(reply.status, 408);
+    assert_eq!(reply.headers["connection"], "close");
+    assert!(closed_by_server(&mut stream).await);
+
+    // After a response, the keep-alive connection stays open for the idle timeout, then closes.
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    let mut buf = Vec::new();
+    kept.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut kept, &mut buf).await.unwrap().status, 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kept.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut kept, &mut buf).await.unwrap().status, 200);
+    let started = std::time::Instant::now();
+    assert!(closed_by_server(&mut kept).await);
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
+    shutdown.cancel();
+}
+
+#[tokio::test]
 async fn loopback_may_checkpoint_with_or_without_a_token() {
     let metrics = Metrics::new();
     let token_file = std::env::temp_dir().join(format!("muster-tok-{}", std::process::id()));
@@ -1374,7 +1462,7 @@ fn the_endpoint_thread_serves_while_the_caller_is_blocked() {
     std::io::Write::write_all(&mut stream, b"GET /readyz HTTP/1.0\r\n\r\n").unwrap();
     let mut reply = String::new();
     std::io::Read::read_to_string(&mut stream, &mut reply).unwrap();
-    assert!(reply.starts_with("HTTP/1.1 503 "), "{reply}");
+    assert!(reply.starts_with("HTTP/1.0 503 "), "{reply}");
 
     let taken = serve_in_thread(addr, metrics, EndpointConfig::default(), &shutdown).unwrap_err();
     assert!(matches!(taken, ServeError::Bind { .. }), "{taken}");
