@@ -443,8 +443,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let grace_period = parse_duration(low, "grace-period")?;
     let gpu_release_timeout = parse_duration(low, "gpu-release-timeout")?
         .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
-    let gpu_watch_interval = parse_duration(low, "gpu-watch-interval")?
-        .unwrap_or(crate::gpu::watch::DEFAULT_INTERVAL);
+    let gpu_watch_interval =
+        parse_duration(low, "gpu-watch-interval")?.unwrap_or(crate::gpu::watch::DEFAULT_INTERVAL);
     let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
         None => false,
         Some((_, "node")) => true,

@@ -221,7 +221,11 @@ pub fn load_with_devices(path: &Path) -> Result<(Node, Vec<Value>), String> {
         .unwrap_or_default();
     let node: Node =
         serde_json::from_value(value).map_err(|e| format!("{}: {e}", path.display()))?;
-    if let Some(step) = node.timeline.iter().find(|s| s.device >= node.devices.len()) {
+    if let Some(step) = node
+        .timeline
+        .iter()
+        .find(|s| s.device >= node.devices.len())
+    {
         return Err(format!(
             "{}: timeline step at {} s names device {}, which does not exist",
             path.display(),

@@ -470,8 +470,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return ERROR_INVALID_ARGUMENT;
         }
         let total = dev(s, i).memory_total_bytes;
-        let used = dev(s, i).memory_used_bytes
-            + listed(s, i).map(|p| p.used_memory_bytes).sum::<u64>();
+        let used =
+            dev(s, i).memory_used_bytes + listed(s, i).map(|p| p.used_memory_bytes).sum::<u64>();
         (*out).total = total;
         (*out).reserved = 0;
         (*out).used = used.min(total);

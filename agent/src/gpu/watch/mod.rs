@@ -111,7 +111,10 @@ impl Watch {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
-        self.shared.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.shared
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Records an event: logs it, keeps it for summaries, counts XIDs, and makes the first fatal
@@ -240,7 +243,11 @@ mod tests {
         watch.record(event(4, EventKind::Xid(48), now));
         let fault = waiter.await.unwrap();
         assert_eq!((fault.gpu.index, fault.kind), (3, EventKind::Xid(79)));
-        assert_eq!(watch.fault().await.gpu.index, 3, "later faults do not replace it");
+        assert_eq!(
+            watch.fault().await.gpu.index,
+            3,
+            "later faults do not replace it"
+        );
     }
 
     #[test]
@@ -264,7 +271,11 @@ mod tests {
     fn summaries_see_the_last_minutes_only_and_the_ring_is_bounded() {
         let watch = Watch::new();
         let stopped = SystemTime::now();
-        watch.record(event(0, EventKind::Xid(13), stopped - Duration::from_secs(3600)));
+        watch.record(event(
+            0,
+            EventKind::Xid(13),
+            stopped - Duration::from_secs(3600),
+        ));
         watch.record(event(
             3,
             EventKind::Xid(79),
@@ -273,7 +284,10 @@ mod tests {
         let lines = watch.summary_lines(27, stopped);
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(lines[0].starts_with("GPU 3 (GPU-3, bus id unknown): XID 79"));
-        assert!(lines[0].ends_with("4 s before rank 27 stopped"), "{lines:?}");
+        assert!(
+            lines[0].ends_with("4 s before rank 27 stopped"),
+            "{lines:?}"
+        );
         for _ in 0..MAX_EVENTS + 10 {
             watch.record(event(
                 5,
