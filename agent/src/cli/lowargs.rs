@@ -383,7 +383,7 @@ pub fn help_text() -> String {
          root-cause worker died of signal N, or the agent was stopped by signal N (after SIGINT 0\n\
          if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
          201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
-         204 unhealthy GPU; 205 store host lost; 206 internal error.\n",
+         204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n         lost; 206 internal error.\n",
     );
     out
 }

@@ -164,9 +164,9 @@ impl Reads {
         }
     }
 
-    fn field(&mut self, reading: Result<u64, ReadError>) -> Option<u64> {
+    fn field(&mut self, reading: &Result<u64, ReadError>) -> Option<u64> {
         match reading {
-            Ok(v) => Some(v),
+            Ok(v) => Some(*v),
             Err(ReadError::GpuLost | ReadError::ResetRequired) => {
                 self.lost = true;
                 None
@@ -187,10 +187,10 @@ fn sample(w: &Watched<'_>) -> GpuSample {
     ])) {
         Some(values) => (
             reads
-                .field(crate::gpu::nvml::field_u64(values.first()))
+                .field(&crate::gpu::nvml::field_u64(values.first()))
                 .map(|v| v != 0),
             reads
-                .field(crate::gpu::nvml::field_u64(values.get(1)))
+                .field(&crate::gpu::nvml::field_u64(values.get(1)))
                 .map(|v| v as u32),
         ),
         None => (None, None),

@@ -272,7 +272,9 @@ pub fn changes(prev: &GpuSample, next: &GpuSample) -> Vec<EventKind> {
         let replay = b.replay.saturating_sub(a.replay);
         let recovery = b.recovery.saturating_sub(a.recovery);
         let crc = b.crc_flit.saturating_sub(a.crc_flit) + b.crc_data.saturating_sub(a.crc_data);
-        if replay + recovery + crc > 0 {
+        // DCGM's rule: any replay or recovery is a fault of the link; CRC errors alone are
+        // routine at low rates (they are in the metrics, not in the log every interval).
+        if replay + recovery > 0 {
             out.push(EventKind::NvLinkErrors {
                 replay,
                 recovery,
@@ -367,6 +369,16 @@ mod tests {
         later.ecc_volatile_uncorrected = Some(5);
         later.row_remap_pending = Some(true);
         assert!(changes(&unknown, &later).is_empty());
+    }
+
+    #[test]
+    fn nvlink_crc_errors_alone_are_no_event() {
+        let mut after = gpu(0);
+        after.nvlink = Some(NvLinkErrors {
+            crc_flit: 7,
+            ..NvLinkErrors::default()
+        });
+        assert!(changes(&gpu(0), &after).is_empty());
     }
 
     #[test]

@@ -31,7 +31,8 @@ pub fn is_fatal(xid: u64) -> bool {
 /// XID not listed here (the number is printed alone).
 pub fn describe(xid: u64) -> Option<&'static str> {
     Some(match xid {
-        8 => "GPU stopped processing",
+        // 8 is the catalogue's FIFO idle timeout; 43 is reported when a context stops.
+        8 => "GPU stopped processing (FIFO idle timeout)",
         13 => "graphics engine exception",
         31 => "GPU memory page fault",
         32 => "invalid or corrupted push buffer stream",
