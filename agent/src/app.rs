@@ -138,6 +138,18 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     } else if let Some(path) = python_path {
         launch = launch.with_worker_env("PYTHONPATH", path);
     }
+    // The GPU watch runs whatever `--gpu-check` says: without a driver it ends at once, and a
+    // GPU that was already bad at the start is not a fault of the run.
+    let gpu_watch = (!launch.config().gpu_watch_interval.is_zero()).then(|| {
+        crate::gpu::watch::Watch::start(crate::gpu::watch::Options {
+            interval: launch.config().gpu_watch_interval,
+            library: crate::gpu::nvml::library_override(),
+        })
+    });
+    if let Some(watch) = &gpu_watch {
+        metrics.attach_gpu_watch(watch.clone());
+        launch = launch.with_gpu_watch(watch.clone());
+    }
     let launch = metrics::agent::meter_rendezvous(launch, gang, &metrics);
     metrics.advance_readiness(if hosts_rendezvous {
         Readiness::HostingStore
@@ -150,6 +162,9 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     })
     .await;
     drop(endpoint);
+    if let Some(watch) = &gpu_watch {
+        watch.stop();
+    }
     if let Some(script) = &script_metrics {
         script.remove_files();
     }

@@ -460,6 +460,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let grace_period = parse_duration(low, "grace-period")?;
     let gpu_release_timeout = parse_duration(low, "gpu-release-timeout")?
         .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
+    let gpu_watch_interval =
+        parse_duration(low, "gpu-watch-interval")?.unwrap_or(crate::gpu::watch::DEFAULT_INTERVAL);
     let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
         None => false,
         Some((_, "node")) => true,
@@ -581,6 +583,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             .filter(|p| !p.as_os_str().is_empty()),
         keep_strays: switch("keep-strays"),
         gpu_release_timeout,
+        gpu_watch_interval,
         max_store_bytes: match get(low, "max-store-bytes") {
             None => rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
             Some(raw) => {
@@ -969,6 +972,24 @@ mod tests {
         let err =
             build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--gpu-release-timeout"), "{err}");
+    }
+
+    #[test]
+    fn the_gpu_watch_interval() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.gpu_watch_interval, Duration::from_secs(10));
+        let c = build_with(&["--gpu-watch-interval", "0.5", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.gpu_watch_interval, Duration::from_millis(500));
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_GPU_WATCH_INTERVAL", "0")],
+            0,
+        )
+        .unwrap();
+        assert!(c.gpu_watch_interval.is_zero());
+        let err =
+            build_with(&["--gpu-watch-interval", "often", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--gpu-watch-interval"), "{err}");
     }
 
     #[test]

@@ -117,6 +117,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("tmp-dir", "DIR", "Where muster writes its own files (checkpoint helper, error files) (default: first writable of $TMPDIR, /tmp, /dev/shm; none: do without)"),
     switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
     value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
+    value("gpu-watch-interval", "SECS", "While the ranks run, look at every GPU this often (utilization, memory, power, temperature, ECC, row remaps, NVLink errors, throttling) and listen for XID events; a fatal XID stops the node with exit 204 (0: no watch; without an NVIDIA driver there is none) (default 10)"),
     value("max-store-bytes", "BYTES", "What each store the agent hosts (rendezvous, workers') may hold, e.g. 1GiB; a write past it closes the writer's connection (default 1GiB)"),
 ];
 
@@ -382,7 +383,7 @@ pub fn help_text() -> String {
          root-cause worker died of signal N, or the agent was stopped by signal N (after SIGINT 0\n\
          if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
          201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
-         204 unhealthy GPU; 205 store host lost; 206 internal error.\n",
+         204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n         lost; 206 internal error.\n",
     );
     out
 }

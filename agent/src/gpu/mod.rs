@@ -16,6 +16,9 @@
 //!   ([`gate::for_launch`], called by [`crate::app`] before the first round; its verdict goes into
 //!   the gang registration through `GangRendezvous::set_gpu_verdict`), and the gang-wide
 //!   fail-fast decision over every node's published [`Summary`] ([`gate::gang_verdict`]).
+//! - [`watch`]: while the ranks train, XID events, ECC, row remaps, NVLink errors, throttling and
+//!   the DCGM-style readings (utilization, memory, power, temperature) of every GPU; a fatal
+//!   fault stops the node (204).
 //!
 //! # API for launch and metrics
 //! - [`preflight`]`(&PreflightOptions) -> Report` (blocking: it samples NVLink counters and may
@@ -38,6 +41,7 @@ pub mod nvml;
 pub mod release;
 pub mod report;
 pub mod snapshot;
+pub mod watch;
 
 use std::time::Duration;
 

@@ -282,6 +282,9 @@ pub struct Config {
     /// `--gpu-release-timeout`: how long a restart waits for the previous attempt's GPU
     /// processes and memory to go (zero: no wait).
     pub gpu_release_timeout: Duration,
+    /// `--gpu-watch-interval`: how often the GPU watch looks at the GPUs while the ranks run
+    /// (zero: no watch).
+    pub gpu_watch_interval: Duration,
     /// `--max-store-bytes`: what each store the agent hosts may hold.
     pub max_store_bytes: usize,
 }
@@ -325,6 +328,7 @@ impl Config {
             tmp_dir: None,
             keep_strays: false,
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
+            gpu_watch_interval: crate::gpu::watch::DEFAULT_INTERVAL,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
         }
     }

@@ -209,6 +209,11 @@ pub enum LaunchError {
     /// A state the agent's own logic should never reach.
     #[error("{0}")]
     Internal(&'static str),
+    /// A fatal GPU fault while the ranks ran ([`crate::gpu::watch`]): the workers were stopped
+    /// and this node leaves the job with the "unhealthy GPU" code, so an elastic gang
+    /// (`--nnodes MIN:MAX`) re-forms without it.
+    #[error("fatal GPU fault: {0}; this node is unhealthy, its workers were stopped")]
+    GpuFault(Box<crate::gpu::watch::GpuEvent>),
 }
 
 impl LaunchError {
@@ -247,7 +252,7 @@ impl exit_code::Coded for LaunchError {
                 exit_code::STORE_HOST_LOST
             }
             LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
-            LaunchError::GpusNotReleased { .. } => exit_code::UNHEALTHY_GPU,
+            LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => exit_code::UNHEALTHY_GPU,
             LaunchError::Rendezvous(RdzvError::Malformed { .. } | RdzvError::Encode(_))
             | LaunchError::Spawn { .. }
             | LaunchError::Store { .. }
@@ -286,6 +291,7 @@ pub struct Launch {
     extra_env: Vec<(String, OsString)>,
     rank_cpus: Vec<Vec<u32>>,
     rank_env: Option<RankEnv>,
+    gpu_watch: Option<crate::gpu::watch::Watch>,
 }
 
 /// Variables for one rank of one attempt, computed just before it starts:
@@ -303,7 +309,16 @@ impl Launch {
             extra_env: Vec::new(),
             rank_cpus: Vec::new(),
             rank_env: None,
+            gpu_watch: None,
         }
+    }
+
+    /// Stops the workers and ends the launch with [`LaunchError::GpuFault`] when `watch` reports
+    /// a fatal GPU fault, and adds the node's recent GPU events to a failed run's summary.
+    #[must_use]
+    pub fn with_gpu_watch(mut self, watch: crate::gpu::watch::Watch) -> Self {
+        self.gpu_watch = Some(watch);
+        self
     }
 
     /// Sets `key=value` in every worker's environment (after torchrun's variables), e.g.
@@ -370,6 +385,7 @@ impl Launch {
             extra_env,
             rank_cpus,
             rank_env,
+            gpu_watch,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -436,15 +452,23 @@ impl Launch {
             rank_cpus,
             rank_env,
         };
-        let result = attempts(&spec, rendezvous.as_mut(), &stop)
+        let result = attempts(&spec, rendezvous.as_mut(), &stop, gpu_watch.as_ref())
             .await
             .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
             if let GroupOutcome::Failed(f) = &outcome.last {
+                let gpu_events = gpu_watch
+                    .as_ref()
+                    .map(|w| w.summary_lines(f.rank, f.at))
+                    .unwrap_or_default();
                 let text = match config.logs.format {
-                    config::LogFormat::Text => summary::render(f, outcome.attempts),
+                    config::LogFormat::Text => {
+                        summary::render(f, outcome.attempts)
+                            + &summary::render_gpu_events(&gpu_events)
+                    }
                     config::LogFormat::Json => {
                         summary::render_json(f, outcome.attempts, run_dir.is_kept())
+                            + &summary::render_gpu_events_json(&f.host, &gpu_events)
                     }
                 };
                 sink.agent_line(Console::Stderr, text.into_bytes());
@@ -461,10 +485,27 @@ impl Launch {
     }
 }
 
+/// Resolves with the watch's fatal GPU fault; never without a watch.
+async fn gpu_fault(watch: Option<&crate::gpu::watch::Watch>) -> crate::gpu::watch::GpuEvent {
+    match watch {
+        Some(watch) => watch.fault().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// [`LaunchError::GpuFault`] when the watch has seen a fatal fault.
+fn check_gpus(watch: Option<&crate::gpu::watch::Watch>) -> Result<(), LaunchError> {
+    match watch.and_then(crate::gpu::watch::Watch::current_fault) {
+        Some(fault) => Err(LaunchError::GpuFault(Box::new(fault))),
+        None => Ok(()),
+    }
+}
+
 async fn attempts(
     spec: &WorkerGroupSpec,
     rendezvous: &mut dyn Rendezvous,
     stop: &StopRequest,
+    gpu_watch: Option<&crate::gpu::watch::Watch>,
 ) -> Result<Outcome, LaunchError> {
     let config = &spec.config;
     let mut restart_count = 0;
@@ -472,6 +513,9 @@ async fn attempts(
     // waits to see released.
     let mut previous: Option<(Vec<crate::gpu::release::GpuUse>, Vec<u32>)> = None;
     loop {
+        // A node whose GPU faulted starts no attempt (also when the fault came while the
+        // previous one was already failing because of it).
+        check_gpus(gpu_watch)?;
         if let Some((baseline, pids)) = previous.take() {
             if !stop.is_requested() {
                 wait_for_gpus(spec, baseline, pids, restart_count, stop).await?;
@@ -507,12 +551,18 @@ async fn attempts(
                     attempt_stop.request(Signal::SIGTERM);
                     group.await
                 }
+                _fault = gpu_fault(gpu_watch) => {
+                    // Reported by `check_gpus` once the workers are down.
+                    attempt_stop.request(Signal::SIGTERM);
+                    group.await
+                }
             }
         };
         if let Some(store) = round.store {
             store.shutdown().await;
         }
         let Attempt { outcome, pids } = attempt?;
+        check_gpus(gpu_watch)?;
         previous = baseline.map(|b| (b, pids));
         match rendezvous.after_group(&outcome, stop).await? {
             Some(AfterGroup::Restart) => {
@@ -873,6 +923,77 @@ mod tests {
             })
             .count();
         assert_eq!(terminated, 4);
+    }
+
+    fn gpu_event(kind: crate::gpu::watch::EventKind) -> crate::gpu::watch::GpuEvent {
+        crate::gpu::watch::GpuEvent {
+            gpu: crate::gpu::watch::GpuId {
+                index: 3,
+                uuid: Some("GPU-3".into()),
+                pci_bus_id: Some("00000000:1B:00.0".into()),
+            },
+            at: SystemTime::now(),
+            kind,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_fatal_gpu_fault_stops_the_workers_and_the_node() {
+        let mut config = sh("exec sleep 30", 2);
+        // A restart budget does not help a node whose GPU fell off the bus.
+        config.max_restarts = 3;
+        let watch = crate::gpu::watch::Watch::new();
+        let launch = Launch::new(config).with_gpu_watch(watch.clone());
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(CancellationToken::new()));
+        let mut started = 0;
+        while started < 2 {
+            if let Ok(Event::WorkerStarted { .. }) = observer.events.recv().await {
+                started += 1;
+            }
+        }
+        // A non-fatal XID changes nothing.
+        watch.record(gpu_event(crate::gpu::watch::EventKind::Xid(13)));
+        watch.record(gpu_event(crate::gpu::watch::EventKind::Xid(79)));
+        let err = tokio::time::timeout(std::time::Duration::from_secs(20), run)
+            .await
+            .expect("the launch ends")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(exit_code::Coded::exit_code(&err), exit_code::UNHEALTHY_GPU);
+        let text = err.to_string();
+        assert!(
+            text.starts_with(
+                "fatal GPU fault: GPU 3 (GPU-3, 00000000:1B:00.0): XID 79 (GPU has fallen off the bus) at "
+            ),
+            "{text}"
+        );
+        let mut exits = 0;
+        let mut restarts = 0;
+        while let Ok(e) = observer.events.try_recv() {
+            match e {
+                Event::WorkerExited {
+                    status: ExitStatus::Signaled(Signal::SIGTERM),
+                    ..
+                } => exits += 1,
+                Event::Restarting { .. } => restarts += 1,
+                _ => {}
+            }
+        }
+        assert_eq!((exits, restarts), (2, 0));
+    }
+
+    #[tokio::test]
+    async fn a_node_that_faulted_before_the_first_attempt_starts_none() {
+        let watch = crate::gpu::watch::Watch::new();
+        watch.record(gpu_event(crate::gpu::watch::EventKind::Lost));
+        let err = Launch::new(sh("exit 0", 1))
+            .with_gpu_watch(watch)
+            .run(CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert_eq!(exit_code::Coded::exit_code(&err), exit_code::UNHEALTHY_GPU);
+        assert!(err.to_string().contains("GPU lost"), "{err}");
     }
 
     #[tokio::test]

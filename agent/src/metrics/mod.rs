@@ -33,6 +33,7 @@
 pub mod agent;
 pub mod auth;
 mod conns;
+mod gpu;
 mod http;
 mod live;
 mod output;
@@ -384,6 +385,7 @@ struct Inner {
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
     output: Arc<output::OutputCollector>,
+    gpu: Arc<gpu::GpuCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     readiness: AtomicU8,
     /// The training script's own metrics, merged into `/metrics` when attached.
@@ -505,6 +507,8 @@ impl Metrics {
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
         let output = Arc::new(output::OutputCollector::new());
         defs.add(output::SharedOutputCollector(Arc::clone(&output)));
+        let gpu = Arc::new(gpu::GpuCollector::new());
+        defs.add(gpu::SharedGpuCollector(Arc::clone(&gpu)));
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -691,6 +695,7 @@ impl Metrics {
             live,
             store,
             output,
+            gpu,
             checkpoint_tx: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
             script: OnceLock::new(),
@@ -1080,6 +1085,14 @@ impl Metrics {
     /// counters at every scrape.
     pub fn attach_worker_output(&self, stats: Arc<crate::logs::OutputStats>) {
         self.inner.output.attach(stats);
+    }
+
+    // ---- GPU watch ----------------------------------------------------------------------------
+
+    /// Exports the GPU watch's per-GPU readings, NVLink error counters and XID counts
+    /// (`muster_gpu_*`), built from its latest look at every scrape.
+    pub fn attach_gpu_watch(&self, watch: crate::gpu::watch::Watch) {
+        self.inner.gpu.attach(watch);
     }
 
     // ---- store --------------------------------------------------------------------------------

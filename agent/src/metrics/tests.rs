@@ -160,6 +160,157 @@ fn a_fresh_registry_exports_well_formed_text_with_the_known_label_sets_at_zero()
     assert!(samples.iter().all(|s| !s.name.starts_with("muster_store_")));
 }
 
+/// The GPU watch as the metrics see it on an 8-GPU node: every GPU read, GPU 3 throttled and
+/// with NVLink replays, XIDs on GPU 1.
+pub(super) fn gpu_watch_of_eight() -> crate::gpu::watch::Watch {
+    use crate::gpu::watch::{EventKind, GpuEvent, GpuId, GpuSample, NodeSample, NvLinkErrors};
+    let watch = crate::gpu::watch::Watch::new();
+    let gpus = (0..8)
+        .map(|i| GpuSample {
+            gpu: GpuId {
+                index: i,
+                uuid: Some(format!("GPU-{i}")),
+                pci_bus_id: Some(format!("00000000:{:02X}:00.0", 0x18 + i)),
+            },
+            lost: false,
+            utilization_ratio: Some(0.25 * f64::from(i % 4)),
+            memory_used_bytes: Some(u64::from(i) << 30),
+            memory_total_bytes: Some(80 << 30),
+            power_watts: Some(350.5),
+            temperature_celsius: Some(60 + i),
+            throttle_reasons: Some(if i == 3 { 0x40 | 0x1 } else { 0x1 }),
+            ecc_volatile_uncorrected: Some(u64::from(i == 2)),
+            row_remap_pending: Some(false),
+            recovery_action: Some(0),
+            nvlink: Some(NvLinkErrors {
+                replay: if i == 3 { 40 } else { 0 },
+                ..NvLinkErrors::default()
+            }),
+        })
+        .collect::<Vec<_>>();
+    for xid in [13, 13, 94] {
+        watch.record(GpuEvent {
+            gpu: gpus[1].gpu.clone(),
+            at: std::time::SystemTime::now(),
+            kind: EventKind::Xid(xid),
+        });
+    }
+    watch.publish(NodeSample {
+        at: Some(std::time::SystemTime::now()),
+        gpus,
+    });
+    watch
+}
+
+#[test]
+fn the_gpu_watch_is_exported_per_gpu_with_dcgm_labels() {
+    let metrics = Metrics::new();
+    assert!(
+        scrape(&metrics)
+            .iter()
+            .all(|s| !s.name.starts_with("muster_gpu_utilization")),
+        "no watch, no GPU series"
+    );
+    metrics.attach_gpu_watch(gpu_watch_of_eight());
+    let samples = scrape(&metrics);
+    let gpu = |i: &'static str| [("gpu", i)];
+    assert_eq!(
+        value(&samples, "muster_gpu_utilization_ratio", &gpu("2")),
+        Some(0.5)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_memory_used_bytes",
+            &[
+                ("gpu", "3"),
+                ("UUID", "GPU-3"),
+                ("pci_bus_id", "00000000:1B:00.0")
+            ]
+        ),
+        Some(3.0 * 1024.0 * 1024.0 * 1024.0)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_memory_total_bytes", &gpu("0")),
+        Some(85_899_345_920.0)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_power_watts", &gpu("7")),
+        Some(350.5)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_temperature_celsius", &gpu("7")),
+        Some(67.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_ecc_uncorrected_errors_total",
+            &gpu("2")
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_row_remap_pending", &gpu("2")),
+        Some(0.0)
+    );
+    assert_eq!(value(&samples, "muster_gpu_lost", &gpu("2")), Some(0.0));
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_throttled",
+            &[("gpu", "3"), ("reason", "hw_thermal_slowdown")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_throttled",
+            &[("gpu", "4"), ("reason", "hw_thermal_slowdown")]
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_nvlink_errors_total",
+            &[("gpu", "3"), ("counter", "replay")]
+        ),
+        Some(40.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_xid_errors_total",
+            &[("gpu", "1"), ("xid", "13"), ("UUID", "GPU-1")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_xid_errors_total",
+            &[("gpu", "1"), ("xid", "94")]
+        ),
+        Some(1.0)
+    );
+    assert!(
+        value(
+            &samples,
+            "muster_gpu_watch_last_sample_timestamp_seconds",
+            &[]
+        )
+        .unwrap()
+            > 1e9
+    );
+    let per_gpu = samples
+        .iter()
+        .filter(|s| s.name == "muster_gpu_utilization_ratio")
+        .count();
+    assert_eq!(per_gpu, 8);
+}
+
 #[test]
 fn every_muster_name_follows_the_conventions() {
     let metrics = Metrics::new();
