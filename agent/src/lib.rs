@@ -19,6 +19,9 @@
 //! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
 //! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
 //! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
+//! - [`fault`]: the dry run's fault rehearsal (`--fault`, `--replace-after`): spec parser,
+//!   schedule, the workers seen in `/proc`, the injector.
+//! - [`timeline`]: what a rehearsing dry run prints at the end, from what it observed.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
 //!   SIGTERM/SIGINT → cancellation for the simple subcommands.
@@ -32,6 +35,7 @@ pub mod commands;
 pub mod discovery;
 pub mod dry_run;
 pub mod exit_code;
+pub mod fault;
 pub mod gpu;
 pub mod launch;
 pub mod logging;
@@ -42,5 +46,6 @@ pub mod scratch;
 pub mod signals;
 pub mod store_cmd;
 pub mod sys;
+pub mod timeline;
 
 pub use commands::main;
