@@ -17,6 +17,10 @@
 //!   SIGKILLed dry run leaves nothing running.
 //! - After a stop signal N the exit code is 128+N, unless every agent still exited 0 (a clean
 //!   drain) or an agent reported one of muster's own outcomes (200 and above, e.g. a checkpoint).
+//!
+//! With `--fault` (see [`crate::fault`]) it rehearses failures: it signals an agent or a worker
+//! when due, starts a killed node's replacement after `--replace-after`, and prints a timeline
+//! ([`crate::timeline`]) at the end. A node a fault killed for good does not make the job's code.
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
