@@ -33,7 +33,9 @@ def dry_run(tmp_path, faults, script_args, extra=(), timeout=240):
 
 def timeline(output):
     """The timeline's entries of a text-format dry run: [(seconds, text)]."""
-    found = re.findall(r"muster dry-run:\s+(-?\d+\.\d) s  (.*)", output)
+    # A text line ends with the record's fields: ` t_seconds=12.3 kind="fault"`.
+    found = re.findall(r"muster dry-run:\s+(-?\d+\.\d) s  (.*?)(?: t_seconds=\S+ kind=\"\w+\")?$",
+                       output, re.M)
     assert found, output
     return [(float(t), text) for t, text in found]
 
@@ -69,7 +71,7 @@ def test_a_killed_rank_restarts_the_gang_and_the_job_finishes(tmp_path):
                         extra=["--max-restarts", "1", "--log-format", "json"])
     assert code == 0, out
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    entries = [(r["fields"]["t_seconds"], r["fields"]["kind"], r["msg"]) for r in records
+    entries = [(float(r["fields"]["t_seconds"]), r["fields"]["kind"], r["msg"]) for r in records
                if "kind" in r.get("fields", {})]
     kinds = [k for _, k, _ in entries]
     for kind in ["formed", "running", "clock", "fault", "stopped", "formed", "resumed",
