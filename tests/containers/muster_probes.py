@@ -112,10 +112,14 @@ def _probe_checkpoint_channel(muster: str) -> str | None:
 
 
 # A worker that joins its process group as torch would (a connection to the workers' store at
-# MASTER_PORT, which starts the dry run's fault clock) and then works for a few seconds.
-_JOINING_WORKER = ("import os, socket, time; "
+# MASTER_PORT), then works for 4 s, printing a step every 0.2 s as a training loop would (the
+# first line after the dry run sees every worker joined starts its fault clock).
+_JOINING_WORKER = ("import os, socket, time\n"
                    "s = socket.create_connection((os.environ['MASTER_ADDR'], "
-                   "int(os.environ['MASTER_PORT']))); time.sleep(4)")
+                   "int(os.environ['MASTER_PORT'])))\n"
+                   "for step in range(20):\n"
+                   "    print('step', step, flush=True)\n"
+                   "    time.sleep(0.2)\n")
 
 
 def _probe_node0_recovery(muster: str) -> str | None:
@@ -136,6 +140,9 @@ def _probe_node0_recovery(muster: str) -> str | None:
         )
     except subprocess.TimeoutExpired:
         return "the node-0 loss probe (a 2-node dry run) did not finish in 90 s"
+    out = proc.stdout + proc.stderr
+    if "replacement agent started" not in out:
+        return f"the node-0 loss probe never replaced node 0 (exit {proc.returncode}):\n{out[-2000:]}"
     if proc.returncode != 0:
         return (f"a dry run whose node 0 is killed and replaced exits {proc.returncode}, not 0 "
                 "(the survivors do not wait for a replacement node 0)")
