@@ -81,21 +81,20 @@ pub fn split(args: &[OsString]) -> Result<(Options, Vec<OsString>), SpecError> {
     while let Some(arg) = args.get(i) {
         let text = arg.to_str().unwrap_or_default();
         if let Some((flag, inline)) = ours(text) {
-            let value = match inline {
-                Some(v) => v.to_owned(),
-                None => {
-                    i += 1;
-                    args.get(i)
-                        .and_then(|v| v.to_str())
-                        .map(str::to_owned)
-                        .ok_or(SpecError::MissingValue {
-                            flag: if flag == "fault" {
-                                "--fault"
-                            } else {
-                                "--replace-after"
-                            },
-                        })?
-                }
+            let value = if let Some(v) = inline {
+                v.to_owned()
+            } else {
+                i += 1;
+                args.get(i)
+                    .and_then(|v| v.to_str())
+                    .map(str::to_owned)
+                    .ok_or(SpecError::MissingValue {
+                        flag: if flag == "fault" {
+                            "--fault"
+                        } else {
+                            "--replace-after"
+                        },
+                    })?
             };
             if flag == "fault" {
                 options.faults.push(spec::parse(&value)?);

@@ -46,7 +46,7 @@ pub struct Env {
 
 /// The inodes of the established TCP connections to one of `ports` in a `/proc/net/tcp` (or
 /// `tcp6`) table.
-pub fn connections_to(table: &str, ports: &HashSet<u16>) -> HashSet<u64> {
+pub fn connections_to(table: &str, ports: &[u16]) -> HashSet<u64> {
     table
         .lines()
         .skip(1)
@@ -79,7 +79,9 @@ fn socket_inodes(pid: i32) -> HashSet<u64> {
 
 /// Which of `workers` hold a connection to their `MASTER_PORT`.
 fn mark_joined(workers: &mut [Worker], ports: &[(i32, u16)]) {
-    let wanted: HashSet<u16> = ports.iter().map(|(_, p)| *p).collect();
+    let mut wanted: Vec<u16> = ports.iter().map(|(_, p)| *p).collect();
+    wanted.sort_unstable();
+    wanted.dedup();
     if wanted.is_empty() {
         return;
     }
@@ -194,9 +196,8 @@ mod tests {
         let table = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n\
             0: 0100007F:733C 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 111 1 0 100 0 0 10 0\n\
             1: 0100007F:9C40 0100007F:733C 01 00000000:00000000 00:00000000 00000000     0        0 222 1 0 20 4 30 10 -1\n";
-        let ports: HashSet<u16> = [29500].into();
-        assert_eq!(connections_to(table, &ports), [222].into());
-        assert!(connections_to(table, &[29501].into()).is_empty());
+        assert_eq!(connections_to(table, &[29500]), [222].into());
+        assert!(connections_to(table, &[29501]).is_empty());
     }
 
     #[test]
