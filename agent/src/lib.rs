@@ -6,7 +6,8 @@
 //!
 //! - Commands: [`cmd`]: one module per command (`muster [OPTIONS] script.py`, `store`,
 //!   `gpu-check`, `dry-run`), the shared clap-error path, and the one place where an error
-//!   becomes an exit code ([`cmd::exit_code_of`]).
+//!   becomes an exit code ([`cmd::exit_code_of`]); the dry run's fault rehearsal ([`cmd::dry_run::fault`]) and the
+//!   timeline it prints live under it.
 //! - Composition root: [`app`] wires one launch: console, metrics and their observers, GPU
 //!   pre-flight, rendezvous, checkpoint barrier. The only importer of [`metrics`].
 //! - Observers: [`metrics`]: Prometheus metrics and the probes on port 8000; they follow the

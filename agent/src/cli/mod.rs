@@ -3,8 +3,6 @@
 //! and the validated [`Config`] ([`hiargs`]) that the rest of the agent consumes. Running it is
 //! [`crate::cmd::launch`]'s.
 
-#[cfg(test)]
-mod doc_check;
 pub mod hiargs;
 pub mod lowargs;
 

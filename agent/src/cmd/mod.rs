@@ -12,6 +12,8 @@
 //! commands without workers), and [`exit_code_of`] with the error line. Their diagnostics are set
 //! up by [`crate::logs::init_tracing`].
 
+#[cfg(test)]
+mod doc_check;
 pub mod dry_run;
 pub mod gpu_check;
 pub mod launch;

@@ -252,7 +252,9 @@ impl exit_code::Coded for LaunchError {
                 exit_code::STORE_HOST_LOST
             }
             LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
-            LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => exit_code::UNHEALTHY_GPU,
+            LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => {
+                exit_code::UNHEALTHY_GPU
+            }
             LaunchError::Rendezvous(RdzvError::Malformed { .. } | RdzvError::Encode(_))
             | LaunchError::Spawn { .. }
             | LaunchError::Store { .. }
