@@ -174,7 +174,14 @@ impl GangRendezvous {
         );
         let op_timeout = self.cfg.heartbeat_timeout;
         let hosted = if is_host {
-            match self.host_store(advertised, op_timeout).await {
+            // Node 0's own store runs in this process: a slow answer there is this host's load
+            // (2,048 agents on 2 CPUs), never a lost host, so its operations are bounded by the
+            // round's own deadline instead of the heartbeat timeout.
+            let own_timeout = self
+                .cfg
+                .join_timeout
+                .max(self.cfg.heartbeat_timeout * rdzv::decide::STALL_FACTOR);
+            match self.host_store(advertised, own_timeout).await {
                 Ok(kv) => Some(kv),
                 // Without a rank the host guess came from addresses; like torchrun, fall back
                 // to being a client when another agent already holds the port.

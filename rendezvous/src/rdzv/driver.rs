@@ -18,6 +18,7 @@ use tracing::{debug, info, warn};
 
 use super::decide::{
     self, Abort, Arrival, Barrier, Beat, Link, Liveness, Report, RoundDecision, RoundState,
+    StoreFault, StoreVerdict,
 };
 use super::keys::Keys;
 use super::kv::{Kv, KvError};
@@ -31,7 +32,8 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 pub enum Event {
     /// The generation moved on (bumped by anyone, including this node's coordinator logic).
     Generation(GenRecord),
-    /// The store (node 0) stopped answering for the heartbeat timeout.
+    /// The store host (node 0) is lost: its connection refused or closed (at once), or no
+    /// answer for as long as the evidence allows ([`decide::decide_store_fault`]).
     StoreLost(String),
     /// Node 0 only: the round's exit barrier completed, so the generation succeeded and there is
     /// nothing left to judge. Not a reason to stop anything (`fired` is not cancelled).
@@ -169,6 +171,7 @@ impl<K: Kv> Rendezvous<K> {
                 .map_err(lost)?;
             debug!(gen, slot, "registered");
             let answer_key = self.keys.assign(gen, slot);
+            let mut health = StoreHealth::new();
             loop {
                 let wait = self.cfg.keep_alive_interval.min(
                     deadline
@@ -191,8 +194,19 @@ impl<K: Kv> Rendezvous<K> {
                         }
                         continue;
                     }
-                    Err(KvError::Unavailable(e)) => return Err(RdzvError::StoreLost(e)),
+                    Err(e) => {
+                        match health.judge(&e, &self.cfg) {
+                            (StoreVerdict::Lost, why) => return Err(RdzvError::StoreLost(why)),
+                            (StoreVerdict::RetryNow, why) => debug!("{why}"),
+                            (StoreVerdict::Retry, why) => {
+                                warn!("{why}");
+                                sleep(self.cfg.keep_alive_interval).await;
+                            }
+                        }
+                        continue;
+                    }
                 }
+                health.ok();
                 let value = self.kv.get(&answer_key).await.map_err(lost)?;
                 match parse_json::<Answer>(&answer_key, &value)? {
                     Answer::Member(assignment) => {
@@ -507,6 +521,7 @@ impl<K: Kv> Rendezvous<K> {
         }
         let deadline = Instant::now() + self.cfg.exit_barrier_timeout;
         let key = self.keys.done_all(gen);
+        let mut health = StoreHealth::new();
         let outcome = loop {
             // One long WAIT per keep-alive interval rather than short polls: thousands of agents
             // waiting here would otherwise keep the store host busy with WAIT/CANCEL pairs just
@@ -519,6 +534,7 @@ impl<K: Kv> Rendezvous<K> {
             match waited {
                 Ok(()) => break BarrierOutcome::Done,
                 Err(KvError::WaitTimeout) => {
+                    health.ok();
                     if interrupt.is_cancelled() {
                         // The watcher fired. The counter, not the order in which this node
                         // happens to see things, says whether the barrier completed.
@@ -537,7 +553,14 @@ impl<K: Kv> Rendezvous<K> {
                         break BarrierOutcome::TimedOut;
                     }
                 }
-                Err(KvError::Unavailable(e)) => return Err(RdzvError::StoreLost(e)),
+                Err(e) => match health.judge(&e, &self.cfg) {
+                    (StoreVerdict::Lost, why) => return Err(RdzvError::StoreLost(why)),
+                    (StoreVerdict::RetryNow, why) => debug!("{why}"),
+                    (StoreVerdict::Retry, why) => {
+                        warn!("exit barrier: {why}");
+                        sleep(self.cfg.keep_alive_interval).await;
+                    }
+                },
             }
         };
         if self.reg.coordinator {
@@ -669,7 +692,7 @@ impl<K: Kv> Watcher<K> {
             })
             .collect();
         let mut conns = vec![Conn::default(); beats.len()];
-        let mut last_ok = Instant::now();
+        let mut health = StoreHealth::new();
         let mut seq: u64 = 0;
         let mut seen_slots = self.answered;
         loop {
@@ -696,25 +719,21 @@ impl<K: Kv> Watcher<K> {
             .await;
             match tick {
                 Ok(Some(event)) => return event,
-                Ok(None) => last_ok = Instant::now(),
-                Err(e) => {
-                    let silent = Instant::now().saturating_duration_since(last_ok);
-                    warn!(
-                        "store did not answer ({e}); silent for {:.1}s",
-                        silent.as_secs_f64()
-                    );
-                    if silent >= self.cfg.heartbeat_timeout {
-                        return Event::StoreLost(format!(
-                            "no answer for {:.1}s (heartbeat timeout {:.1}s): {e}",
-                            silent.as_secs_f64(),
-                            self.cfg.heartbeat_timeout.as_secs_f64()
-                        ));
+                Ok(None) => health.ok(),
+                Err(e) => match health.judge(&e, &self.cfg) {
+                    (StoreVerdict::Lost, why) => return Event::StoreLost(why),
+                    (StoreVerdict::RetryNow, why) => {
+                        debug!("{why}");
+                        continue;
                     }
-                }
+                    (StoreVerdict::Retry, why) => warn!("{why}"),
+                },
             }
             tokio::select! {
                 () = stop.cancelled() => return Event::Stopped,
                 () = sleep(self.cfg.keep_alive_interval) => {}
+                // A dead store host closes our idle connection: look now, not at the next tick.
+                () = self.kv.closed() => debug!("the store connection closed; checking at once"),
             }
         }
     }
@@ -842,14 +861,20 @@ impl<K: Kv> Watcher<K> {
             }
         };
         let next = decide::membership_bump(&current, self.node_rank, reason.clone());
-        match bump(&mut self.kv, &self.keys, &self.gen_raw, &next).await {
+        let key = self.keys.gen();
+        let body = match serde_json::to_vec(&next) {
+            Ok(body) => body,
+            Err(e) => return Ok(Some(Event::StoreLost(internal(e).to_string()))),
+        };
+        // Store failures go back to the tick, which judges them like any other.
+        let now = self.kv.compare_set(&key, &self.gen_raw, &body).await?;
+        match parse_json::<GenRecord>(&key, &now) {
             Ok(rec) => {
                 if rec == next {
                     warn!("{reason}; starting round {}", next.gen);
                 }
                 Ok(Some(Event::Generation(rec)))
             }
-            Err(RdzvError::StoreLost(e)) => Err(KvError::Unavailable(e)),
             Err(e) => Ok(Some(Event::StoreLost(e.to_string()))),
         }
     }
@@ -874,8 +899,44 @@ fn parse_json<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Resul
 
 fn lost(e: KvError) -> RdzvError {
     match e {
-        KvError::Unavailable(detail) => RdzvError::StoreLost(detail),
+        KvError::Slow(detail) | KvError::Silent(detail) | KvError::Gone(detail) => {
+            RdzvError::StoreLost(detail)
+        }
         KvError::WaitTimeout => RdzvError::StoreLost("a store operation timed out".into()),
+    }
+}
+
+/// How long the store has not answered, and what the last failure said about its host: the
+/// input of [`decide::decide_store_fault`], kept across operations by one waiting loop.
+struct StoreHealth {
+    last_ok: Instant,
+    last_fault: Option<StoreFault>,
+}
+
+impl StoreHealth {
+    fn new() -> Self {
+        Self {
+            last_ok: Instant::now(),
+            last_fault: None,
+        }
+    }
+
+    fn ok(&mut self) {
+        self.last_ok = Instant::now();
+        self.last_fault = None;
+    }
+
+    /// The verdict on one failed operation, and its reason (naming the failure).
+    fn judge(&mut self, e: &KvError, cfg: &Config) -> (StoreVerdict, String) {
+        let Some(fault) = e.fault() else {
+            // A WAIT that ran out of time got its answer: the store is there.
+            self.ok();
+            return (StoreVerdict::Retry, "wait timed out".into());
+        };
+        let silent = Instant::now().saturating_duration_since(self.last_ok);
+        let (verdict, reason) = decide::decide_store_fault(fault, self.last_fault, silent, cfg);
+        self.last_fault = Some(fault);
+        (verdict, format!("{reason} ({e})"))
     }
 }
 
@@ -1142,7 +1203,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn losing_the_store_is_reported_within_the_heartbeat_timeout() {
+    async fn losing_the_store_host_is_reported_at_once_when_its_connection_closes() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
         let mut formed = form_nodes(&kv, &c, 2).await;
@@ -1152,8 +1213,114 @@ mod tests {
         let lost_at = Instant::now();
         kv.take_down();
         let ev = w.await.expect("task");
-        assert!(matches!(ev, Event::StoreLost(_)), "{ev:?}");
-        assert!(Instant::now() - lost_at <= c.heartbeat_timeout + c.keep_alive_interval * 2);
+        let Event::StoreLost(why) = ev else {
+            panic!("{ev:?}")
+        };
+        assert!(why.contains("its process is gone"), "{why}");
+        assert!(
+            Instant::now() - lost_at <= Duration::from_secs(1),
+            "a closed store connection is a lost host at once, not at the next tick"
+        );
+    }
+
+    /// A store host that is alive but starved: every operation hangs for the operation timeout
+    /// and fails as slow until `until`, then the store answers again.
+    struct Starved {
+        inner: MemKv,
+        until: Instant,
+        op_timeout: Duration,
+    }
+
+    impl Starved {
+        async fn gate(&self) -> Result<(), KvError> {
+            if Instant::now() < self.until {
+                sleep(self.op_timeout).await;
+                return Err(KvError::Slow(
+                    "the store did not answer within the timeout".into(),
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    impl Kv for Starved {
+        async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+            self.gate().await?;
+            self.inner.get(key).await
+        }
+        async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+            self.gate().await?;
+            self.inner.set(key, value).await
+        }
+        async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
+            self.gate().await?;
+            self.inner.add(key, delta).await
+        }
+        async fn compare_set(
+            &mut self,
+            key: &[u8],
+            expected: &[u8],
+            desired: &[u8],
+        ) -> Result<Vec<u8>, KvError> {
+            self.gate().await?;
+            self.inner.compare_set(key, expected, desired).await
+        }
+        async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
+            self.gate().await?;
+            self.inner.multi_get(keys).await
+        }
+        async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+            self.gate().await?;
+            self.inner.multi_set(pairs).await
+        }
+        async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
+            self.gate().await?;
+            self.inner.wait(keys, timeout).await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_store_host_is_not_lost_at_the_heartbeat_timeout_but_at_the_stall_limit() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form_nodes(&kv, &c, 2).await;
+        let (r1, j1) = formed.pop().expect("node 1");
+        // Starved for three heartbeat timeouts (the 2,048-agent case), then answering again.
+        let starved = Starved {
+            inner: kv.connect(),
+            until: Instant::now() + c.heartbeat_timeout * 3,
+            op_timeout: c.heartbeat_timeout,
+        };
+        let stop = CancellationToken::new();
+        let w = tokio::spawn(
+            r1.watcher(starved, &j1.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        tokio::time::sleep(c.heartbeat_timeout * 3 + c.keep_alive_interval * 4).await;
+        assert!(!w.is_finished(), "slow is not lost: {:?}", w.await);
+        stop.cancel();
+        assert_eq!(w.await.expect("task"), Event::Stopped);
+        // Starved for good: lost at the stall limit, and the reason says why.
+        let starved = Starved {
+            inner: kv.connect(),
+            until: Instant::now() + Duration::from_secs(3600),
+            op_timeout: c.heartbeat_timeout,
+        };
+        let started = Instant::now();
+        let w = tokio::spawn(
+            r1.watcher(starved, &j1.assignment)
+                .run(CancellationToken::new(), CancellationToken::new()),
+        );
+        let Event::StoreLost(why) = w.await.expect("task") else {
+            panic!("a store host slow past the stall limit is lost")
+        };
+        let took = Instant::now() - started;
+        let limit = c.heartbeat_timeout * decide::STALL_FACTOR;
+        assert!(why.contains("open but slow"), "{why}");
+        assert!(
+            took >= limit && took <= limit + c.heartbeat_timeout + c.keep_alive_interval,
+            "{took:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
