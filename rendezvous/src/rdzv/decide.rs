@@ -211,6 +211,8 @@ pub fn assign(
         .iter()
         .map(|&(_, i)| state.arrivals[i].reg.local_world_size)
         .sum();
+    let ranks: Vec<u32> = membership.members.iter().map(|&(r, _)| r).collect();
+    let member_ranks = super::recovery::compress_ranks(&ranks);
     let mut base = 0;
     membership
         .members
@@ -232,6 +234,7 @@ pub fn assign(
                 // Only node 0 watches the members; it fills this for itself. Sending the list
                 // to everyone would make a round O(n²) in bytes.
                 members: Vec::new(),
+                member_ranks: member_ranks.clone(),
             };
             base += a.reg.local_world_size;
             (a.slot, out)
@@ -433,6 +436,7 @@ pub fn decide_failure(
             by: Some(node_rank),
             reason: reason.clone(),
             exit_code: None,
+            recovered_from: current.recovered_from,
         };
         return (rec, reason);
     }
@@ -447,6 +451,7 @@ pub fn decide_failure(
         by: Some(node_rank),
         reason: reason.clone(),
         exit_code: Some(exit_code),
+        recovered_from: current.recovered_from,
     };
     (rec, reason)
 }
@@ -486,6 +491,7 @@ pub fn fatal_bump(
         by,
         reason,
         exit_code: Some(exit_code),
+        recovered_from: current.recovered_from,
     }
 }
 
@@ -498,6 +504,7 @@ pub fn membership_bump(current: &GenRecord, by: u32, reason: String) -> GenRecor
         by: Some(by),
         reason,
         exit_code: None,
+        recovered_from: current.recovered_from,
     }
 }
 
@@ -736,6 +743,7 @@ mod tests {
             local_world_size: 2,
             coordinator: false,
             gpu: serde_json::Value::Null,
+            memory: None,
         }
     }
 

@@ -22,6 +22,7 @@ use super::decide::{
 };
 use super::keys::Keys;
 use super::kv::{Kv, KvError};
+use super::recovery::{self, GangMemory};
 use super::{Answer, Assignment, BumpKind, Config, GenRecord, RdzvError, Registration};
 
 /// How often a waiting coordinator repeats its progress line.
@@ -80,6 +81,8 @@ pub struct Rendezvous<K: Kv> {
     /// Raw bytes of `gen` when the last round completed; a bump is a COMPARE_SET from these.
     gen_raw: Vec<u8>,
     record: GenRecord,
+    /// What this node would carry if the store host were lost now: the last round it joined.
+    memory: Option<GangMemory>,
 }
 
 impl<K: Kv> Rendezvous<K> {
@@ -94,7 +97,18 @@ impl<K: Kv> Rendezvous<K> {
             last_round: None,
             gen_raw: Vec::new(),
             record: GenRecord::first(),
+            memory: None,
         }
+    }
+
+    /// The gang as this node last joined it: what it carries to a replacement store host.
+    pub fn memory(&self) -> Option<&GangMemory> {
+        self.memory.as_ref()
+    }
+
+    /// Registers with `memory` (a survivor of a lost store host) until a round is joined.
+    pub fn carry(&mut self, memory: GangMemory) {
+        self.reg.memory = Some(memory);
     }
 
     pub fn config(&self) -> &Config {
@@ -114,6 +128,11 @@ impl<K: Kv> Rendezvous<K> {
         self.reg.coordinator
     }
 
+    /// This node's rank once known (claimed, or given in a round).
+    pub fn node_rank(&self) -> Option<u32> {
+        self.reg.node_rank
+    }
+
     /// Joins the current generation and returns this node's place in it. On node 0 this also
     /// runs the round: `master_port` is the port of the fresh worker store it serves for this
     /// round (MASTER_PORT); the others ignore it.
@@ -125,6 +144,8 @@ impl<K: Kv> Rendezvous<K> {
         };
         // An agent that got its rank by arrival keeps it in later rounds.
         self.reg.node_rank = Some(joined.assignment.node_rank);
+        // Carried to this store: it holds the gang's memory now.
+        self.reg.memory = None;
         Ok(joined)
     }
 
@@ -272,13 +293,25 @@ impl<K: Kv> Rendezvous<K> {
         a: &Assignment,
     ) {
         self.last_round = Some((gen, answered));
+        self.memory = Some(GangMemory::of_round(&self.cfg.run_id, &rec, a, None));
         self.gen_raw = raw;
         self.record = rec;
         debug!(gen, node_rank = a.node_rank, "joined");
     }
 
-    /// Node 0's side: open the round, read registrations as they come, decide, answer.
+    /// Node 0's side: rounds until one completes. A round opens again at a new generation
+    /// when survivors of a lost store host bring a memory this store adopts.
     async fn coordinate(&mut self, master_port: u16) -> Result<Joined, RdzvError> {
+        loop {
+            if let Some(joined) = self.coordinate_round(master_port).await? {
+                return Ok(joined);
+            }
+        }
+    }
+
+    /// One round: open it, read registrations as they come, decide, answer. `None` when the
+    /// store moved to the gang's remembered generation instead.
+    async fn coordinate_round(&mut self, master_port: u16) -> Result<Option<Joined>, RdzvError> {
         let (raw, rec) = self.current_gen().await?;
         check_fatal(&rec)?;
         let gen = rec.gen;
@@ -354,6 +387,13 @@ impl<K: Kv> Rendezvous<K> {
                         ),
                     }
                 }
+                if state.arrivals.iter().any(|a| a.reg.memory.is_some())
+                    && self.carry_memories(&raw, &rec, &mut state).await?
+                {
+                    // Every slot of this round is answered "superseded" by the next one.
+                    self.last_round = Some((gen, 0));
+                    return Ok(None);
+                }
             }
             let now = Instant::now();
             let (decision, reason) = decide::decide_round(now, &state, &self.cfg);
@@ -407,10 +447,10 @@ impl<K: Kv> Rendezvous<K> {
                     };
                     assignment.members = decide::members(&state, &m);
                     self.remember_round(gen, seen, raw, rec.clone(), &assignment);
-                    return Ok(Joined {
+                    return Ok(Some(Joined {
                         assignment,
                         record: rec,
-                    });
+                    }));
                 }
                 RoundDecision::Timeout(message) => {
                     warn!("{reason}");
@@ -443,6 +483,57 @@ impl<K: Kv> Rendezvous<K> {
             self.keys.assign(gen, slot),
             serde_json::to_vec(answer).map_err(internal)?,
         ))
+    }
+
+    /// Node 0: what the survivors of a lost store host brought ([`recovery::decide_memories`]).
+    /// Stale ones are turned away and leave the round; returns true when the store moved to
+    /// the gang's own generation, so the round must open again there.
+    async fn carry_memories(
+        &mut self,
+        raw: &[u8],
+        rec: &GenRecord,
+        state: &mut RoundState,
+    ) -> Result<bool, RdzvError> {
+        let memories: Vec<(usize, Option<u32>, &GangMemory)> = state
+            .arrivals
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| a.reg.memory.as_ref().map(|m| (i, a.reg.node_rank, m)))
+            .collect();
+        let (decision, reason) = recovery::decide_memories(rec, &memories, &self.cfg);
+        if !decision.rejected.is_empty() {
+            let mut pairs = Vec::with_capacity(decision.rejected.len());
+            for (i, why) in &decision.rejected {
+                warn!("turning away {}: {why}", state.arrivals[*i].reg.host);
+                let answer = Answer::Rejected {
+                    reason: why.clone(),
+                };
+                pairs.push(self.answer(state.gen, state.arrivals[*i].slot, &answer)?);
+            }
+            self.kv.multi_set(&pairs).await.map_err(lost)?;
+            let turned_away: Vec<usize> = decision.rejected.iter().map(|(i, _)| *i).collect();
+            let mut index = 0;
+            state.arrivals.retain(|_| {
+                let keep = !turned_away.contains(&index);
+                index += 1;
+                keep
+            });
+        }
+        let Some(next) = decision.adopt else {
+            return Ok(false);
+        };
+        let won = bump(&mut self.kv, &self.keys, raw, &next).await?;
+        if won == next {
+            warn!("{reason}");
+            if let Some(memory) = &decision.memory {
+                let body = serde_json::to_vec(memory).map_err(internal)?;
+                self.kv
+                    .set(&self.keys.memory(), &body)
+                    .await
+                    .map_err(lost)?;
+            }
+        }
+        Ok(true)
     }
 
     /// Wakes agents still waiting on an old round's slots: their round will never complete.
@@ -788,10 +879,38 @@ impl<K: Kv> Watcher<K> {
                 .map(|i| self.keys.slot(self.gen, i))
                 .collect();
             let values = self.kv.multi_get(&keys).await?;
-            let newcomers: Vec<Registration> = values
-                .iter()
-                .take_while(|v| !v.is_empty())
-                .filter_map(|v| serde_json::from_slice(v).ok())
+            let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
+            let first = *seen_slots + 1;
+            let registered: Vec<(u64, Registration)> = (first..)
+                .zip(values.iter().take_while(|v| !v.is_empty()))
+                .filter_map(|(slot, v)| Some((slot, serde_json::from_slice(v).ok()?)))
+                .collect();
+            // Survivors of a lost store host first: a stale one is turned away without costing
+            // the running gang a re-form; one remembering a newer generation than this store's
+            // means the gang must re-form here to adopt it.
+            let mut turned_away: Vec<(u64, String)> = Vec::new();
+            if registered.iter().any(|(_, r)| r.memory.is_some()) {
+                let current: GenRecord =
+                    serde_json::from_slice(&self.gen_raw).unwrap_or_else(|_| GenRecord::first());
+                let memories: Vec<(usize, Option<u32>, &GangMemory)> = registered
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, (_, r))| r.memory.as_ref().map(|m| (i, r.node_rank, m)))
+                    .collect();
+                let (decision, why) = recovery::decide_memories(&current, &memories, &self.cfg);
+                if decision.adopt.is_some() {
+                    return self.end_generation(why).await;
+                }
+                turned_away = decision
+                    .rejected
+                    .into_iter()
+                    .map(|(i, reason)| (registered[i].0, reason))
+                    .collect();
+            }
+            let newcomers: Vec<Registration> = registered
+                .into_iter()
+                .filter(|(slot, _)| !turned_away.iter().any(|(t, _)| t == slot))
+                .map(|(_, r)| r)
                 .collect();
             let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
             let (restart, reason) = decide::decide_newcomers(&members, &newcomers, &self.cfg);
@@ -799,13 +918,23 @@ impl<K: Kv> Watcher<K> {
                 return self.end_generation(reason).await;
             }
             // Spares stay registered; tell them once and stop re-reading them.
-            let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
             if readable > 0 {
                 info!("{reason}");
                 let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
-                let pairs: Vec<(Vec<u8>, Vec<u8>)> = (*seen_slots + 1..=*seen_slots + readable)
-                    .map(|i| (self.keys.assign(self.gen, i), spare.clone()))
-                    .collect();
+                let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+                for slot in first..first + readable {
+                    let body = match turned_away.iter().find(|(t, _)| *t == slot) {
+                        Some((_, why)) => {
+                            warn!("turning away slot {slot}: {why}");
+                            serde_json::to_vec(&Answer::Rejected {
+                                reason: why.clone(),
+                            })
+                            .unwrap_or_default()
+                        }
+                        None => spare.clone(),
+                    };
+                    pairs.push((self.keys.assign(self.gen, slot), body));
+                }
                 self.kv.multi_set(&pairs).await?;
                 *seen_slots += readable;
             }
@@ -972,6 +1101,7 @@ mod tests {
                 local_world_size: lws,
                 coordinator: rank == Some(0),
                 gpu: serde_json::Value::Null,
+                memory: None,
             },
         )
     }
@@ -1649,5 +1779,113 @@ mod tests {
             took + c.keep_alive_interval * 2 >= limit && took <= limit + c.keep_alive_interval * 2,
             "{took:?}"
         );
+    }
+
+    /// Nodes 0..3 form, a worker failure uses a restart (generation 1), then node 0 and its
+    /// store are gone: the survivors, each with what it remembers.
+    async fn survivors_of_a_lost_store(c: &Config) -> Vec<(u32, GangMemory)> {
+        let old = MemKv::default();
+        let formed = form_nodes(&old, c, 3).await;
+        let mut agents: Vec<_> = formed.into_iter().map(|(a, _)| a).collect();
+        agents[1]
+            .report_failure(3, "local rank 0 exited with 3")
+            .await
+            .expect("bump");
+        let formed = form(&old, agents).await;
+        formed
+            .into_iter()
+            .skip(1)
+            .map(|(a, j)| {
+                assert_eq!(
+                    (j.assignment.generation, j.assignment.restart_count),
+                    (1, 1)
+                );
+                let m = a.memory().cloned().expect("a member remembers");
+                (j.assignment.node_rank, m)
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replacement_node_0_adopts_the_survivors_generation_and_restart_count() {
+        let c = cfg(3, 3);
+        let survivors = survivors_of_a_lost_store(&c).await;
+        assert_eq!(survivors[0].1.members, vec![0, 1, 2]);
+        // The replacement's store is empty; it starts with the same flags as the first node 0.
+        let fresh = MemKv::default();
+        let mut agents = vec![agent(&fresh, &c, Some(0), 1)];
+        for (rank, memory) in survivors {
+            let mut a = agent(&fresh, &c, Some(rank), 1);
+            a.carry(memory);
+            agents.push(a);
+        }
+        let formed = form(&fresh, agents).await;
+        for (a, j) in &formed {
+            assert_eq!(
+                (j.assignment.generation, j.assignment.restart_count),
+                (2, 1),
+                "the generation moves on and the restart budget is not reset"
+            );
+            assert_eq!(j.assignment.world_size, 3);
+            assert!(
+                a.reg.memory.is_none(),
+                "carried: the new store holds it now"
+            );
+        }
+        let rec = gen_record(&fresh);
+        assert_eq!(
+            (rec.gen, rec.kind, rec.recovered_from),
+            (2, BumpKind::Membership, Some(1))
+        );
+        assert!(rec.reason.contains("node 0 was replaced"), "{}", rec.reason);
+        let kept: GangMemory = serde_json::from_slice(
+            &fresh
+                .raw_get(&Keys::new("job").memory())
+                .expect("memory key"),
+        )
+        .expect("memory");
+        assert_eq!((kept.generation, kept.restarts), (1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_survivor_remembering_an_older_generation_cannot_join_the_recovered_gang() {
+        let mut c = cfg(2, 3);
+        c.last_call_timeout = Duration::from_secs(1);
+        let mut survivors = survivors_of_a_lost_store(&c).await;
+        let (rank2, _) = survivors.pop().expect("node 2");
+        let (rank1, memory1) = survivors.pop().expect("node 1");
+        let mut stale = memory1.clone();
+        stale.generation = 0;
+        stale.restarts = 0;
+        let fresh = MemKv::default();
+        let mut n1 = agent(&fresh, &c, Some(rank1), 1);
+        n1.carry(memory1);
+        let mut formed = form(&fresh, vec![agent(&fresh, &c, Some(0), 1), n1]).await;
+        assert!(formed.iter().all(|(_, j)| j.assignment.generation == 2));
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let stop = CancellationToken::new();
+        let w0 = spawn_watcher(&r0, &fresh, &j0, &stop);
+        let w1 = spawn_watcher(&r1, &fresh, &j1, &stop);
+        let mut n2 = agent(&fresh, &c, Some(rank2), 1);
+        n2.carry(stale);
+        let err = n2.next_round(0).await.expect_err("stale");
+        let RdzvError::Rejected(why) = err else {
+            panic!("{err:?}")
+        };
+        assert!(
+            why.contains(
+                "node 2 is stale: its last generation was 0, the gang's memory is of generation 1"
+            ),
+            "{why}"
+        );
+        tokio::time::sleep(c.heartbeat_timeout).await;
+        assert!(
+            !w0.is_finished() && !w1.is_finished(),
+            "turning a stale survivor away costs the running gang nothing"
+        );
+        assert_eq!(gen_record(&fresh).gen, 2);
+        stop.cancel();
+        let _ = (w0.await, w1.await);
     }
 }

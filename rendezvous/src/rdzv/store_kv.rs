@@ -262,6 +262,7 @@ mod tests {
                     local_world_size: 2,
                     coordinator: rank == 0,
                     gpu: serde_json::Value::Null,
+                    memory: None,
                 };
                 Rendezvous::new(kv, cfg, reg).next_round(5555).await
             }));
