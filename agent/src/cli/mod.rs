@@ -148,6 +148,7 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
                     }
                     other => crate::gpu::gate::registration_value(other),
                 });
+                metrics.attach_host_loss(r.host_loss());
                 launch = launch.with_rendezvous(crate::metrics::agent::metered(r, &metrics));
             }
             Err(e) => {

@@ -29,6 +29,7 @@
 pub mod agent;
 pub mod auth;
 mod conns;
+mod host_loss;
 mod http;
 mod live;
 mod output;
@@ -418,6 +419,7 @@ struct Inner {
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
     output: Arc<output::OutputCollector>,
+    host_loss: Arc<host_loss::HostLossCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     restart_cause: Mutex<Option<RestartCause>>,
     readiness: AtomicU8,
@@ -549,6 +551,8 @@ impl Metrics {
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
         let output = Arc::new(output::OutputCollector::new());
         defs.add(output::SharedOutputCollector(Arc::clone(&output)));
+        let host_loss = Arc::new(host_loss::HostLossCollector::new());
+        defs.add(host_loss::SharedHostLossCollector(Arc::clone(&host_loss)));
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -735,6 +739,7 @@ impl Metrics {
             live,
             store,
             output,
+            host_loss,
             checkpoint_tx: Mutex::new(None),
             restart_cause: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
@@ -1153,6 +1158,11 @@ impl Metrics {
 
     /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
     /// store per attempt) keeps its counters monotonic.
+    /// Samples the multi-node rendezvous's record of store-host losses from now on.
+    pub fn attach_host_loss(&self, stats: Arc<rendezvous::rdzv::recovery::HostLossStats>) {
+        self.inner.host_loss.attach(stats);
+    }
+
     pub fn attach_store(&self, role: StoreRole, source: Arc<dyn StoreStatsSource>) {
         self.inner.store.attach(role, source);
     }
