@@ -20,8 +20,10 @@
 //!   joins as any new node does.
 //!
 //! A survivor that finds the old store still there (it judged a slow host lost) registers with
-//! its memory all the same: the store's generation is past it, and the record was never adopted,
-//! so it is an ordinary returning node.
+//! its memory all the same: where the store's generation is past it (and no memory was ever
+//! adopted) it is an ordinary returning node; where it is not, the rule adopts it, which re-forms
+//! the gang at the next generation with the same restart count — the survivor's workers are
+//! stopped already, so the gang must re-form anyway.
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
