@@ -85,6 +85,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
             }
             other => gate::registration_value(other),
         });
+        metrics.attach_host_loss(r.host_loss());
         gang = Some(Box::new(r));
     }
     for (key, value) in gate::device_order_env(gpu_check != GpuCheck::Off, &|k| std::env::var_os(k))

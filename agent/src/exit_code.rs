@@ -15,7 +15,7 @@
 //! | 202 | configuration error (bad flag, missing script, unwritable log dir, ...) |
 //! | 203 | rendezvous timeout (nodes missing at the join deadline) |
 //! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
-//! | 205 | the store host (node 0) was lost |
+//! | 205 | the store host (node 0) was lost and no replacement came back within the join timeout |
 //! | 206 | internal agent error |
 
 /// Everything succeeded.

@@ -271,6 +271,29 @@ pub async fn connect(
     }
 }
 
+/// How long one set of resolved addresses is tried before the name is resolved again.
+const RESOLVE_AGAIN_EVERY: Duration = Duration::from_secs(3);
+
+/// Resolves `endpoint` and connects, resolving again every [`RESOLVE_AGAIN_EVERY`] until
+/// `deadline`: a replacement store host (node 0's new pod) comes back under the same name with
+/// a new address, so the addresses of the lost one must not be held on to.
+pub async fn reach(
+    endpoint: &Endpoint,
+    deadline: Instant,
+    op_timeout: Duration,
+    events: &Events,
+) -> Result<StoreKv, DiscoveryError> {
+    loop {
+        let ips = resolve(&endpoint.host, deadline, events).await?;
+        let until = (Instant::now() + RESOLVE_AGAIN_EVERY).min(deadline);
+        match connect(endpoint, &ips, until, op_timeout).await {
+            Ok(kv) => return Ok(kv),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => {}
+        }
+    }
+}
+
 fn classify_connect(text: &str) -> String {
     let lower = text.to_ascii_lowercase();
     for (needle, kind) in [

@@ -34,6 +34,7 @@ pub mod agent;
 pub mod auth;
 mod conns;
 mod gpu;
+mod host_loss;
 mod http;
 mod live;
 mod output;
@@ -386,6 +387,7 @@ struct Inner {
     store: Arc<store::StoreCollector>,
     output: Arc<output::OutputCollector>,
     gpu: Arc<gpu::GpuCollector>,
+    host_loss: Arc<host_loss::HostLossCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     readiness: AtomicU8,
     /// The training script's own metrics, merged into `/metrics` when attached.
@@ -509,6 +511,8 @@ impl Metrics {
         defs.add(output::SharedOutputCollector(Arc::clone(&output)));
         let gpu = Arc::new(gpu::GpuCollector::new());
         defs.add(gpu::SharedGpuCollector(Arc::clone(&gpu)));
+        let host_loss = Arc::new(host_loss::HostLossCollector::new());
+        defs.add(host_loss::SharedHostLossCollector(Arc::clone(&host_loss)));
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -696,6 +700,7 @@ impl Metrics {
             store,
             output,
             gpu,
+            host_loss,
             checkpoint_tx: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
             script: OnceLock::new(),
@@ -1099,6 +1104,11 @@ impl Metrics {
 
     /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
     /// store per attempt) keeps its counters monotonic.
+    /// Samples the multi-node rendezvous's record of store-host losses from now on.
+    pub fn attach_host_loss(&self, stats: Arc<rendezvous::rdzv::recovery::HostLossStats>) {
+        self.inner.host_loss.attach(stats);
+    }
+
     pub fn attach_store(&self, role: StoreRole, source: Arc<dyn StoreStatsSource>) {
         self.inner.store.attach(role, source);
     }

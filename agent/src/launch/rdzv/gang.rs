@@ -8,12 +8,20 @@
 //! While workers run, a watcher heartbeats and watches the generation; when the gang must
 //! re-form, the group is stopped and every node re-joins. After the group: success → exit
 //! barrier; failure → bump the generation (a counted restart, or the fatal end everyone shares).
+//!
+//! When node 0, the store host, is lost, a survivor stops its workers like for any re-form,
+//! forgets the old store and reaches the endpoint again (resolving its name anew) until the join
+//! timeout, carrying what the gang's store held ([`rdzv::recovery`]); a replacement node 0
+//! adopts it and the gang re-forms at the next generation. Only when no node 0 comes back in
+//! time does the survivor exit 205.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
+use rendezvous::rdzv::recovery::{self, GangMemory, HostLossStats, HostWait};
 use rendezvous::rdzv::{
-    self, identity, BarrierOutcome, BumpKind, Event as WatchEvent, Registration, StoreKv,
+    self, identity, BarrierOutcome, BumpKind, Event as WatchEvent, RdzvError, Registration, StoreKv,
 };
 use rendezvous::store::server::{self, ServerThread};
 use tokio::task::JoinHandle;
@@ -57,6 +65,17 @@ pub struct GangRendezvous {
     max_store_bytes: usize,
     /// Where discovery and the hosted store are reported.
     events: Events,
+    /// Set while this survivor waits for a replacement store host.
+    recovering: Option<Recovery>,
+    /// What this node went through losing store hosts; read by metrics.
+    host_loss: Arc<HostLossStats>,
+}
+
+/// A survivor between the loss of the store host and its next round.
+struct Recovery {
+    lost_at: Instant,
+    /// What it carries to the replacement (none when it never joined a round).
+    memory: Option<GangMemory>,
 }
 
 impl GangRendezvous {
@@ -123,6 +142,8 @@ impl GangRendezvous {
             gpu_verdict: serde_json::Value::Null,
             max_store_bytes: config.max_store_bytes,
             events: Events::default(),
+            recovering: None,
+            host_loss: Arc::default(),
         })
     }
 
@@ -131,6 +152,12 @@ impl GangRendezvous {
     pub fn with_events(mut self, events: Events) -> Self {
         self.events = events;
         self
+    }
+
+    /// Read-only: how often this node lost the store host, whether it waits for a replacement
+    /// now, and how long it has been without a gang (sampled by metrics).
+    pub fn host_loss(&self) -> Arc<HostLossStats> {
+        Arc::clone(&self.host_loss)
     }
 
     /// Whether this node knows, before any lookup, that it hosts the rendezvous store (its rank
@@ -148,9 +175,8 @@ impl GangRendezvous {
         self.gpu_verdict = verdict;
     }
 
-    /// Discovery, and on node 0 the rendezvous store. Returns the joined rendezvous.
-    async fn start(&mut self) -> Result<(), LaunchError> {
-        let deadline = Instant::now() + self.cfg.join_timeout;
+    /// Discovery, and on node 0 the rendezvous store, until `deadline`.
+    async fn start(&mut self, deadline: Instant) -> Result<(), LaunchError> {
         let advertised =
             discovery::advertised_addr(self.local_addr.as_deref(), self.allow_loopback)
                 .await
@@ -180,7 +206,14 @@ impl GangRendezvous {
         );
         let op_timeout = self.cfg.heartbeat_timeout;
         let hosted = if is_host {
-            match self.host_store(advertised, op_timeout).await {
+            // Node 0's own store runs in this process: a slow answer there is this host's load
+            // (2,048 agents on 2 CPUs), never a lost host, so its operations are bounded by the
+            // round's own deadline instead of the heartbeat timeout.
+            let own_timeout = self
+                .cfg
+                .join_timeout
+                .max(self.cfg.heartbeat_timeout * rdzv::decide::STALL_FACTOR);
+            match self.host_store(advertised, own_timeout).await {
                 Ok(kv) => Some(kv),
                 // Without a rank the host guess came from addresses; like torchrun, fall back
                 // to being a client when another agent already holds the port.
@@ -196,6 +229,11 @@ impl GangRendezvous {
         let is_host = hosted.is_some();
         let kv = if let Some(kv) = hosted {
             kv
+        } else if self.recovering.is_some() {
+            // The lost host's addresses are worthless: resolve again, and again.
+            discovery::reach(&self.endpoint, deadline, op_timeout, &self.events)
+                .await
+                .map_err(LaunchError::DiscoveryTimeout)?
         } else {
             let ips = match endpoint_ips {
                 Some(ips) => ips,
@@ -220,21 +258,98 @@ impl GangRendezvous {
             local_world_size: self.local_world_size,
             coordinator: is_host,
             gpu: self.gpu_verdict.clone(),
+            memory: None,
         };
         self.advertised = Some(advertised);
-        self.rdzv = Some(rdzv::Rendezvous::new(kv, self.cfg.clone(), reg));
+        let mut rdzv = rdzv::Rendezvous::new(kv, self.cfg.clone(), reg);
+        if let Some(memory) = self.recovering.as_ref().and_then(|r| r.memory.clone()) {
+            rdzv.carry(memory);
+        }
+        self.rdzv = Some(rdzv);
         Ok(())
     }
 
     async fn round(&mut self) -> Result<Round, LaunchError> {
+        loop {
+            match self.try_round().await {
+                Ok(round) => return Ok(round),
+                Err(RoundError::HostLost(why)) => self.host_lost(why)?,
+                Err(RoundError::Launch(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// The store host is lost: a survivor forgets the old store and waits for a replacement
+    /// (the next round reaches the endpoint again); node 0, or a survivor past the join
+    /// timeout since the loss, ends with 205.
+    fn host_lost(&mut self, why: String) -> Result<(), LaunchError> {
+        let gone = LaunchError::StoreHostLost;
+        if self.hosted.is_some() {
+            return Err(gone(why));
+        }
+        let now = Instant::now();
+        if let Some(r) = &self.recovering {
+            // Lost again while coming back: the clock runs from the first loss.
+            let (verdict, reason) =
+                recovery::decide_host_wait(r.lost_at, now, &self.endpoint.to_string(), &self.cfg);
+            if verdict == HostWait::GiveUp {
+                self.host_loss.gave_up();
+                return Err(gone(format!("{reason}; last: {why}")));
+            }
+            warn!("the store host answered and was lost again ({why}); still waiting");
+        } else {
+            let memory = self.rdzv.as_ref().and_then(|r| r.memory().cloned());
+            // Come back as the same node (a rank given by arrival included): its rank is part
+            // of what the gang remembers.
+            if self.claimed_rank.is_none() {
+                self.claimed_rank = self.rdzv.as_ref().and_then(rdzv::Rendezvous::node_rank);
+            }
+            warn!(
+                "lost the store host (node 0) at {}: {why}; workers stopped; waiting up to {:.1}s for a replacement node 0 (generation {}, {} restart(s) used, carried)",
+                self.endpoint,
+                self.cfg.join_timeout.as_secs_f64(),
+                memory.as_ref().map_or_else(|| "none".to_owned(), |m| m.generation.to_string()),
+                memory.as_ref().map_or(0, |m| m.restarts)
+            );
+            self.host_loss.lost(now);
+            self.recovering = Some(Recovery {
+                lost_at: now,
+                memory,
+            });
+        }
+        self.rdzv = None;
+        Ok(())
+    }
+
+    async fn try_round(&mut self) -> Result<Round, RoundError> {
         if self.rdzv.is_none() {
-            self.start().await?;
+            let deadline = match &self.recovering {
+                Some(r) => r.lost_at + self.cfg.join_timeout,
+                None => Instant::now() + self.cfg.join_timeout,
+            };
+            if let Err(e) = self.start(deadline).await {
+                if let Some(r) = &self.recovering {
+                    let (_, reason) = recovery::decide_host_wait(
+                        r.lost_at,
+                        Instant::now(),
+                        &self.endpoint.to_string(),
+                        &self.cfg,
+                    );
+                    self.host_loss.gave_up();
+                    return Err(RoundError::Launch(LaunchError::StoreHostLost(format!(
+                        "{reason}; last: {e}"
+                    ))));
+                }
+                return Err(RoundError::Launch(e));
+            }
         }
         let advertised = self
             .advertised
             .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
         let Some(rdzv) = self.rdzv.as_mut() else {
-            return Err(LaunchError::Internal("rendezvous not started"));
+            return Err(RoundError::Launch(LaunchError::Internal(
+                "rendezvous not started",
+            )));
         };
         let store = if rdzv.is_coordinator() {
             Some(
@@ -255,10 +370,23 @@ impl GangRendezvous {
                 if let Some(s) = store {
                     s.shutdown().await;
                 }
-                return Err(LaunchError::Rendezvous(e));
+                return Err(match e {
+                    RdzvError::StoreLost(why) => RoundError::HostLost(why),
+                    e => RoundError::Launch(LaunchError::Rendezvous(e)),
+                });
             }
         };
         let a = joined.assignment;
+        if let Some(r) = self.recovering.take() {
+            let without = r.lost_at.elapsed();
+            info!(
+                "rejoined the gang at generation {} after {:.1}s without a gang (restarts used {})",
+                a.generation,
+                without.as_secs_f64(),
+                a.restart_count
+            );
+            self.host_loss.rejoined(without);
+        }
         info!(
             "round {}: node {} is group rank {} of {}, global {} of {} (restarts used {})",
             a.generation,
@@ -269,11 +397,15 @@ impl GangRendezvous {
             a.world_size,
             a.restart_count
         );
-        let watch_kv = rdzv
-            .kv()
-            .reconnect()
-            .await
-            .map_err(|e| LaunchError::StoreHostLost(e.to_string()))?;
+        let watch_kv = match rdzv.kv().reconnect().await {
+            Ok(kv) => kv,
+            Err(e) => {
+                if let Some(s) = store {
+                    s.shutdown().await;
+                }
+                return Err(RoundError::HostLost(e.to_string()));
+            }
+        };
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
         let mut watcher = rdzv.watcher(watch_kv, &a);
@@ -321,10 +453,19 @@ impl GangRendezvous {
         if !running.fired.is_cancelled() {
             match outcome {
                 GroupOutcome::Succeeded => {
-                    let barrier = rdzv
-                        .exit_barrier(&running.assignment, &running.fired)
-                        .await
-                        .map_err(LaunchError::Rendezvous)?;
+                    let barrier = match rdzv.exit_barrier(&running.assignment, &running.fired).await
+                    {
+                        Ok(b) => b,
+                        Err(RdzvError::StoreLost(why)) => {
+                            // Not every node reported before the host went: the generation did
+                            // not complete, so the gang re-forms (as for a node lost then).
+                            running.stop.cancel();
+                            let _ = running.task.await;
+                            self.host_lost(why)?;
+                            return Ok(AfterGroup::Restart);
+                        }
+                        Err(e) => return Err(LaunchError::Rendezvous(e)),
+                    };
                     if barrier != BarrierOutcome::Interrupted {
                         running.stop.cancel();
                         let _ = running.task.await;
@@ -340,10 +481,15 @@ impl GangRendezvous {
                         "rank {} (local rank {}) failed: {}",
                         f.rank, f.local_rank, f.status
                     );
-                    let rec = rdzv
-                        .report_failure(code, &what)
-                        .await
-                        .map_err(LaunchError::Rendezvous)?;
+                    let rec = match rdzv.report_failure(code, &what).await {
+                        Ok(rec) => rec,
+                        // Most likely the failure *is* the loss: node 0's ranks died with it.
+                        Err(RdzvError::StoreLost(why)) => {
+                            self.host_lost(format!("{why} (reporting: {what})"))?;
+                            return Ok(AfterGroup::Restart);
+                        }
+                        Err(e) => return Err(LaunchError::Rendezvous(e)),
+                    };
                     return Ok(match rec.kind {
                         BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
                         _ => AfterGroup::Restart,
@@ -366,7 +512,10 @@ impl GangRendezvous {
                 warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
                 Ok(AfterGroup::Restart)
             }
-            Ok(WatchEvent::StoreLost(why)) => Err(LaunchError::StoreHostLost(why)),
+            Ok(WatchEvent::StoreLost(why)) => {
+                self.host_lost(why)?;
+                Ok(AfterGroup::Restart)
+            }
             Ok(WatchEvent::Stopped | WatchEvent::Completed) | Err(_) => {
                 Ok(AfterGroup::Finish(outcome.exit_code()))
             }
@@ -456,6 +605,19 @@ impl super::Rendezvous for GangRendezvous {
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
         Box::pin(async move { self.after(outcome, stop).await.map(Some) })
+    }
+}
+
+/// Why a round could not be had.
+enum RoundError {
+    /// The store host went while joining: a survivor waits for a replacement.
+    HostLost(String),
+    Launch(LaunchError),
+}
+
+impl From<LaunchError> for RoundError {
+    fn from(e: LaunchError) -> Self {
+        RoundError::Launch(e)
     }
 }
 
