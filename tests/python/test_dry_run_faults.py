@@ -92,11 +92,6 @@ def test_a_killed_rank_restarts_the_gang_and_the_job_finishes(tmp_path):
     assert sorted(r["rank"] for r in finished)[-6:] == [0, 1, 2, 3, 4, 5], out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs node-0 recovery (issue #14, branch `scale`): without it the survivors exit 205 "
-           "when the store host dies and the replacement waits alone for the join timeout. "
-           "Remove this mark once recovery is merged (strict: an unexpected pass fails).")
 def test_a_killed_node_0_is_replaced_and_the_job_finishes(tmp_path):
     code, out = dry_run(tmp_path, ["--fault", "kill:0@2", "--replace-after", "1"],
                         ["--steps", "80"], extra=["--max-restarts", "1"], timeout=180)
