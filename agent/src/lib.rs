@@ -18,6 +18,7 @@
 //! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
 //! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
 //! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
+//! - [`netcheck`]: the gang's network pre-flight (`--network-check`): measure, judge, act.
 //! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
@@ -37,6 +38,7 @@ pub mod launch;
 pub mod logging;
 pub mod logs;
 pub mod metrics;
+pub mod netcheck;
 pub mod node;
 pub mod scratch;
 pub mod signals;
