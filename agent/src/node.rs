@@ -59,6 +59,12 @@ pub struct GangRendezvous {
     gpu_verdict: serde_json::Value,
     /// `--max-store-bytes`, for both stores this node may host.
     max_store_bytes: usize,
+    /// `--network-check*`: the gang's network pre-flight after each round.
+    network: crate::netcheck::Settings,
+    /// The last network check's report, for observers (metrics sample it; nothing here
+    /// calls into them).
+    network_report:
+        tokio::sync::watch::Sender<Option<std::sync::Arc<crate::netcheck::gang::Report>>>,
 }
 
 impl GangRendezvous {
@@ -124,6 +130,8 @@ impl GangRendezvous {
             running: None,
             gpu_verdict: serde_json::Value::Null,
             max_store_bytes: config.max_store_bytes,
+            network: config.network_check.clone(),
+            network_report: tokio::sync::watch::Sender::new(None),
         })
     }
 
@@ -132,6 +140,13 @@ impl GangRendezvous {
     /// wait for its own store before it is ready.
     pub fn hosts_store_first(&self) -> bool {
         self.claimed_rank == Some(0)
+    }
+
+    /// The network check's reports as they come (one per round that ran it), read-only.
+    pub fn network_reports(
+        &self,
+    ) -> tokio::sync::watch::Receiver<Option<std::sync::Arc<crate::netcheck::gang::Report>>> {
+        self.network_report.subscribe()
     }
 
     /// Publishes this node's GPU pre-flight verdict in its registration (every later round).
@@ -221,6 +236,16 @@ impl GangRendezvous {
     }
 
     async fn round(&mut self) -> Result<Round, LaunchError> {
+        loop {
+            if let Some(round) = self.round_once().await? {
+                return Ok(round);
+            }
+        }
+    }
+
+    /// One rendezvous round and its network check: `None` when the check sent some nodes away
+    /// and the others must form a new round.
+    async fn round_once(&mut self) -> Result<Option<Round>, LaunchError> {
         if self.rdzv.is_none() {
             self.start().await?;
         }
@@ -266,7 +291,7 @@ impl GangRendezvous {
             a.world_size,
             a.restart_count
         );
-        let watch_kv = rdzv
+        let mut watch_kv = rdzv
             .kv()
             .reconnect()
             .await
@@ -274,6 +299,34 @@ impl GangRendezvous {
                 code: exit_code::STORE_HOST_LOST,
                 message: format!("lost the store host (node 0): {e}"),
             })?;
+        let check = crate::netcheck::gang::RoundInfo {
+            run_id: self.cfg.run_id.clone(),
+            generation: a.generation,
+            me: crate::netcheck::verdict::NodeInfo {
+                group_rank: a.group_rank,
+                node_rank: a.node_rank,
+                host: hostname(),
+                addr: advertised.to_string(),
+            },
+            ip: advertised,
+            world: a.group_world_size,
+            min_nodes: self.cfg.min_nodes,
+            max_nodes: self.cfg.max_nodes,
+            settings: self.network.clone(),
+        };
+        let go = network_check(&check, &mut watch_kv, &self.network_report).await;
+        if !matches!(go, Ok(true)) {
+            if let Some(s) = store {
+                s.shutdown().await;
+            }
+            return go.map(|_| None);
+        }
+        let Some(rdzv) = self.rdzv.as_ref() else {
+            return Err(LaunchError::Coded {
+                code: exit_code::INTERNAL_ERROR,
+                message: "rendezvous not started".into(),
+            });
+        };
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
         let mut watcher = rdzv.watcher(watch_kv, &a);
@@ -299,7 +352,7 @@ impl GangRendezvous {
             fired,
             task,
         });
-        Ok(Round { assignment, store })
+        Ok(Some(Round { assignment, store }))
     }
 
     async fn after(
@@ -457,6 +510,63 @@ impl crate::launch::Rendezvous for GangRendezvous {
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
         Box::pin(async move { self.after(outcome, stop).await.map(Some) })
+    }
+}
+
+/// Runs the network check of one round ([`crate::netcheck`]) and acts on node 0's verdict:
+/// `Ok(true)` to start the workers, `Ok(false)` to form a new round without the nodes it sent
+/// away, `Err` with exit 207 when it ends the round for this node.
+async fn network_check(
+    round: &crate::netcheck::gang::RoundInfo,
+    kv: &mut rendezvous::rdzv::StoreKv,
+    reports: &tokio::sync::watch::Sender<Option<std::sync::Arc<crate::netcheck::gang::Report>>>,
+) -> Result<bool, LaunchError> {
+    use crate::netcheck::{gang, verdict::Action, Mode};
+    if round.settings.mode == Mode::Off || round.world < 2 {
+        return Ok(true);
+    }
+    let outcome = gang::run(kv, round).await.map_err(|e| LaunchError::Coded {
+        code: exit_code::STORE_HOST_LOST,
+        message: e.to_string(),
+    })?;
+    let report = match outcome {
+        gang::Outcome::NoVerdict(why) => {
+            warn!("network check: {why}; starting the workers without a verdict");
+            return Ok(true);
+        }
+        gang::Outcome::Report(report) => report,
+    };
+    if round.me.group_rank == 0 {
+        info!(
+            "network check took {} ms: {}\n{}",
+            report.millis,
+            report.verdict.reason,
+            report.table(&round.settings.thresholds).trim_end()
+        );
+    } else {
+        info!("network check: {}", report.verdict.reason);
+    }
+    for finding in &report.verdict.findings {
+        warn!("network check: {}", finding.message(&report.nodes));
+    }
+    let action = report.action.clone();
+    reports.send_replace(Some(std::sync::Arc::new(report)));
+    match action {
+        Action::Proceed => Ok(true),
+        Action::End { message } => Err(LaunchError::Coded {
+            code: exit_code::NETWORK_CHECK_FAILED,
+            message,
+        }),
+        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => {
+            Err(LaunchError::Coded {
+                code: exit_code::NETWORK_CHECK_FAILED,
+                message: format!("{message}; this node leaves the job"),
+            })
+        }
+        Action::Leave { message, .. } => {
+            warn!("{message}; forming a new round without the named node(s)");
+            Ok(false)
+        }
     }
 }
 

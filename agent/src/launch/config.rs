@@ -226,6 +226,9 @@ pub struct Config {
     pub gpu_release_timeout: Duration,
     /// `--max-store-bytes`: what each store the agent hosts may hold.
     pub max_store_bytes: usize,
+    /// `--network-check`, `--network-check-budget`, `--network-check-conf`: the gang's network
+    /// pre-flight after each rendezvous round.
+    pub network_check: crate::netcheck::Settings,
 }
 
 impl Config {
@@ -268,6 +271,7 @@ impl Config {
             keep_strays: false,
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
+            network_check: crate::netcheck::Settings::default_for(1),
         }
     }
 }

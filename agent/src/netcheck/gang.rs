@@ -122,7 +122,9 @@ impl NetKeys {
     }
 
     fn per_node(&self, what: &str, world: u32) -> Vec<Vec<u8>> {
-        (0..world).map(|g| self.key(&format!("{what}/{g}"))).collect()
+        (0..world)
+            .map(|g| self.key(&format!("{what}/{g}")))
+            .collect()
     }
 }
 
@@ -148,9 +150,12 @@ pub async fn run<K: Kv>(kv: &mut K, round: &RoundInfo) -> Result<Outcome, CheckE
             error: Some(format!("could not listen on {}: {e}", round.ip)),
         },
     };
-    kv.set(&keys.key(&format!("addr/{me}")), &serde_json::to_vec(&published)?)
-        .await
-        .map_err(lost)?;
+    kv.set(
+        &keys.key(&format!("addr/{me}")),
+        &serde_json::to_vec(&published)?,
+    )
+    .await
+    .map_err(lost)?;
     let addr_keys = keys.per_node("addr", round.world);
     let peers = wait_and_read::<_, Published>(kv, &addr_keys, start + budget.mul_f64(0.25)).await?;
     let nodes: Vec<NodeInfo> = (0..round.world)
@@ -171,7 +176,15 @@ pub async fn run<K: Kv>(kv: &mut K, round: &RoundInfo) -> Result<Outcome, CheckE
         .into_iter()
         .filter(|p| p.from == me)
         .collect();
-    let r1 = measure_all(&ring, 1, &peers, round, stream_time, start + budget.mul_f64(0.55)).await;
+    let r1 = measure_all(
+        &ring,
+        1,
+        &peers,
+        round,
+        stream_time,
+        start + budget.mul_f64(0.55),
+    )
+    .await;
     kv.set(&keys.key(&format!("r1/{me}")), &serde_json::to_vec(&r1)?)
         .await
         .map_err(lost)?;
@@ -214,7 +227,15 @@ async fn coordinate<K: Kv>(
         debug!("network check round 2: {plan2:?}");
         let mine: Vec<Pair> = plan2.iter().copied().filter(|p| p.from == 0).collect();
         let now = Instant::now();
-        let r2 = measure_all(&mine, 2, peers, round, budget.mul_f64(0.2), now + budget.mul_f64(0.3)).await;
+        let r2 = measure_all(
+            &mine,
+            2,
+            peers,
+            round,
+            budget.mul_f64(0.2),
+            now + budget.mul_f64(0.3),
+        )
+        .await;
         kv.set(&keys.key("r2/0"), &serde_json::to_vec(&r2)?)
             .await
             .map_err(lost)?;
@@ -284,12 +305,22 @@ async fn follow<K: Kv>(
         .pop()
         .flatten()
     else {
-        return Ok(Outcome::NoVerdict("node 0 published no plan in time".to_owned()));
+        return Ok(Outcome::NoVerdict(
+            "node 0 published no plan in time".to_owned(),
+        ));
     };
     let mine: Vec<Pair> = plan2.into_iter().filter(|p| p.from == me).collect();
     if !mine.is_empty() {
         let now = Instant::now();
-        let r2 = measure_all(&mine, 2, peers, round, budget.mul_f64(0.2), now + budget.mul_f64(0.3)).await;
+        let r2 = measure_all(
+            &mine,
+            2,
+            peers,
+            round,
+            budget.mul_f64(0.2),
+            now + budget.mul_f64(0.3),
+        )
+        .await;
         kv.set(&keys.key(&format!("r2/{me}")), &serde_json::to_vec(&r2)?)
             .await
             .map_err(lost)?;
@@ -301,7 +332,9 @@ async fn follow<K: Kv>(
             .pop()
             .flatten()
     else {
-        return Ok(Outcome::NoVerdict("node 0 published no verdict in time".to_owned()));
+        return Ok(Outcome::NoVerdict(
+            "node 0 published no verdict in time".to_owned(),
+        ));
     };
     if matches!(report.action, Action::End { .. }) {
         kv.add(&keys.key("acks"), 1).await.map_err(lost)?;
@@ -499,7 +532,10 @@ mod tests {
         // 2 then measures again.
         let ring: Vec<&Sample> = first.samples.iter().filter(|s| s.round == 1).collect();
         assert_eq!(ring.len(), 4, "{first:?}");
-        assert!(ring.iter().all(|s| s.error.is_none() && s.bytes > 0), "{first:?}");
+        assert!(
+            ring.iter().all(|s| s.error.is_none() && s.bytes > 0),
+            "{first:?}"
+        );
         assert_eq!(first.action, Action::Proceed);
         assert_eq!(first.nodes[2].host, "worker-2");
         // Whether a finding shows is for the network tests (tests/python/test_network_check.py):
@@ -516,7 +552,9 @@ mod tests {
         settings.thresholds.min_mbps = Some(1e9);
         let (outcomes, mut kv) = check(3, &settings, 3).await;
         for o in &outcomes {
-            let Outcome::Report(r) = o else { panic!("{o:?}") };
+            let Outcome::Report(r) = o else {
+                panic!("{o:?}")
+            };
             assert!(
                 matches!(&r.action, Action::End { message } if message.contains("below min_mbps")),
                 "{r:?}"
@@ -526,6 +564,11 @@ mod tests {
         let rec: GenRecord = serde_json::from_slice(&raw).unwrap();
         assert_eq!(rec.kind, BumpKind::Fatal);
         assert_eq!(rec.exit_code, Some(exit_code::NETWORK_CHECK_FAILED));
-        assert!(rec.reason.starts_with("network check failed: slow link between node rank 0"), "{}", rec.reason);
+        assert!(
+            rec.reason
+                .starts_with("network check failed: slow link between node rank 0"),
+            "{}",
+            rec.reason
+        );
     }
 }

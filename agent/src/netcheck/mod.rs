@@ -93,6 +93,10 @@ pub struct Thresholds {
     pub max_rtt: Option<Duration>,
 }
 
+// Every number here is validated finite and non-negative ([`Settings::apply_conf`]), so
+// equality is total (the launch configuration compares configurations).
+impl Eq for Thresholds {}
+
 impl Default for Thresholds {
     fn default() -> Self {
         Self {
@@ -116,6 +120,8 @@ pub struct Settings {
     /// about 1.3 ms and a slowed one for at most its share of the budget.
     pub stream_bytes: u64,
 }
+
+impl Eq for Settings {}
 
 /// The default of `stream_bytes`.
 pub const DEFAULT_STREAM_BYTES: u64 = 16 << 20;
@@ -142,7 +148,9 @@ impl Settings {
                     .ok()
                     .filter(|v| v.is_finite() && *v >= 0.0)
                     .ok_or_else(|| {
-                        format!("--network-check-conf {key}={value}: expected a non-negative number")
+                        format!(
+                            "--network-check-conf {key}={value}: expected a non-negative number"
+                        )
                     })
             };
             let th = &mut self.thresholds;

@@ -19,7 +19,12 @@ pub fn ring(n: u32) -> Vec<Pair> {
     if n < 2 {
         return Vec::new();
     }
-    (0..n).map(|from| Pair { from, to: (from + 1) % n }).collect()
+    (0..n)
+        .map(|from| Pair {
+            from,
+            to: (from + 1) % n,
+        })
+        .collect()
 }
 
 /// Round 2, from round 1's `samples`: every suspect (all its measurements slow) sends to a node
@@ -31,7 +36,11 @@ pub fn second_round(n: u32, samples: &[Sample], c: &Classifier) -> Vec<Pair> {
     let suspects = c.all_slow(n, samples);
     let healthy: Vec<u32> = (0..n)
         .filter(|r| !suspects.contains(r))
-        .filter(|r| samples.iter().any(|s| (s.from == *r || s.to == *r) && c.slow(s).is_none()))
+        .filter(|r| {
+            samples
+                .iter()
+                .any(|s| (s.from == *r || s.to == *r) && c.slow(s).is_none())
+        })
         .collect();
     let mut pairs = BTreeSet::new();
     if !healthy.is_empty() {
@@ -87,7 +96,10 @@ mod tests {
     #[test]
     fn the_ring_covers_every_node_once_each_way() {
         assert!(ring(1).is_empty());
-        assert_eq!(ring(2), vec![Pair { from: 0, to: 1 }, Pair { from: 1, to: 0 }]);
+        assert_eq!(
+            ring(2),
+            vec![Pair { from: 0, to: 1 }, Pair { from: 1, to: 0 }]
+        );
         let r = ring(8);
         assert_eq!(r.len(), 8);
         for node in 0..8 {
@@ -98,7 +110,13 @@ mod tests {
 
     #[test]
     fn a_suspect_meets_a_fast_node_it_has_not_measured_with() {
-        let samples = vec![s(0, 1, 900), s(1, 2, 1), s(2, 3, 1), s(3, 4, 900), s(4, 0, 900)];
+        let samples = vec![
+            s(0, 1, 900),
+            s(1, 2, 1),
+            s(2, 3, 1),
+            s(3, 4, 900),
+            s(4, 0, 900),
+        ];
         let c = Classifier::new(5, &samples, &Thresholds::default());
         let plan = second_round(5, &samples, &c);
         // Node 2 is the suspect; 1 and 3 are its ring neighbours, so it meets 0 or 4; its two
@@ -106,7 +124,10 @@ mod tests {
         assert_eq!(plan.len(), 3, "{plan:?}");
         assert!(plan.contains(&Pair { from: 1, to: 2 }) && plan.contains(&Pair { from: 2, to: 3 }));
         let extra: Vec<&Pair> = plan.iter().filter(|p| p.from == 2 && p.to != 3).collect();
-        assert!(matches!(extra[..], [p] if [0, 4].contains(&p.to)), "{plan:?}");
+        assert!(
+            matches!(extra[..], [p] if [0, 4].contains(&p.to)),
+            "{plan:?}"
+        );
     }
 
     #[test]
@@ -126,7 +147,11 @@ mod tests {
         let plan = second_round(3, &samples, &c);
         assert_eq!(
             plan,
-            vec![Pair { from: 1, to: 2 }, Pair { from: 2, to: 0 }, Pair { from: 2, to: 1 }]
+            vec![
+                Pair { from: 1, to: 2 },
+                Pair { from: 2, to: 0 },
+                Pair { from: 2, to: 1 }
+            ]
         );
     }
 }

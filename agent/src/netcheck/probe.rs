@@ -209,9 +209,12 @@ async fn serve(
         .try_acquire()
         .map_err(|_| "too many sessions".to_owned())?;
     let _ = stream.set_nodelay(true);
-    timeout_at(Instant::now() + limits.session_timeout, session(&mut stream, limits))
-        .await
-        .map_err(|_| "session out of time".to_owned())?
+    timeout_at(
+        Instant::now() + limits.session_timeout,
+        session(&mut stream, limits),
+    )
+    .await
+    .map_err(|_| "session out of time".to_owned())?
 }
 
 async fn session(stream: &mut TcpStream, limits: &Limits) -> Result<(), String> {
@@ -430,9 +433,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_member_measures_round_trip_and_throughput() {
-        let listener = Listener::bind(LOOPBACK, Limits::for_budget(Duration::from_secs(2), 4 << 20))
-            .await
-            .unwrap();
+        let listener = Listener::bind(
+            LOOPBACK,
+            Limits::for_budget(Duration::from_secs(2), 4 << 20),
+        )
+        .await
+        .unwrap();
         let s = measure(&request(&listener, listener.token())).await;
         assert_eq!(s.error, None);
         assert_eq!(s.bytes, 4 << 20, "the receiver counted the whole stream");
@@ -442,13 +448,19 @@ mod tests {
 
     #[tokio::test]
     async fn a_caller_without_the_token_is_closed() {
-        let listener = Listener::bind(LOOPBACK, Limits::for_budget(Duration::from_secs(2), 1 << 20))
-            .await
-            .unwrap();
+        let listener = Listener::bind(
+            LOOPBACK,
+            Limits::for_budget(Duration::from_secs(2), 1 << 20),
+        )
+        .await
+        .unwrap();
         let mut wrong = listener.token();
         wrong[0] ^= 1;
         let s = measure(&request(&listener, wrong)).await;
-        assert!(s.error.as_deref().is_some_and(|e| e.starts_with("ping")), "{s:?}");
+        assert!(
+            s.error.as_deref().is_some_and(|e| e.starts_with("ping")),
+            "{s:?}"
+        );
     }
 
     #[tokio::test]
@@ -492,13 +504,19 @@ mod tests {
 
     #[tokio::test]
     async fn a_closed_port_is_a_failed_sample() {
-        let listener = Listener::bind(LOOPBACK, Limits::for_budget(Duration::from_secs(2), 1 << 20))
-            .await
-            .unwrap();
+        let listener = Listener::bind(
+            LOOPBACK,
+            Limits::for_budget(Duration::from_secs(2), 1 << 20),
+        )
+        .await
+        .unwrap();
         let req = request(&listener, listener.token());
         listener.close().await;
         let s = measure(&req).await;
-        assert!(s.error.as_deref().is_some_and(|e| e.contains("connect")), "{s:?}");
+        assert!(
+            s.error.as_deref().is_some_and(|e| e.contains("connect")),
+            "{s:?}"
+        );
         assert!((s.mbps() - 0.0).abs() < f64::EPSILON);
     }
 

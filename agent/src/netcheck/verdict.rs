@@ -39,7 +39,10 @@ pub struct NodeInfo {
 impl NodeInfo {
     /// `node rank 2 (worker-2, 10.0.0.3)`.
     pub fn name(&self) -> String {
-        format!("node rank {} ({}, {})", self.node_rank, self.host, self.addr)
+        format!(
+            "node rank {} ({}, {})",
+            self.node_rank, self.host, self.addr
+        )
     }
 }
 
@@ -300,7 +303,10 @@ pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
         if blamed.contains(&pair.0) || blamed.contains(&pair.1) || pairs.contains(&pair) {
             continue;
         }
-        let between: Vec<&Sample> = samples.iter().filter(|x| x.between(pair.0, pair.1)).collect();
+        let between: Vec<&Sample> = samples
+            .iter()
+            .filter(|x| x.between(pair.0, pair.1))
+            .collect();
         if between.iter().all(|x| c.slow(x).is_some()) {
             pairs.insert(pair);
             let what: Vec<String> = between
@@ -402,12 +408,13 @@ pub fn decide(
 /// A plain-text table of every measurement (node 0 logs it; `muster dry-run` shows it).
 pub fn table(nodes: &[NodeInfo], samples: &[Sample], c: &Classifier) -> String {
     let name = |r: u32| {
-        nodes
-            .iter()
-            .find(|n| n.group_rank == r)
-            .map_or_else(|| format!("g{r}"), |n| format!("{} ({})", n.node_rank, n.host))
+        nodes.iter().find(|n| n.group_rank == r).map_or_else(
+            || format!("g{r}"),
+            |n| format!("{} ({})", n.node_rank, n.host),
+        )
     };
-    let mut out = String::from("round  from -> to                      MB/s      rtt ms  verdict\n");
+    let mut out =
+        String::from("round  from -> to                      MB/s      rtt ms  verdict\n");
     for s in samples {
         let pair = format!("{} -> {}", name(s.from), name(s.to));
         let rtt = s
@@ -478,10 +485,16 @@ mod tests {
             panic!("{v:?}");
         };
         assert_eq!(*rank, 3);
-        assert!(reason.contains("to group rank 4: 1.0 MB/s against a gang median of"), "{reason}");
+        assert!(
+            reason.contains("to group rank 4: 1.0 MB/s against a gang median of"),
+            "{reason}"
+        );
         assert!(reason.contains("from group rank 2"), "{reason}");
         let msg = v.findings[0].message(&nodes(6));
-        assert!(msg.starts_with("slow node: node rank 3 (worker-3, 10.0.0.4): "), "{msg}");
+        assert!(
+            msg.starts_with("slow node: node rank 3 (worker-3, 10.0.0.4): "),
+            "{msg}"
+        );
         assert!(v.reason.ends_with("1 finding(s)"), "{}", v.reason);
     }
 
@@ -513,12 +526,16 @@ mod tests {
             s(3, 0, 1, 910, 70),
             s(1, 2, 2, 850, 60),
         ];
-        assert!(judge(4, &samples, &Thresholds::default()).findings.is_empty());
+        assert!(judge(4, &samples, &Thresholds::default())
+            .findings
+            .is_empty());
     }
 
     #[test]
     fn a_uniformly_slow_network_has_no_culprit() {
-        let samples: Vec<Sample> = (0..8).map(|r| s(r, (r + 1) % 8, 1, 2 + u64::from(r % 2), 900)).collect();
+        let samples: Vec<Sample> = (0..8)
+            .map(|r| s(r, (r + 1) % 8, 1, 2 + u64::from(r % 2), 900))
+            .collect();
         let v = judge(8, &samples, &Thresholds::default());
         assert!(v.findings.is_empty(), "{v:?}");
         assert!(v.reason.ends_with("no slow node or link"), "{}", v.reason);
@@ -541,11 +558,17 @@ mod tests {
             s(3, 0, 1, 900, 70),
         ];
         let v = judge(4, &samples, &Thresholds::default());
-        assert!(matches!(&v.findings[..], [Finding::Node { rank: 2, reason }] if reason.contains("rtt 40.00 ms")), "{v:?}");
+        assert!(
+            matches!(&v.findings[..], [Finding::Node { rank: 2, reason }] if reason.contains("rtt 40.00 ms")),
+            "{v:?}"
+        );
         samples[1] = Sample::failed(1, 2, 1, "connection refused");
         samples[2] = Sample::failed(2, 3, 1, "no reply within 0.4 s");
         let v = judge(4, &samples, &Thresholds::default());
-        assert!(matches!(&v.findings[..], [Finding::Node { rank: 2, reason }] if reason.contains("connection refused")), "{v:?}");
+        assert!(
+            matches!(&v.findings[..], [Finding::Node { rank: 2, reason }] if reason.contains("connection refused")),
+            "{v:?}"
+        );
     }
 
     #[test]
@@ -556,26 +579,53 @@ mod tests {
         let Action::End { message } = decide(Mode::Require, &v, &n, 6, 6) else {
             panic!()
         };
-        assert!(message.starts_with("network check failed: slow node: node rank 3 (worker-3"), "{message}");
-        assert!(matches!(decide(Mode::Require, &v, &n, 4, 6), Action::Leave { ranks, .. } if ranks == vec![3]));
+        assert!(
+            message.starts_with("network check failed: slow node: node rank 3 (worker-3"),
+            "{message}"
+        );
+        assert!(
+            matches!(decide(Mode::Require, &v, &n, 4, 6), Action::Leave { ranks, .. } if ranks == vec![3])
+        );
         // Leaving would drop below MIN: everyone ends instead.
-        assert!(matches!(decide(Mode::Require, &v, &n, 6, 8), Action::End { .. }));
-        let clean = judge(2, &[s(0, 1, 1, 900, 60), s(1, 0, 1, 900, 60)], &Thresholds::default());
-        assert_eq!(decide(Mode::Require, &clean, &nodes(2), 2, 2), Action::Proceed);
+        assert!(matches!(
+            decide(Mode::Require, &v, &n, 6, 8),
+            Action::End { .. }
+        ));
+        let clean = judge(
+            2,
+            &[s(0, 1, 1, 900, 60), s(1, 0, 1, 900, 60)],
+            &Thresholds::default(),
+        );
+        assert_eq!(
+            decide(Mode::Require, &clean, &nodes(2), 2, 2),
+            Action::Proceed
+        );
     }
 
     #[test]
     fn node_0_never_leaves_and_a_bad_link_costs_the_higher_node_rank() {
         let v = Verdict {
-            findings: vec![Finding::Link { a: 1, b: 2, reason: String::new() }],
+            findings: vec![Finding::Link {
+                a: 1,
+                b: 2,
+                reason: String::new(),
+            }],
             reason: String::new(),
         };
-        assert!(matches!(decide(Mode::Require, &v, &nodes(4), 2, 4), Action::Leave { ranks, .. } if ranks == vec![2]));
+        assert!(
+            matches!(decide(Mode::Require, &v, &nodes(4), 2, 4), Action::Leave { ranks, .. } if ranks == vec![2])
+        );
         let v = Verdict {
-            findings: vec![Finding::Node { rank: 0, reason: String::new() }],
+            findings: vec![Finding::Node {
+                rank: 0,
+                reason: String::new(),
+            }],
             reason: String::new(),
         };
-        assert!(matches!(decide(Mode::Require, &v, &nodes(4), 2, 4), Action::End { .. }));
+        assert!(matches!(
+            decide(Mode::Require, &v, &nodes(4), 2, 4),
+            Action::End { .. }
+        ));
     }
 
     #[test]
