@@ -102,6 +102,7 @@ pub enum CheckError {
     Encode(#[from] serde_json::Error),
 }
 
+#[allow(clippy::needless_pass_by_value)] // used as `.map_err(lost)`
 fn lost(e: KvError) -> CheckError {
     CheckError::Store(e.to_string())
 }

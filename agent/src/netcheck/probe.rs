@@ -393,7 +393,11 @@ async fn measure_inner(req: &Request) -> Result<Sample, String> {
 
 /// The token as published in the store (hex).
 pub fn token_hex(token: &Token) -> String {
-    token.iter().map(|b| format!("{b:02x}")).collect()
+    use std::fmt::Write as _;
+    token.iter().fold(String::with_capacity(32), |mut out, b| {
+        let _ = write!(out, "{b:02x}");
+        out
+    })
 }
 
 /// The token from its hex form.

@@ -209,7 +209,7 @@ fn median_f64(sorted: &[f64]) -> Option<f64> {
     match sorted.len() {
         0 => None,
         n if n % 2 == 1 => Some(sorted[n / 2]),
-        n => Some((sorted[n / 2 - 1] + sorted[n / 2]) / 2.0),
+        n => Some(f64::midpoint(sorted[n / 2 - 1], sorted[n / 2])),
     }
 }
 
