@@ -17,9 +17,7 @@
 //! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
 //! | 205 | the store host (node 0) was lost |
 //! | 206 | internal agent error |
-//! | 207 | network check failed: a slow node or link, named (`--network-check require`) |
-
-use std::process::ExitCode;
+//! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
@@ -47,15 +45,15 @@ pub const INTERNAL_ERROR: u8 = 206;
 /// The gang's network pre-flight named a slow node or link under `--network-check require`:
 /// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
 /// with it while the others train on).
-pub const NETWORK_CHECK_FAILED: u8 = 207;
+pub const NETWORK_CHECK_FAILED: u8 = 208;
 
 /// Exit code for a process that died of `signal` (the shell convention).
 pub fn for_signal(signal: i32) -> u8 {
     (128 + signal.clamp(0, 127)) as u8
 }
 
-/// An error that knows which exit code it maps to. Library errors implement this so that the one
-/// mapping function in [`crate::commands`] can find the code by walking the error chain.
+/// An error that knows which exit code it maps to. Error types implement this so that the one
+/// mapping function, [`crate::cmd::exit_code_of`], finds the code by walking the error chain.
 pub trait Coded {
     fn exit_code(&self) -> u8;
 }
@@ -87,18 +85,6 @@ impl Coded for Exit {
     }
 }
 
-/// The exit code for an error: the first [`Exit`] in its chain, else [`INTERNAL_ERROR`].
-pub fn for_error(err: &anyhow::Error) -> u8 {
-    err.chain()
-        .find_map(|cause| cause.downcast_ref::<Exit>().map(Coded::exit_code))
-        .unwrap_or(INTERNAL_ERROR)
-}
-
-/// Convenience for `main`.
-pub fn to_exit_code(code: u8) -> ExitCode {
-    ExitCode::from(code)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,13 +113,5 @@ mod tests {
                 assert_ne!(a, b);
             }
         }
-    }
-
-    #[test]
-    fn the_first_exit_in_the_chain_wins() {
-        let err = anyhow::Error::new(Exit::new(RENDEZVOUS_TIMEOUT, "nodes 2 missing"))
-            .context("launch failed");
-        assert_eq!(for_error(&err), RENDEZVOUS_TIMEOUT);
-        assert_eq!(for_error(&anyhow::anyhow!("boom")), INTERNAL_ERROR);
     }
 }

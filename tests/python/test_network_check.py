@@ -185,12 +185,12 @@ def test_warn_names_the_slow_node_and_trains_anyway(net, worker):
     assert re.search(r"^1\s+1 \(.*\) -> 2 \(.*\)\s+[\d.]+\s+[\d.]+\s+slow", out[0][1], re.M), out[0][1]
 
 
-def test_require_ends_the_round_for_every_node_with_207(net, worker):
+def test_require_ends_the_round_for_every_node_with_208(net, worker):
     n = net(4)
     n.slow(2)
     out = run_gang(n, worker, "4", "require")
     for code, text in out:
-        assert code == 207, text
+        assert code == 208, text
         assert "network check failed: slow node: node rank 2 (" in text, text
         assert "RESULT" not in text, text
 
@@ -200,7 +200,7 @@ def test_min_max_trains_without_the_slow_node(net, worker):
     n.slow(3)
     out = run_gang(n, worker, "3:4", "require")
     code, text = out[3]
-    assert code == 207, text
+    assert code == 208, text
     assert "slow node: node rank 3 (" in text and "this node leaves the job" in text, text
     for code, text in out[:3]:
         assert code == 0, text

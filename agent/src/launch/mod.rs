@@ -10,7 +10,7 @@
 //!    [`RankAssignment`] (ranks, world size, where the workers' store is, the run id) and, on the
 //!    node that hosts it, the [`HostedStore`]: a fresh store on an ephemeral port for every
 //!    attempt, so a restarted group never reads the dead attempt's keys. [`LocalRendezvous`] does
-//!    this for one node; the multi-node rendezvous plugs in here through
+//!    this for one node; the gang rendezvous ([`rdzv::GangRendezvous`]) plugs in here through
 //!    [`Launch::with_rendezvous`].
 //! 2. **Run the group**: [`run_group`] starts `nproc-per-node` workers with torchrun's
 //!    environment ([`env`]), each in its own session and process group with a parent-death
@@ -32,17 +32,17 @@ pub mod config;
 pub mod env;
 mod group;
 pub mod observe;
+pub mod rdzv;
 pub mod reaper;
+mod repeat;
 pub mod signals;
 mod store_host;
 pub mod strays;
 pub mod summary;
 
 use std::ffi::OsString;
-use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -51,7 +51,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 pub use group::{run_group, Attempt, WorkerGroupSpec};
-pub use observe::{Event, Observer, Phase, Publisher};
+pub use observe::{Event, Observer, Phase, Publisher, RestartCause};
+pub use rdzv::{AfterGroup, BoxFuture, LocalRendezvous, Rendezvous};
 pub use reaper::{ExitStatus, Reaper};
 pub use signals::{StopRequest, TerminateHook};
 pub use store_host::HostedStore;
@@ -183,20 +184,61 @@ pub enum LaunchError {
         what: &'static str,
         source: std::io::Error,
     },
-    /// An outcome with its own exit code (rendezvous timeout, unhealthy GPU, ...), for the parts
-    /// that plug into the loop.
-    #[error("{message}")]
-    Coded { code: u8, message: String },
+    /// The rendezvous endpoint could not be resolved or reached before the join deadline.
+    #[error("rendezvous timed out: {0}")]
+    DiscoveryTimeout(crate::discovery::DiscoveryError),
+    /// The gang rendezvous failed: timed out, lost node 0, rejected this node, or ended the job
+    /// for everyone with a worker's code.
+    #[error(transparent)]
+    Rendezvous(rendezvous::rdzv::RdzvError),
+    /// Node 0, which hosts the rendezvous store, stopped answering while workers ran.
+    #[error("lost the store host (node 0): {0}")]
+    StoreHostLost(String),
+    /// Before a restart, the previous attempt's GPU processes or memory did not go within
+    /// `--gpu-release-timeout`: this node is unhealthy.
+    #[error(
+        "the GPUs were not released {waited:.1}s after attempt {previous} stopped: {detail}; \
+         this node is unhealthy (--gpu-release-timeout {timeout})"
+    )]
+    GpusNotReleased {
+        waited: f64,
+        previous: u32,
+        detail: String,
+        timeout: f64,
+    },
+    /// The gang's network pre-flight (`--network-check require`) named a slow node or link:
+    /// the round ends for this node (the message names the node or link and what was measured).
+    #[error("{0}")]
+    NetworkCheckFailed(String),
+    /// The rendezvous store failed under the network check.
+    #[error(transparent)]
+    NetworkCheck(crate::netcheck::gang::CheckError),
+    /// A state the agent's own logic should never reach.
+    #[error("{0}")]
+    Internal(&'static str),
 }
 
 impl LaunchError {
-    pub fn exit_code(&self) -> u8 {
+    /// Whether this is the join deadline passing with nodes missing.
+    pub fn is_rendezvous_timeout(&self) -> bool {
+        matches!(
+            self,
+            LaunchError::DiscoveryTimeout(_)
+                | LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::Timeout(_))
+        )
+    }
+}
+
+impl exit_code::Coded for LaunchError {
+    fn exit_code(&self) -> u8 {
+        use rendezvous::rdzv::RdzvError;
         match self {
             LaunchError::Config(_)
             | LaunchError::LogDir { .. }
             | LaunchError::LogDirOption { .. }
             | LaunchError::TmpDir { .. }
-            | LaunchError::Scratch(_) => exit_code::CONFIG_ERROR,
+            | LaunchError::Scratch(_)
+            | LaunchError::Rendezvous(RdzvError::Rejected(_)) => exit_code::CONFIG_ERROR,
             LaunchError::Spawn { source, .. }
                 if matches!(
                     source.kind(),
@@ -205,8 +247,23 @@ impl LaunchError {
             {
                 exit_code::CONFIG_ERROR
             }
-            LaunchError::Coded { code, .. } => *code,
-            _ => exit_code::INTERNAL_ERROR,
+            LaunchError::DiscoveryTimeout(_) | LaunchError::Rendezvous(RdzvError::Timeout(_)) => {
+                exit_code::RENDEZVOUS_TIMEOUT
+            }
+            LaunchError::StoreHostLost(_)
+            | LaunchError::Rendezvous(RdzvError::StoreLost(_))
+            | LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Store(_)) => {
+                exit_code::STORE_HOST_LOST
+            }
+            LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
+            LaunchError::GpusNotReleased { .. } => exit_code::UNHEALTHY_GPU,
+            LaunchError::NetworkCheckFailed(_) => exit_code::NETWORK_CHECK_FAILED,
+            LaunchError::Rendezvous(RdzvError::Malformed { .. } | RdzvError::Encode(_))
+            | LaunchError::Spawn { .. }
+            | LaunchError::Store { .. }
+            | LaunchError::Io { .. }
+            | LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Encode(_))
+            | LaunchError::Internal(_) => exit_code::INTERNAL_ERROR,
         }
     }
 }
@@ -227,108 +284,6 @@ impl LaunchError {
             }
             (other, _) => other,
         }
-    }
-}
-
-impl exit_code::Coded for LaunchError {
-    fn exit_code(&self) -> u8 {
-        LaunchError::exit_code(self)
-    }
-}
-
-/// A boxed future, for the object-safe [`Rendezvous`] trait.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// The "obtain assignment" step of every attempt.
-pub trait Rendezvous: Send {
-    /// Joins round `restart_count` and returns the assignment. Should give up promptly when
-    /// `stop` is requested.
-    fn next_round<'a>(
-        &'a mut self,
-        config: &'a Config,
-        restart_count: u32,
-        stop: &'a StopRequest,
-    ) -> BoxFuture<'a, Result<Round, LaunchError>>;
-
-    /// Resolves when the group must stop because the gang re-forms (another node failed, died
-    /// or joined). Must be cancel-safe: it is dropped when the group ends first.
-    fn watch(&mut self) -> BoxFuture<'_, ()> {
-        Box::pin(std::future::pending())
-    }
-
-    /// Decides what follows an attempt; `None` keeps the local policy (restart while
-    /// `--max-restarts` lasts). The multi-node rendezvous restarts every node together here.
-    fn after_group<'a>(
-        &'a mut self,
-        _outcome: &'a GroupOutcome,
-        _stop: &'a StopRequest,
-    ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
-        Box::pin(async { Ok(None) })
-    }
-}
-
-/// What the rendezvous decided after an attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AfterGroup {
-    /// Start another attempt (the rendezvous counts restarts itself).
-    Restart,
-    /// End the launch with this exit code.
-    Finish(u8),
-}
-
-/// One node, no peers: this agent hosts a fresh store per attempt on its advertised address.
-#[derive(Debug, Default)]
-pub struct LocalRendezvous;
-
-impl LocalRendezvous {
-    /// The address workers reach the store at: `--local-addr` (resolved once, numerically),
-    /// else loopback — on one node nothing else needs to reach it.
-    pub async fn advertised_ip(config: &Config) -> Result<IpAddr, LaunchError> {
-        let Some(addr) = config.local_addr.as_deref().filter(|_| !config.standalone) else {
-            return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        };
-        if let Ok(ip) = addr
-            .trim_matches(|c| c == '[' || c == ']')
-            .parse::<IpAddr>()
-        {
-            return Ok(ip);
-        }
-        let mut found = tokio::net::lookup_host((addr, 0))
-            .await
-            .map_err(|e| LaunchError::Config(format!("--local-addr {addr}: {e}")))?;
-        found
-            .next()
-            .map(|sa| sa.ip())
-            .ok_or_else(|| LaunchError::Config(format!("--local-addr {addr}: no address")))
-    }
-}
-
-impl Rendezvous for LocalRendezvous {
-    fn next_round<'a>(
-        &'a mut self,
-        config: &'a Config,
-        restart_count: u32,
-        _stop: &'a StopRequest,
-    ) -> BoxFuture<'a, Result<Round, LaunchError>> {
-        Box::pin(async move {
-            let ip = Self::advertised_ip(config).await?;
-            let store = HostedStore::start(ip, config.max_store_bytes)
-                .await
-                .map_err(|source| LaunchError::Store { ip, source })?;
-            Ok(Round {
-                assignment: RankAssignment {
-                    node_rank: 0,
-                    group_world_size: 1,
-                    base_global_rank: 0,
-                    world_size: config.nproc_per_node,
-                    master_addr: store.addr().ip().to_string(),
-                    master_port: store.addr().port(),
-                    restart_count,
-                    run_id: config.run_id.clone(),
-                },
-                store: Some(store),
-            })
-        })
     }
 }
 
@@ -482,7 +437,7 @@ impl Launch {
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
-            hostname: short_hostname(),
+            hostname: crate::host::short_name(),
             run_dir: run_dir.path.clone(),
             files: config.logs.log_dir.is_some(),
             reaper,
@@ -573,7 +528,18 @@ async fn attempts(
         match rendezvous.after_group(&outcome, stop).await? {
             Some(AfterGroup::Restart) => {
                 restart_count += 1;
-                spec.publisher.event(Event::Restarting { restart_count });
+                // A local failure restarts the gang from here; otherwise another node's failure
+                // (or a membership change, which the rendezvous does not tell apart yet) made
+                // the gang re-form.
+                let cause = if matches!(outcome, GroupOutcome::Failed(_)) {
+                    RestartCause::WorkerFailure
+                } else {
+                    RestartCause::PeerFailure
+                };
+                spec.publisher.event(Event::Restarting {
+                    restart_count,
+                    cause,
+                });
                 continue;
             }
             Some(AfterGroup::Finish(exit_code)) => {
@@ -596,7 +562,10 @@ async fn attempts(
                     f.status,
                     config.max_restarts
                 );
-                spec.publisher.event(Event::Restarting { restart_count });
+                spec.publisher.event(Event::Restarting {
+                    restart_count,
+                    cause: RestartCause::WorkerFailure,
+                });
             }
             _ => {
                 return Ok(Outcome {
@@ -665,16 +634,11 @@ async fn wait_for_gpus(
         released,
     });
     let previous = restart_count.saturating_sub(1);
-    let unhealthy = |detail: String| LaunchError::Coded {
-        code: exit_code::UNHEALTHY_GPU,
-        message: format!(
-            "the GPUs were not released {:.1}s after attempt {previous} stopped: {detail}; {}",
-            waited.as_secs_f64(),
-            format_args!(
-                "this node is unhealthy (--gpu-release-timeout {})",
-                timeout.as_secs_f64()
-            ),
-        ),
+    let unhealthy = |detail: String| LaunchError::GpusNotReleased {
+        waited: waited.as_secs_f64(),
+        previous,
+        detail,
+        timeout: timeout.as_secs_f64(),
     };
     match result {
         Ok(Ok(Released::Yes)) => {
@@ -752,15 +716,6 @@ impl RunDir {
     }
 }
 
-/// The host name up to the first dot (what torchrun's `${hostname}` gives).
-pub fn short_hostname() -> String {
-    let name = nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned());
-    name.split('.').next().unwrap_or(&name).to_owned()
-}
-
 /// Runs a launch with the single-node rendezvous and no hooks.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
     Launch::new(config).run(shutdown).await
@@ -803,6 +758,7 @@ mod tests {
 
     #[test]
     fn launch_errors_map_to_reserved_codes() {
+        use exit_code::Coded as _;
         let nf = std::io::Error::from(std::io::ErrorKind::NotFound);
         let spawn = LaunchError::Spawn {
             program: "x".into(),
@@ -821,14 +777,35 @@ mod tests {
         assert_eq!(tmp.exit_code(), exit_code::CONFIG_ERROR);
         assert!(tmp.to_string().contains("/ro/muster_x"));
         assert!(tmp.to_string().contains("emptyDir"));
+        let timeout = LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::Timeout("x".into()));
+        assert!(timeout.is_rendezvous_timeout());
+        assert_eq!(timeout.exit_code(), exit_code::RENDEZVOUS_TIMEOUT);
+        assert_eq!(timeout.to_string(), "rendezvous timed out: x");
+        let fatal = LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::Fatal {
+            exit_code: 7,
+            reason: "rank 3 failed".into(),
+        });
+        assert_eq!(fatal.exit_code(), 7);
+        assert!(!fatal.is_rendezvous_timeout());
+        let gpus = LaunchError::GpusNotReleased {
+            waited: 60.04,
+            previous: 0,
+            detail: "GPU 0 held".into(),
+            timeout: 60.0,
+        };
+        assert_eq!(gpus.exit_code(), exit_code::UNHEALTHY_GPU);
         assert_eq!(
-            LaunchError::Coded {
-                code: exit_code::RENDEZVOUS_TIMEOUT,
-                message: "x".into()
-            }
-            .exit_code(),
-            exit_code::RENDEZVOUS_TIMEOUT
+            gpus.to_string(),
+            "the GPUs were not released 60.0s after attempt 0 stopped: GPU 0 held; this node is \
+             unhealthy (--gpu-release-timeout 60)"
         );
+        // The network check's verdict ends with its own code; its store failing is node 0 lost.
+        let slow = LaunchError::NetworkCheckFailed("node 2 (host-2) is slow".into());
+        assert_eq!(slow.exit_code(), exit_code::NETWORK_CHECK_FAILED);
+        assert_eq!(slow.to_string(), "node 2 (host-2) is slow");
+        let lost =
+            LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Store("eof".into()));
+        assert_eq!(lost.exit_code(), exit_code::STORE_HOST_LOST);
     }
 
     #[test]
@@ -843,7 +820,7 @@ mod tests {
             source: std::io::Error::from_raw_os_error(libc::ENOTDIR),
         };
         let named = err().naming_log_dir(&logs);
-        assert_eq!(named.exit_code(), exit_code::CONFIG_ERROR);
+        assert_eq!(exit_code::Coded::exit_code(&named), exit_code::CONFIG_ERROR);
         let text = named.to_string();
         assert!(
             text.starts_with(
@@ -896,7 +873,10 @@ mod tests {
                 .count()
         };
         assert_eq!((started(0), started(1)), (3, 3));
-        assert!(events.contains(&Event::Restarting { restart_count: 1 }));
+        assert!(events.contains(&Event::Restarting {
+            restart_count: 1,
+            cause: RestartCause::WorkerFailure
+        }));
         // The two healthy ranks were stopped with SIGTERM.
         let terminated = events
             .iter()
@@ -996,28 +976,5 @@ mod tests {
             );
         }
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[tokio::test]
-    async fn local_rendezvous_hosts_a_fresh_store_per_round() {
-        let config = Config::for_program("/bin/true", vec![], 3);
-        let stop = StopRequest::new(&CancellationToken::new());
-        let mut rdzv = LocalRendezvous;
-        let a = rdzv.next_round(&config, 0, &stop).await.unwrap();
-        let b = rdzv.next_round(&config, 1, &stop).await.unwrap();
-        assert_eq!(a.assignment.master_addr, "127.0.0.1");
-        assert_eq!(a.assignment.world_size, 3);
-        assert_eq!(b.assignment.restart_count, 1);
-        assert_ne!(a.assignment.master_port, b.assignment.master_port);
-        for round in [a, b] {
-            let store = round.store.unwrap();
-            let addr = store.addr();
-            let mut client =
-                rendezvous::store::client::Client::connect(addr, std::time::Duration::from_secs(5))
-                    .await
-                    .unwrap();
-            client.set(b"k", b"v").await.unwrap();
-            store.shutdown().await;
-        }
     }
 }

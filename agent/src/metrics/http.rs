@@ -25,7 +25,6 @@
 use std::fmt;
 use std::io;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
-use std::str::FromStr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -36,7 +35,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::auth::{self, CheckpointToken, Rejected};
 use super::conns::{Admission, Limits, Table};
-use super::{CheckpointDelivery, CheckpointTrigger, Metrics, Readiness, DEFAULT_METRICS_ADDR};
+use super::{CheckpointDelivery, CheckpointTrigger, Metrics, Readiness};
 
 /// Largest request line plus headers accepted (Prometheus and the kubelet send a few hundred bytes).
 pub const MAX_HEAD_BYTES: usize = 8 * 1024;
@@ -44,71 +43,6 @@ pub const MAX_HEAD_BYTES: usize = 8 * 1024;
 pub const MAX_BODY_BYTES: usize = 4 * 1024;
 /// The content type of the Prometheus text exposition format this endpoint serves.
 pub const METRICS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
-
-/// `--metrics-addr`: where to serve, or nowhere (`none`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MetricsAddr(Option<SocketAddr>);
-
-impl MetricsAddr {
-    /// The address to listen on; `None` when disabled.
-    pub fn addr(self) -> Option<SocketAddr> {
-        self.0
-    }
-
-    /// Serve on `addr`.
-    pub fn at(addr: SocketAddr) -> Self {
-        Self(Some(addr))
-    }
-
-    /// Do not serve.
-    pub fn disabled() -> Self {
-        Self(None)
-    }
-}
-
-impl Default for MetricsAddr {
-    fn default() -> Self {
-        Self(DEFAULT_METRICS_ADDR.parse().ok())
-    }
-}
-
-impl fmt::Display for MetricsAddr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
-            Some(addr) => write!(f, "{addr}"),
-            None => f.write_str("none"),
-        }
-    }
-}
-
-/// A `--metrics-addr` value that is neither `IP:PORT`, `:PORT`, `PORT` nor `none`.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid metrics address {input:?}: expected IP:PORT (e.g. 0.0.0.0:8000 or [::]:8000), :PORT, or none")]
-pub struct AddrError {
-    input: String,
-}
-
-impl FromStr for MetricsAddr {
-    type Err = AddrError;
-
-    fn from_str(input: &str) -> Result<Self, Self::Err> {
-        let s = input.trim();
-        if s.eq_ignore_ascii_case("none") {
-            return Ok(Self(None));
-        }
-        let err = || AddrError {
-            input: input.to_owned(),
-        };
-        let port_only = s.strip_prefix(':').unwrap_or(s);
-        if !port_only.is_empty() && port_only.bytes().all(|b| b.is_ascii_digit()) {
-            let port: u16 = port_only.parse().map_err(|_| err())?;
-            return Ok(Self(Some(SocketAddr::from(([0, 0, 0, 0], port)))));
-        }
-        s.parse::<SocketAddr>()
-            .map(|a| Self(Some(a)))
-            .map_err(|_| err())
-    }
-}
 
 /// The endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -956,47 +890,6 @@ fn checkpoint(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn addresses_parse_like_the_flag_documents() {
-        assert_eq!(
-            "none".parse::<MetricsAddr>().ok(),
-            Some(MetricsAddr::disabled())
-        );
-        assert_eq!(
-            "NONE".parse::<MetricsAddr>().ok(),
-            Some(MetricsAddr::disabled())
-        );
-        let any = SocketAddr::from(([0, 0, 0, 0], 9100));
-        assert_eq!(
-            ":9100".parse::<MetricsAddr>().ok(),
-            Some(MetricsAddr::at(any))
-        );
-        assert_eq!(
-            "9100".parse::<MetricsAddr>().ok(),
-            Some(MetricsAddr::at(any))
-        );
-        let v6: SocketAddr = "[::1]:8000".parse().unwrap();
-        assert_eq!(
-            "[::1]:8000".parse::<MetricsAddr>().ok(),
-            Some(MetricsAddr::at(v6))
-        );
-        assert_eq!(MetricsAddr::default().to_string(), "0.0.0.0:8000");
-        for bad in [
-            "",
-            "host:8000",
-            "0.0.0.0",
-            ":99999",
-            "1.2.3.4:x",
-            "none please",
-        ] {
-            let err = bad.parse::<MetricsAddr>().unwrap_err();
-            assert!(
-                err.to_string().contains("invalid metrics address"),
-                "{bad}: {err}"
-            );
-        }
-    }
 
     #[test]
     fn heads_parse_and_garbage_is_rejected() {

@@ -343,7 +343,7 @@ async fn follow<K: Kv>(
     Ok(Outcome::Report(report))
 }
 
-/// Moves the generation as `action` says: the fatal end (exit 207) or a membership change
+/// Moves the generation as `action` says: the fatal end (exit 208) or a membership change
 /// that the leaving nodes sit out. Nothing for [`Action::Proceed`].
 async fn bump_for<K: Kv>(kv: &mut K, run_id: &str, action: &Action) -> Result<(), CheckError> {
     let (fatal, reason) = match action {

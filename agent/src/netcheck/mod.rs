@@ -18,7 +18,7 @@
 //!   round-trip time above [`Thresholds::rtt_ratio`] times the median plus a slack). A uniformly
 //!   slow network has a slow median and so no culprit.
 //! - **Action** ([`verdict::decide`]): `warn` logs each finding; `require` ends the round for
-//!   every node with exit code 207 naming the node(s) — or, with `--nnodes MIN:MAX` and enough
+//!   every node with exit code 208 naming the node(s) — or, with `--nnodes MIN:MAX` and enough
 //!   nodes left, the named nodes leave and the rest form a new round without them.
 //!
 //! The exchange ([`gang`]) goes through the rendezvous store under the round's own keys; node 0
@@ -44,7 +44,7 @@ pub enum Mode {
     Off,
     /// Measure, log one line per finding, start the workers anyway (the default with >1 node).
     Warn,
-    /// A finding ends the round (exit 207), or with MIN:MAX the named nodes leave.
+    /// A finding ends the round (exit 208), or with MIN:MAX the named nodes leave.
     Require,
 }
 

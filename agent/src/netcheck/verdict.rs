@@ -351,9 +351,9 @@ pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
 pub enum Action {
     /// Start the workers (no finding, or `warn`).
     Proceed,
-    /// `require`: every node ends with exit 207 and this message.
+    /// `require`: every node ends with exit 208 and this message.
     End { message: String },
-    /// `require` with MIN:MAX: these group ranks leave (exit 207 with the message), the others
+    /// `require` with MIN:MAX: these group ranks leave (exit 208 with the message), the others
     /// form a new round without them.
     Leave { ranks: Vec<u32>, message: String },
 }

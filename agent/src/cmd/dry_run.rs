@@ -10,7 +10,7 @@
 //!   which passes every stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) on to every agent once,
 //!   however it was sent (to the group, or to the dry run's pid alone, as an IDE's stop button,
 //!   `timeout -s INT` or a supervisor does). Copies of one signal within
-//!   [`crate::signals::REPEAT_WINDOW`] are one request; a later one is passed on again (the
+//!   [`crate::launch::signals::REPEAT_WINDOW`] are one request; a later one is passed on again (the
 //!   agents then SIGKILL their ranks), and agents still running [`KILL_BACKSTOP`] after it are
 //!   SIGKILLed.
 //! - Each agent dies with the dry run (`PR_SET_PDEATHSIG`), and its ranks die with it, so a
@@ -31,10 +31,10 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::cli::{self, Parsed};
-use crate::exit_code::{self, Exit};
+use crate::exit_code;
 use crate::launch::config::{Config, LogFormat};
+use crate::launch::signals::{Repeat, StopSignals};
 use crate::logs::{self, Console, LogSink};
-use crate::signals::{Repeat, StopSignals};
 
 /// How long agents get to end after an insistent second stop signal (they SIGKILL their ranks at
 /// once, then exit) before the dry run SIGKILLs them.
@@ -69,9 +69,9 @@ impl Plan {
 pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // args: muster dry-run [options] script [args]
     let rest: Vec<OsString> = args.iter().skip(2).cloned().collect();
-    let config = match cli::parse(&rest) {
-        Ok(Parsed::Launch(c)) => *c,
-        Ok(Parsed::Help | Parsed::Version) => {
+    let config = match cli::parse(&rest)? {
+        Parsed::Launch(c) => *c,
+        Parsed::Help | Parsed::Version => {
             println!(
                 "Usage: muster dry-run --nnodes N --nproc-per-node M [muster options] script.py [args]\n\
                  Runs N agents as local processes on loopback: the multi-node flow without a cluster.\n\
@@ -80,7 +80,6 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             );
             return Ok(exit_code::SUCCESS);
         }
-        Err(e) => return Err(Exit::config(e.0).into()),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -89,11 +88,14 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // The agents are spawned from this (the main) thread, which lives as long as they do:
     // PR_SET_PDEATHSIG follows the thread that forked them.
     runtime.block_on(async {
+        // Dropped on the way out, which writes what is still queued.
         let writer = logs::start().context("cannot start the log writer")?;
-        cli::init_tracing(config.logs.format, writer.sink());
-        let result = drive(&rest, &Plan::of(&config), &writer.sink()).await;
-        writer.finish();
-        result
+        logs::init_tracing(
+            config.logs.format,
+            logs::Diagnostics::Console(writer.sink()),
+            crate::app::LAUNCH_LOG_FILTER,
+        );
+        drive(&rest, &Plan::of(&config), &writer.sink()).await
     })
 }
 

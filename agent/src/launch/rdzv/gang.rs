@@ -1,5 +1,5 @@
-//! The multi-node driver: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch
-//! loop's seam ([`crate::launch::Rendezvous`]).
+//! Many nodes: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch loop's
+//! seam ([`super::Rendezvous`]).
 //!
 //! On the first round it works out who this node is (node rank from `--node-rank`, the Job
 //! index or the host name's ordinal), resolves and reaches the endpoint ([`crate::discovery`]),
@@ -13,7 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use rendezvous::rdzv::{
-    self, identity, BarrierOutcome, BumpKind, Event, RdzvError, Registration, StoreKv,
+    self, identity, BarrierOutcome, BumpKind, Event as WatchEvent, Registration, StoreKv,
 };
 use rendezvous::store::server::{self, ServerThread};
 use tokio::task::JoinHandle;
@@ -22,25 +22,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::discovery;
+use crate::events::{Event, Events};
 use crate::exit_code;
 use crate::launch::{
     AfterGroup, BoxFuture, Config, GroupOutcome, HostedStore, LaunchError, RankAssignment, Round,
     StopRequest,
 };
 
-/// Whether this launch needs the multi-node rendezvous.
-pub fn is_multi_node(config: &Config) -> bool {
-    !config.standalone && config.nnodes.max > 1
-}
-
 struct Running {
     assignment: rdzv::Assignment,
     stop: CancellationToken,
     fired: CancellationToken,
-    task: JoinHandle<Event>,
+    task: JoinHandle<WatchEvent>,
 }
 
-/// [`crate::launch::Rendezvous`] for many nodes.
+/// [`super::Rendezvous`] for many nodes.
 pub struct GangRendezvous {
     cfg: rdzv::Config,
     endpoint: discovery::Endpoint,
@@ -65,6 +61,8 @@ pub struct GangRendezvous {
     /// calls into them).
     network_report:
         tokio::sync::watch::Sender<Option<std::sync::Arc<crate::netcheck::gang::Report>>>,
+    /// Where discovery and the hosted store are reported.
+    events: Events,
 }
 
 impl GangRendezvous {
@@ -108,7 +106,7 @@ impl GangRendezvous {
         let flag = config.node_rank_given.then(|| config.node_rank.to_string());
         let index = std::env::var("JOB_COMPLETION_INDEX").ok();
         let (claimed_rank, rank_source) =
-            identity::node_rank(flag.as_deref(), index.as_deref(), &hostname())
+            identity::node_rank(flag.as_deref(), index.as_deref(), &crate::host::name())
                 .map_err(|e| cfg_err(&e))?;
         if let Some(rank) = claimed_rank.filter(|r| *r >= config.nnodes.max) {
             return Err(LaunchError::Config(format!(
@@ -132,7 +130,15 @@ impl GangRendezvous {
             max_store_bytes: config.max_store_bytes,
             network: config.network_check.clone(),
             network_report: tokio::sync::watch::Sender::new(None),
+            events: Events::default(),
         })
+    }
+
+    /// Reports DNS lookups and the hosted rendezvous store to `events`.
+    #[must_use]
+    pub fn with_events(mut self, events: Events) -> Self {
+        self.events = events;
+        self
     }
 
     /// Whether this node knows, before any lookup, that it hosts the rendezvous store (its rank
@@ -169,9 +175,9 @@ impl GangRendezvous {
         let is_host = if let Some(rank) = self.claimed_rank {
             rank == 0
         } else {
-            let ips = discovery::resolve(&self.endpoint.host, deadline)
+            let ips = discovery::resolve(&self.endpoint.host, deadline, &self.events)
                 .await
-                .map_err(|e| timeout_error(&e))?;
+                .map_err(LaunchError::DiscoveryTimeout)?;
             let mine = discovery::interface_addrs();
             let hosts = ips
                 .iter()
@@ -208,24 +214,24 @@ impl GangRendezvous {
         } else {
             let ips = match endpoint_ips {
                 Some(ips) => ips,
-                None => discovery::resolve(&self.endpoint.host, deadline)
+                None => discovery::resolve(&self.endpoint.host, deadline, &self.events)
                     .await
-                    .map_err(|e| timeout_error(&e))?,
+                    .map_err(LaunchError::DiscoveryTimeout)?,
             };
             discovery::connect(&self.endpoint, &ips, deadline, op_timeout)
                 .await
-                .map_err(|e| timeout_error(&e))?
+                .map_err(LaunchError::DiscoveryTimeout)?
         };
         let reg = Registration {
             agent_id: format!(
                 "{}-{}-{:08x}",
-                hostname(),
+                crate::host::name(),
                 std::process::id(),
                 rand::random::<u32>()
             ),
             node_rank: if is_host { Some(0) } else { self.claimed_rank },
             addr: advertised.to_string(),
-            host: hostname(),
+            host: crate::host::name(),
             local_world_size: self.local_world_size,
             coordinator: is_host,
             gpu: self.gpu_verdict.clone(),
@@ -253,10 +259,7 @@ impl GangRendezvous {
             .advertised
             .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
         let Some(rdzv) = self.rdzv.as_mut() else {
-            return Err(LaunchError::Coded {
-                code: exit_code::INTERNAL_ERROR,
-                message: "rendezvous not started".into(),
-            });
+            return Err(LaunchError::Internal("rendezvous not started"));
         };
         let store = if rdzv.is_coordinator() {
             Some(
@@ -277,7 +280,7 @@ impl GangRendezvous {
                 if let Some(s) = store {
                     s.shutdown().await;
                 }
-                return Err(rdzv_error(&e));
+                return Err(LaunchError::Rendezvous(e));
             }
         };
         let a = joined.assignment;
@@ -295,17 +298,14 @@ impl GangRendezvous {
             .kv()
             .reconnect()
             .await
-            .map_err(|e| LaunchError::Coded {
-                code: exit_code::STORE_HOST_LOST,
-                message: format!("lost the store host (node 0): {e}"),
-            })?;
+            .map_err(|e| LaunchError::StoreHostLost(e.to_string()))?;
         let check = crate::netcheck::gang::RoundInfo {
             run_id: self.cfg.run_id.clone(),
             generation: a.generation,
             me: crate::netcheck::verdict::NodeInfo {
                 group_rank: a.group_rank,
                 node_rank: a.node_rank,
-                host: hostname(),
+                host: crate::host::name(),
                 addr: advertised.to_string(),
             },
             ip: advertised,
@@ -322,10 +322,7 @@ impl GangRendezvous {
             return go.map(|_| None);
         }
         let Some(rdzv) = self.rdzv.as_ref() else {
-            return Err(LaunchError::Coded {
-                code: exit_code::INTERNAL_ERROR,
-                message: "rendezvous not started".into(),
-            });
+            return Err(LaunchError::Internal("rendezvous not started"));
         };
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
@@ -377,7 +374,7 @@ impl GangRendezvous {
                     let barrier = rdzv
                         .exit_barrier(&running.assignment, &running.fired)
                         .await
-                        .map_err(|e| rdzv_error(&e))?;
+                        .map_err(LaunchError::Rendezvous)?;
                     if barrier != BarrierOutcome::Interrupted {
                         running.stop.cancel();
                         let _ = running.task.await;
@@ -396,7 +393,7 @@ impl GangRendezvous {
                     let rec = rdzv
                         .report_failure(code, &what)
                         .await
-                        .map_err(|e| rdzv_error(&e))?;
+                        .map_err(LaunchError::Rendezvous)?;
                     return Ok(match rec.kind {
                         BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
                         _ => AfterGroup::Restart,
@@ -411,19 +408,16 @@ impl GangRendezvous {
         }
         // The gang re-forms: see why.
         match running.task.await {
-            Ok(Event::Generation(rec)) if rec.kind == BumpKind::Fatal => {
+            Ok(WatchEvent::Generation(rec)) if rec.kind == BumpKind::Fatal => {
                 warn!("the job failed on another node: {}", rec.reason);
                 Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(1)))
             }
-            Ok(Event::Generation(rec)) => {
+            Ok(WatchEvent::Generation(rec)) => {
                 warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
                 Ok(AfterGroup::Restart)
             }
-            Ok(Event::StoreLost(why)) => Err(LaunchError::Coded {
-                code: exit_code::STORE_HOST_LOST,
-                message: format!("lost the store host (node 0): {why}"),
-            }),
-            Ok(Event::Stopped | Event::Completed) | Err(_) => {
+            Ok(WatchEvent::StoreLost(why)) => Err(LaunchError::StoreHostLost(why)),
+            Ok(WatchEvent::Stopped | WatchEvent::Completed) | Err(_) => {
                 Ok(AfterGroup::Finish(outcome.exit_code()))
             }
         }
@@ -457,7 +451,9 @@ impl GangRendezvous {
             LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
         })?;
         let local = server.local_addr();
-        crate::metrics::agent::rendezvous_store_started(server.stats());
+        self.events.publish(Event::RendezvousStoreHosted {
+            stats: server.stats(),
+        });
         self.hosted = Some(server);
         let ip = if local.ip().is_unspecified() {
             advertised
@@ -471,7 +467,7 @@ impl GangRendezvous {
         )
         .await
         .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))?;
-        crate::metrics::agent::rendezvous_store_accepting();
+        self.events.publish(Event::RendezvousStoreAccepting);
         Ok(kv)
     }
 }
@@ -484,7 +480,7 @@ impl Drop for GangRendezvous {
     }
 }
 
-impl crate::launch::Rendezvous for GangRendezvous {
+impl super::Rendezvous for GangRendezvous {
     fn next_round<'a>(
         &'a mut self,
         _config: &'a Config,
@@ -515,7 +511,7 @@ impl crate::launch::Rendezvous for GangRendezvous {
 
 /// Runs the network check of one round ([`crate::netcheck`]) and acts on node 0's verdict:
 /// `Ok(true)` to start the workers, `Ok(false)` to form a new round without the nodes it sent
-/// away, `Err` with exit 207 when it ends the round for this node.
+/// away, `Err` with exit 208 when it ends the round for this node.
 async fn network_check(
     round: &crate::netcheck::gang::RoundInfo,
     kv: &mut rendezvous::rdzv::StoreKv,
@@ -525,10 +521,9 @@ async fn network_check(
     if round.settings.mode == Mode::Off || round.world < 2 {
         return Ok(true);
     }
-    let outcome = gang::run(kv, round).await.map_err(|e| LaunchError::Coded {
-        code: exit_code::STORE_HOST_LOST,
-        message: e.to_string(),
-    })?;
+    let outcome = gang::run(kv, round)
+        .await
+        .map_err(LaunchError::NetworkCheck)?;
     let report = match outcome {
         gang::Outcome::NoVerdict(why) => {
             warn!("network check: {why}; starting the workers without a verdict");
@@ -553,41 +548,14 @@ async fn network_check(
     reports.send_replace(Some(std::sync::Arc::new(report)));
     match action {
         Action::Proceed => Ok(true),
-        Action::End { message } => Err(LaunchError::Coded {
-            code: exit_code::NETWORK_CHECK_FAILED,
-            message,
-        }),
-        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => {
-            Err(LaunchError::Coded {
-                code: exit_code::NETWORK_CHECK_FAILED,
-                message: format!("{message}; this node leaves the job"),
-            })
-        }
+        Action::End { message } => Err(LaunchError::NetworkCheckFailed(message)),
+        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => Err(
+            LaunchError::NetworkCheckFailed(format!("{message}; this node leaves the job")),
+        ),
         Action::Leave { message, .. } => {
             warn!("{message}; forming a new round without the named node(s)");
             Ok(false)
         }
-    }
-}
-
-fn rdzv_error(e: &RdzvError) -> LaunchError {
-    let code = match e {
-        RdzvError::Timeout(_) => exit_code::RENDEZVOUS_TIMEOUT,
-        RdzvError::StoreLost(_) => exit_code::STORE_HOST_LOST,
-        RdzvError::Rejected(_) => exit_code::CONFIG_ERROR,
-        RdzvError::Fatal { exit_code, .. } => *exit_code,
-        RdzvError::Malformed { .. } | RdzvError::Encode(_) => exit_code::INTERNAL_ERROR,
-    };
-    LaunchError::Coded {
-        code,
-        message: e.to_string(),
-    }
-}
-
-fn timeout_error(e: &discovery::DiscoveryError) -> LaunchError {
-    LaunchError::Coded {
-        code: exit_code::RENDEZVOUS_TIMEOUT,
-        message: format!("rendezvous timed out: {e}"),
     }
 }
 
@@ -601,14 +569,6 @@ fn test_barrier_observe_delay() -> Duration {
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s >= 0.0)
         .map_or(Duration::ZERO, Duration::from_secs_f64)
-}
-
-/// The full host name (identity and messages).
-pub fn hostname() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 /// `count` global ranks from `first`, read as written: `rank 4`, `ranks 4, 5`, `ranks 4–7`
