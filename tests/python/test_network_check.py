@@ -29,8 +29,16 @@ t = torch.tensor([1.0])
 dist.all_reduce(t)
 print(f"RESULT group={os.environ['GROUP_RANK']} world={dist.get_world_size()} sum={t.item():.0f}",
       flush=True)
+if os.environ.get("MNC_SCRAPE"):
+    # The check ended before this worker started: its agent's metrics say what it measured.
+    import urllib.request
+    body = urllib.request.urlopen(os.environ["MNC_SCRAPE"], timeout=10).read().decode()
+    for line in body.splitlines():
+        if line.startswith("muster_network_"):
+            print(f"METRIC {line}", flush=True)
 dist.destroy_process_group()
 '''
+METRICS_PORT = 9477
 
 
 def sh(*args):
@@ -121,17 +129,22 @@ def worker(tmp_path):
     return str(path)
 
 
-def run_gang(net, worker, nnodes, mode, timeout=120):
-    """Starts one agent per namespace (node rank = namespace index) and waits for all of them."""
+def run_gang(net, worker, nnodes, mode, timeout=120, scrape=False):
+    """Starts one agent per namespace (node rank = namespace index) and waits for all of them.
+    `scrape`: each agent serves metrics on its namespace's loopback and its worker prints the
+    network check's series (`METRIC ...` lines)."""
     procs, outputs = [], []
     for i in range(net.n):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PET_", "MUSTER_")) and k != "JOB_COMPLETION_INDEX"}
         env.update(PYTHON_EXEC=torch_python(), GLOO_SOCKET_IFNAME=IFNAME)
+        metrics_addr = f"127.0.0.1:{METRICS_PORT}" if scrape else "none"
+        if scrape:
+            env["MNC_SCRAPE"] = f"http://{metrics_addr}/metrics"
         args = ["ip", "netns", "exec", net.ns(i), muster_bin(), "--nnodes", nnodes,
                 "--nproc-per-node", "1", "--node-rank", str(i), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{net.addr(0)}:{PORT}", "--rdzv-id", "mnc",
-                "--local-addr", net.addr(i), "--rdzv-conf", CONF, "--metrics-addr", "none",
+                "--local-addr", net.addr(i), "--rdzv-conf", CONF, "--metrics-addr", metrics_addr,
                 "--network-check", mode, worker]
         p = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
@@ -159,6 +172,22 @@ def findings(text):
     return re.findall(r"network check: (slow (?:node|link).*)", text)
 
 
+def metrics(text):
+    """{(name, frozenset of label pairs): value} from a worker's `METRIC` lines (after the
+    agent's `[host:rank] ` prefix)."""
+    out = {}
+    for m in re.finditer(r"^(?:\[[^\]]*\] )?METRIC (\w+)(?:\{(.*)\})? (\S+)$", text, re.M):
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def peer_series(values, name):
+    """{(peer_node_rank, direction, round): value} of one per-peer family."""
+    return {(d["peer_node_rank"], d["direction"], d["round"]): v
+            for (n, labels), v in values.items() if n == name for d in [dict(labels)]}
+
+
 def test_a_clean_network_has_no_finding(net, worker):
     n = net(4)
     out = run_gang(n, worker, "4", "warn")
@@ -173,9 +202,33 @@ def test_a_clean_network_has_no_finding(net, worker):
 def test_warn_names_the_slow_node_and_trains_anyway(net, worker):
     n = net(4)
     n.slow(2)
-    out = run_gang(n, worker, "4", "warn")
+    out = run_gang(n, worker, "4", "warn", scrape=True)
     everything = "\n".join(t for _, t in out)
     assert [c for c, _ in out] == [0] * 4, everything
+    for rank, (_, text) in enumerate(out):
+        values = metrics(text)
+        def value(name, **labels):
+            return values.get((name, frozenset(labels.items())), -1.0)
+
+        assert value("muster_network_checks_total", result="finding") == 1, text
+        assert value("muster_network_check_findings", kind="node") == 1, text
+        assert value("muster_network_check_named") == (rank == 2), text
+        assert value("muster_network_check_duration_seconds") > 0, text
+        slow = peer_series(values, "muster_network_peer_slow")
+        rtt = peer_series(values, "muster_network_peer_rtt_seconds")
+        rate = peer_series(values, "muster_network_peer_throughput_bytes_per_second")
+        # Round 1's ring: every node measured the next one and was measured by the one before.
+        ring_out = (str((rank + 1) % 4), "out", "1")
+        ring_in = (str((rank - 1) % 4), "in", "1")
+        assert {ring_out, ring_in} <= set(slow), text
+        assert set(rtt) <= set(rate) == set(slow), text
+        # Every measurement with node 2 is slow (a passing hiccup may mark another one slow too:
+        # round 2 keeps it from being a finding, not from being exported).
+        with_2 = [k for k in slow if rank == 2 or k[0] == "2"]
+        assert with_2 and all(slow[k] for k in with_2), text
+        assert all(v > 0 for v in rtt.values()), text
+        fast = [rate[k] for k in rate if not slow[k]]
+        assert all(rate[k] < min(fast, default=float("inf")) for k in with_2), text
     for _, text in out:
         found = findings(text)
         assert len(found) == 1, text

@@ -25,11 +25,13 @@
 //! decides (the plan of round 2, the verdict) and the others follow, so every node acts on the
 //! same verdict. The measurement listener ([`probe`]) lives only for the check, answers only
 //! callers that present the round's token published in the store, and bounds what strangers can
-//! hold.
+//! hold. Each node tells observers what it measured and what the verdict said of it
+//! ([`summary`]), through the event the gang rendezvous publishes.
 
 pub mod gang;
 pub mod plan;
 pub mod probe;
+pub mod summary;
 pub mod verdict;
 
 use std::time::Duration;

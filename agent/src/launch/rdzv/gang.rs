@@ -57,10 +57,6 @@ pub struct GangRendezvous {
     max_store_bytes: usize,
     /// `--network-check*`: the gang's network pre-flight after each round.
     network: crate::netcheck::Settings,
-    /// The last network check's report, for observers (metrics sample it; nothing here
-    /// calls into them).
-    network_report:
-        tokio::sync::watch::Sender<Option<std::sync::Arc<crate::netcheck::gang::Report>>>,
     /// Where discovery and the hosted store are reported.
     events: Events,
 }
@@ -129,12 +125,11 @@ impl GangRendezvous {
             gpu_verdict: serde_json::Value::Null,
             max_store_bytes: config.max_store_bytes,
             network: config.network_check.clone(),
-            network_report: tokio::sync::watch::Sender::new(None),
             events: Events::default(),
         })
     }
 
-    /// Reports DNS lookups and the hosted rendezvous store to `events`.
+    /// Reports DNS lookups, the hosted rendezvous store and the network check to `events`.
     #[must_use]
     pub fn with_events(mut self, events: Events) -> Self {
         self.events = events;
@@ -146,13 +141,6 @@ impl GangRendezvous {
     /// wait for its own store before it is ready.
     pub fn hosts_store_first(&self) -> bool {
         self.claimed_rank == Some(0)
-    }
-
-    /// The network check's reports as they come (one per round that ran it), read-only.
-    pub fn network_reports(
-        &self,
-    ) -> tokio::sync::watch::Receiver<Option<std::sync::Arc<crate::netcheck::gang::Report>>> {
-        self.network_report.subscribe()
     }
 
     /// Publishes this node's GPU pre-flight verdict in its registration (every later round).
@@ -314,7 +302,7 @@ impl GangRendezvous {
             max_nodes: self.cfg.max_nodes,
             settings: self.network.clone(),
         };
-        let go = network_check(&check, &mut watch_kv, &self.network_report).await;
+        let go = network_check(&check, &mut watch_kv, &self.events).await;
         if !matches!(go, Ok(true)) {
             if let Some(s) = store {
                 s.shutdown().await;
@@ -511,21 +499,28 @@ impl super::Rendezvous for GangRendezvous {
 
 /// Runs the network check of one round ([`crate::netcheck`]) and acts on node 0's verdict:
 /// `Ok(true)` to start the workers, `Ok(false)` to form a new round without the nodes it sent
-/// away, `Err` with exit 208 when it ends the round for this node.
+/// away, `Err` with exit 208 when it ends the round for this node. What this node measured and
+/// the verdict go to `events` either way.
 async fn network_check(
     round: &crate::netcheck::gang::RoundInfo,
     kv: &mut rendezvous::rdzv::StoreKv,
-    reports: &tokio::sync::watch::Sender<Option<std::sync::Arc<crate::netcheck::gang::Report>>>,
+    events: &Events,
 ) -> Result<bool, LaunchError> {
-    use crate::netcheck::{gang, verdict::Action, Mode};
+    use crate::events::NetworkCheckResult;
+    use crate::netcheck::{gang, summary::Summary, verdict::Action, Mode};
     if round.settings.mode == Mode::Off || round.world < 2 {
         return Ok(true);
     }
+    let started = Instant::now();
     let outcome = gang::run(kv, round)
         .await
         .map_err(LaunchError::NetworkCheck)?;
     let report = match outcome {
         gang::Outcome::NoVerdict(why) => {
+            events.publish(Event::NetworkChecked {
+                result: NetworkCheckResult::NoVerdict,
+                elapsed: started.elapsed(),
+            });
             warn!("network check: {why}; starting the workers without a verdict");
             return Ok(true);
         }
@@ -544,9 +539,15 @@ async fn network_check(
     for finding in &report.verdict.findings {
         warn!("network check: {}", finding.message(&report.nodes));
     }
-    let action = report.action.clone();
-    reports.send_replace(Some(std::sync::Arc::new(report)));
-    match action {
+    events.publish(Event::NetworkChecked {
+        result: NetworkCheckResult::Judged(std::sync::Arc::new(Summary::of(
+            &report,
+            round.me.group_rank,
+            &round.settings.thresholds,
+        ))),
+        elapsed: started.elapsed(),
+    });
+    match report.action {
         Action::Proceed => Ok(true),
         Action::End { message } => Err(LaunchError::NetworkCheckFailed(message)),
         Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => Err(
