@@ -992,9 +992,7 @@ impl Metrics {
             .with_label_values(&["link"])
             .set(i64::from(summary.link_findings));
         inner.network_check_named.set(i64::from(summary.named));
-        inner.network_peer_rtt.reset();
-        inner.network_peer_throughput.reset();
-        inner.network_peer_slow.reset();
+        self.clear_network_peers();
         for peer in summary.peers.iter().take(MAX_NETWORK_PEER_SERIES) {
             let rank = peer.peer_node_rank.to_string();
             let round = peer.round.to_string();
@@ -1032,9 +1030,14 @@ impl Metrics {
                 .with_label_values(&[kind])
                 .set(0);
         }
-        inner.network_peer_rtt.reset();
-        inner.network_peer_throughput.reset();
-        inner.network_peer_slow.reset();
+        self.clear_network_peers();
+    }
+
+    /// Drops the previous network check's per-peer series (its peers may have left the gang).
+    fn clear_network_peers(&self) {
+        self.inner.network_peer_rtt.reset();
+        self.inner.network_peer_throughput.reset();
+        self.inner.network_peer_slow.reset();
     }
 
     /// An attempt's leftover processes were stopped: `count` of them, `killed` with SIGKILL.

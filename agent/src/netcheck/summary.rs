@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::gang::Report;
-use super::verdict::{Classifier, Finding, Sample};
+use super::verdict::{node_rank_of, Classifier, Finding, Sample};
 use super::Thresholds;
 
 /// Which way a measurement between this node and a peer went.
@@ -63,13 +63,6 @@ impl Summary {
     pub fn of(report: &Report, me: u32, thresholds: &Thresholds) -> Self {
         let n = u32::try_from(report.nodes.len()).unwrap_or(u32::MAX);
         let c = Classifier::new(n, &report.samples, thresholds);
-        let node_rank = |g: u32| {
-            report
-                .nodes
-                .iter()
-                .find(|node| node.group_rank == g)
-                .map_or(g, |node| node.node_rank)
-        };
         let peers = report
             .samples
             .iter()
@@ -82,7 +75,7 @@ impl Summary {
                     return None;
                 };
                 Some(PeerMeasurement {
-                    peer_node_rank: node_rank(peer),
+                    peer_node_rank: node_rank_of(&report.nodes, peer),
                     direction,
                     round: s.round,
                     rtt: s.rtt(),

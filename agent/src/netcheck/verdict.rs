@@ -114,6 +114,14 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }
 
+/// The node rank of group rank `g` among `nodes` (`g` itself for a node that published nothing).
+pub fn node_rank_of(nodes: &[NodeInfo], g: u32) -> u32 {
+    nodes
+        .iter()
+        .find(|n| n.group_rank == g)
+        .map_or(g, |n| n.node_rank)
+}
+
 /// The gang's references and the thresholds: tells a slow measurement from a normal one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Classifier {
@@ -375,12 +383,7 @@ pub fn decide(
     }
     let lines: Vec<String> = verdict.findings.iter().map(|f| f.message(nodes)).collect();
     let message = format!("network check failed: {}", lines.join(" | "));
-    let node_rank = |g: u32| {
-        nodes
-            .iter()
-            .find(|n| n.group_rank == g)
-            .map_or(g, |n| n.node_rank)
-    };
+    let node_rank = |g: u32| node_rank_of(nodes, g);
     let leaving: BTreeSet<u32> = verdict
         .findings
         .iter()
