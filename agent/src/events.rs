@@ -54,6 +54,15 @@ pub enum PreflightResult {
     Failed,
 }
 
+/// How the gang's network check ended on this node.
+#[derive(Debug, Clone)]
+pub enum NetworkCheckResult {
+    /// Node 0's verdict arrived; what this node measured and what it says of this node.
+    Judged(Arc<crate::netcheck::summary::Summary>),
+    /// No verdict reached this node in time: the workers start without one.
+    NoVerdict,
+}
+
 /// Something that happened below the launch loop.
 #[derive(Debug, Clone)]
 pub enum Event {
@@ -82,6 +91,12 @@ pub enum Event {
     /// The checkpoint barrier reached its verdict `elapsed` after it started here.
     CheckpointEnded {
         result: CheckpointResult,
+        elapsed: Duration,
+    },
+    /// The gang's network check (`--network-check`) of a round ended on this node, `elapsed`
+    /// after it started here.
+    NetworkChecked {
+        result: NetworkCheckResult,
         elapsed: Duration,
     },
     /// A local rank reported (through the checkpoint helper) that it reached `step`.

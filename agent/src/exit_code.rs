@@ -17,6 +17,7 @@
 //! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
 //! | 205 | the store host (node 0) was lost and no replacement came back within the join timeout |
 //! | 206 | internal agent error |
+//! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
@@ -41,6 +42,10 @@ pub const UNHEALTHY_GPU: u8 = 204;
 pub const STORE_HOST_LOST: u8 = 205;
 /// A bug or an unexpected OS failure in the agent itself.
 pub const INTERNAL_ERROR: u8 = 206;
+/// The gang's network pre-flight named a slow node or link under `--network-check require`:
+/// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
+/// with it while the others train on).
+pub const NETWORK_CHECK_FAILED: u8 = 208;
 
 /// Exit code for a process that died of `signal` (the shell convention).
 pub fn for_signal(signal: i32) -> u8 {
@@ -100,6 +105,7 @@ mod tests {
             UNHEALTHY_GPU,
             STORE_HOST_LOST,
             INTERNAL_ERROR,
+            NETWORK_CHECK_FAILED,
         ];
         for (i, a) in reserved.iter().enumerate() {
             assert!(*a > 192, "{a} collides with 128+signal");

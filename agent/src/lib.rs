@@ -18,7 +18,8 @@
 //! - The launch and its parts: [`launch`] (attempts, rank assignment, worker supervision,
 //!   restarts, signals; the [`launch::rdzv`] seam with the single-node and gang rendezvous),
 //!   [`checkpoint`] (the preemption checkpoint barrier), [`discovery`] (resolving and reaching the
-//!   rendezvous endpoint; the advertised address).
+//!   rendezvous endpoint; the advertised address), [`netcheck`] (the gang's network pre-flight,
+//!   `--network-check`: measure, judge, act; the gang rendezvous runs it after each round).
 //! - Events: [`events`]: the typed events the parts publish for observers.
 //! - Foundations: [`gpu`] (NVML health, NVLink topology, CUDA smoke test; its private `fabric`
 //!   module holds one raw NVML call, `unsafe` allowed there alone), [`logs`] (worker output and
@@ -40,6 +41,7 @@ pub mod host;
 pub mod launch;
 pub mod logs;
 pub mod metrics;
+pub mod netcheck;
 pub mod scratch;
 pub mod sys;
 

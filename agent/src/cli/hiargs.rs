@@ -533,6 +533,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         Some((raw, _)) => return Err(bad(raw, "gpu-check", "expected off, warn or require")),
     };
 
+    let network_check = network_check(low, nnodes.max)?;
+
     let entrypoint = entrypoint(
         &low.positional,
         switch("module"),
@@ -590,7 +592,33 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
                 parse_byte_size(&raw.value).map_err(|why| bad(raw, "max-store-bytes", why))?
             }
         },
+        network_check,
     })
+}
+
+/// `--network-check`, `--network-check-budget` and `--network-check-conf` (default: `warn`
+/// when the job may span more than one node).
+fn network_check(low: &LowArgs, max_nodes: u32) -> Result<crate::netcheck::Settings, ConfigError> {
+    let mut settings = crate::netcheck::Settings::default_for(max_nodes);
+    if let Some(raw) = get(low, "network-check") {
+        settings.mode = crate::netcheck::Mode::parse(&raw.value)
+            .ok_or_else(|| bad(raw, "network-check", "expected off, warn or require"))?;
+    }
+    if let Some(budget) = parse_duration(low, "network-check-budget")? {
+        if budget.is_zero() {
+            return Err(ConfigError(
+                "invalid --network-check-budget `0`: the check needs some time (use --network-check off to skip it)"
+                    .to_owned(),
+            ));
+        }
+        settings.budget = budget;
+    }
+    if let Some(raw) = get(low, "network-check-conf") {
+        settings
+            .apply_conf(&raw.value)
+            .map_err(|why| bad(raw, "network-check-conf", why))?;
+    }
+    Ok(settings)
 }
 
 /// What `--standalone` overrides. A multi-node `--nnodes` or a node rank other than 0 cannot

@@ -118,6 +118,9 @@ pub const FLAGS: &[FlagDef] = &[
     switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
     value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
     value("gpu-watch-interval", "SECS", "While the ranks run, look at every GPU this often (utilization, memory, power, temperature, ECC, row remaps, NVLink errors, throttling) and listen for XID events; a fatal XID stops the node with exit 204 (0: no watch; without an NVIDIA driver there is none) (default 10)"),
+    value("network-check", "off|warn|require", "Gang network pre-flight after each rendezvous round: the agents measure round-trip time and throughput among themselves and name a node or link far slower than the gang's median; warn logs it, require ends the round with exit 208 (with --nnodes MIN:MAX the named node leaves instead) (default: warn with more than one node, else off)"),
+    value("network-check-budget", "SECS", "Longest the network check may take, both rounds and the exchange (default 2)"),
+    value("network-check-conf", "K=V,...", "Network check thresholds: throughput_ratio (0.25), rtt_ratio (4), rtt_slack_ms (5), min_mbps (off), max_rtt_ms (off), stream_bytes (16777216)"),
     value("max-store-bytes", "BYTES", "What each store the agent hosts (rendezvous, workers') may hold, e.g. 1GiB; a write past it closes the writer's connection (default 1GiB)"),
 ];
 
@@ -383,7 +386,8 @@ pub fn help_text() -> String {
          root-cause worker died of signal N, or the agent was stopped by signal N (after SIGINT 0\n\
          if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
          201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
-         204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n         lost; 206 internal error.\n",
+         204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n\
+         lost; 206 internal error; 208 network check failed.\n",
     );
     out
 }

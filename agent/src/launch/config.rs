@@ -287,6 +287,9 @@ pub struct Config {
     pub gpu_watch_interval: Duration,
     /// `--max-store-bytes`: what each store the agent hosts may hold.
     pub max_store_bytes: usize,
+    /// `--network-check`, `--network-check-budget`, `--network-check-conf`: the gang's network
+    /// pre-flight after each rendezvous round.
+    pub network_check: crate::netcheck::Settings,
 }
 
 impl Config {
@@ -330,6 +333,7 @@ impl Config {
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
             gpu_watch_interval: crate::gpu::watch::DEFAULT_INTERVAL,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
+            network_check: crate::netcheck::Settings::default_for(1),
         }
     }
 }

@@ -206,6 +206,13 @@ pub enum LaunchError {
         detail: String,
         timeout: f64,
     },
+    /// The gang's network pre-flight (`--network-check require`) named a slow node or link:
+    /// the round ends for this node (the message names the node or link and what was measured).
+    #[error("{0}")]
+    NetworkCheckFailed(String),
+    /// The rendezvous store failed under the network check.
+    #[error(transparent)]
+    NetworkCheck(crate::netcheck::gang::CheckError),
     /// A state the agent's own logic should never reach.
     #[error("{0}")]
     Internal(&'static str),
@@ -248,17 +255,21 @@ impl exit_code::Coded for LaunchError {
             LaunchError::DiscoveryTimeout(_) | LaunchError::Rendezvous(RdzvError::Timeout(_)) => {
                 exit_code::RENDEZVOUS_TIMEOUT
             }
-            LaunchError::StoreHostLost(_) | LaunchError::Rendezvous(RdzvError::StoreLost(_)) => {
+            LaunchError::StoreHostLost(_)
+            | LaunchError::Rendezvous(RdzvError::StoreLost(_))
+            | LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Store(_)) => {
                 exit_code::STORE_HOST_LOST
             }
             LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
             LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => {
                 exit_code::UNHEALTHY_GPU
             }
+            LaunchError::NetworkCheckFailed(_) => exit_code::NETWORK_CHECK_FAILED,
             LaunchError::Rendezvous(RdzvError::Malformed { .. } | RdzvError::Encode(_))
             | LaunchError::Spawn { .. }
             | LaunchError::Store { .. }
             | LaunchError::Io { .. }
+            | LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Encode(_))
             | LaunchError::Internal(_) => exit_code::INTERNAL_ERROR,
         }
     }
@@ -840,6 +851,13 @@ mod tests {
             "the GPUs were not released 60.0s after attempt 0 stopped: GPU 0 held; this node is \
              unhealthy (--gpu-release-timeout 60)"
         );
+        // The network check's verdict ends with its own code; its store failing is node 0 lost.
+        let slow = LaunchError::NetworkCheckFailed("node 2 (host-2) is slow".into());
+        assert_eq!(slow.exit_code(), exit_code::NETWORK_CHECK_FAILED);
+        assert_eq!(slow.to_string(), "node 2 (host-2) is slow");
+        let lost =
+            LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Store("eof".into()));
+        assert_eq!(lost.exit_code(), exit_code::STORE_HOST_LOST);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use super::{
     serve_in_thread, CheckpointOutcome, CheckpointPhase, EndpointConfig, Metrics, MetricsAddr,
     Phase, Readiness, RoundOutcome, ServeError, Serving, StoreRole, WorkerExit,
 };
-use crate::events::{self, CheckpointResult, PreflightResult};
+use crate::events::{self, CheckpointResult, NetworkCheckResult, PreflightResult};
 use crate::launch::config::{Config, SignalAction};
 use crate::launch::{
     AfterGroup, BoxFuture, Event, ExitStatus, GroupOutcome, Launch, LaunchError, LocalRendezvous,
@@ -340,6 +340,12 @@ impl ObserverState {
                 }
             },
             Part::WorkerStep { local_rank, step } => metrics.worker_step(local_rank, step),
+            Part::NetworkChecked { result, elapsed } => match result {
+                NetworkCheckResult::Judged(summary) => {
+                    metrics.network_check_judged(&summary, elapsed);
+                }
+                NetworkCheckResult::NoVerdict => metrics.network_check_without_verdict(elapsed),
+            },
         }
         if before.preflight != self.inputs.preflight
             || before.resolving != self.inputs.resolving
@@ -687,6 +693,129 @@ mod tests {
         );
         assert_eq!(v("muster_last_checkpoint_step"), Some(40.0));
         assert_eq!(metrics.readiness(), Readiness::Ready);
+        shutdown.cancel();
+    }
+
+    #[tokio::test]
+    async fn the_network_check_is_recorded_per_peer_and_replaced_by_the_next() {
+        use crate::netcheck::summary::{Direction, PeerMeasurement, Summary};
+        let metrics = Metrics::new();
+        let shutdown = CancellationToken::new();
+        let endpoint = start_endpoint(
+            Some("none".parse().unwrap()),
+            &metrics,
+            EndpointConfig::default(),
+            &shutdown,
+        )
+        .unwrap();
+        let mut config = Config::for_program("/bin/true", vec![], 1);
+        config.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
+        let launch = Launch::new(config);
+        let (events, parts) = events::Events::channel();
+        observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+        let peer =
+            |rank, direction, round, rtt_us: Option<u64>, bytes_per_second, slow| PeerMeasurement {
+                peer_node_rank: rank,
+                direction,
+                round,
+                rtt: rtt_us.map(Duration::from_micros),
+                bytes_per_second,
+                slow,
+            };
+        let judged = |summary: Summary, millis| events::Event::NetworkChecked {
+            result: events::NetworkCheckResult::Judged(std::sync::Arc::new(summary)),
+            elapsed: Duration::from_millis(millis),
+        };
+        events.publish(judged(
+            Summary {
+                peers: vec![
+                    peer(3, Direction::Out, 1, Some(250), 1.25e9, false),
+                    peer(7, Direction::In, 1, Some(2_000), 1e6, true),
+                    peer(7, Direction::Out, 2, None, 0.0, true),
+                ],
+                node_findings: 1,
+                link_findings: 0,
+                named: false,
+            },
+            750,
+        ));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = String::from_utf8(metrics.encode()).unwrap();
+        let v = |series: &str| value(&text, series);
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="finding"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="clean"}"#),
+            Some(0.0)
+        );
+        assert_eq!(v("muster_network_check_duration_seconds"), Some(0.75));
+        assert_eq!(
+            v(r#"muster_network_check_findings{kind="node"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v("muster_network_check_named"), Some(0.0));
+        let out3 = r#"{direction="out",peer_node_rank="3",round="1"}"#;
+        let in7 = r#"{direction="in",peer_node_rank="7",round="1"}"#;
+        let out7 = r#"{direction="out",peer_node_rank="7",round="2"}"#;
+        assert_eq!(
+            v(&format!("muster_network_peer_rtt_seconds{out3}")),
+            Some(0.00025)
+        );
+        assert_eq!(
+            v(&format!(
+                "muster_network_peer_throughput_bytes_per_second{out3}"
+            )),
+            Some(1.25e9)
+        );
+        assert_eq!(v(&format!("muster_network_peer_slow{out3}")), Some(0.0));
+        assert_eq!(v(&format!("muster_network_peer_slow{in7}")), Some(1.0));
+        // A failed measurement has no round-trip time and counted nothing.
+        assert_eq!(v(&format!("muster_network_peer_rtt_seconds{out7}")), None);
+        assert_eq!(
+            v(&format!(
+                "muster_network_peer_throughput_bytes_per_second{out7}"
+            )),
+            Some(0.0)
+        );
+
+        // The next round's check (node rank 7 gone) replaces the peers; then one without a
+        // verdict clears them.
+        events.publish(judged(
+            Summary {
+                peers: vec![peer(3, Direction::Out, 1, Some(300), 1e9, false)],
+                node_findings: 0,
+                link_findings: 0,
+                named: false,
+            },
+            500,
+        ));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = String::from_utf8(metrics.encode()).unwrap();
+        let v = |series: &str| value(&text, series);
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="clean"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v(&format!("muster_network_peer_slow{in7}")), None);
+        assert_eq!(
+            v(&format!("muster_network_peer_rtt_seconds{out3}")),
+            Some(0.0003)
+        );
+        events.publish(events::Event::NetworkChecked {
+            result: events::NetworkCheckResult::NoVerdict,
+            elapsed: Duration::from_secs(5),
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = String::from_utf8(metrics.encode()).unwrap();
+        let v = |series: &str| value(&text, series);
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="no_verdict"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v("muster_network_check_duration_seconds"), Some(5.0));
+        assert_eq!(v(&format!("muster_network_peer_rtt_seconds{out3}")), None);
         shutdown.cancel();
     }
 

@@ -27,8 +27,9 @@
 //! Every name starts with `muster_`, uses base units (seconds, bytes), and counters end in
 //! `_total`. Label values come from closed sets (enums here, `&'static str` reasons and check names
 //! from the code, exit codes clamped to 0–255, signal names) or are bounded by the node's hardware
-//! (local ranks, GPUs), so a pod exports a few hundred series at most. Run ids and host names
-//! appear only in `muster_job_info`.
+//! (local ranks, GPUs) or by the job's size (the network check's peers, by node rank, at most
+//! [`MAX_NETWORK_PEER_SERIES`]), so a pod exports a few hundred series at most. Run ids and host
+//! names appear only in `muster_job_info`.
 
 pub mod agent;
 pub mod auth;
@@ -47,8 +48,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -73,6 +74,9 @@ pub const MAX_LOCAL_RANKS: u32 = 256;
 pub const MAX_GPUS: u32 = 64;
 /// Distinct GPU check names exported (the pre-flight has about twenty).
 pub const MAX_GPU_CHECKS: usize = 64;
+/// Measurements between this node and its peers exported per network check (a node makes two
+/// in round 1 and a few in round 2).
+pub const MAX_NETWORK_PEER_SERIES: usize = 64;
 /// Longest `run_id` label value kept; longer ids are cut (the label is informational).
 const MAX_RUN_ID_LEN: usize = 128;
 
@@ -152,6 +156,7 @@ impl Readiness {
 
 pub use crate::events::DnsResult;
 pub use crate::launch::RestartCause;
+use crate::netcheck::summary::Summary;
 
 const DNS_RESULTS: [DnsResult; 4] = [
     DnsResult::Ok,
@@ -169,6 +174,12 @@ fn dns_result_label(result: DnsResult) -> &'static str {
         DnsResult::Error => "error",
     }
 }
+
+/// The `result` label of `muster_network_checks_total`.
+const NETWORK_CHECK_RESULTS: [&str; 3] = ["clean", "finding", "no_verdict"];
+/// The labels of a measurement between this node and a peer; node ranks are bounded by
+/// `--nnodes`, and a check exports at most [`MAX_NETWORK_PEER_SERIES`] of them.
+const NETWORK_PEER_LABELS: &[&str] = &["peer_node_rank", "direction", "round"];
 
 /// How a rendezvous round ended (`outcome` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -423,6 +434,13 @@ struct Inner {
     gpu_nvlink_links: IntGaugeVec,
     gpu_preflight_healthy: IntGauge,
     gpu_preflight_duration: Gauge,
+    network_checks: IntCounterVec,
+    network_check_duration: Gauge,
+    network_check_findings: IntGaugeVec,
+    network_check_named: IntGauge,
+    network_peer_rtt: GaugeVec,
+    network_peer_throughput: GaugeVec,
+    network_peer_slow: IntGaugeVec,
     /// Leftover processes of finished attempts stopped, by the signal that ended them.
     strays_stopped: IntCounterVec,
     gpu_release_wait: HistogramVec,
@@ -467,6 +485,10 @@ impl Defs {
 
     fn int_gauge_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
         self.register(IntGaugeVec::new(Opts::new(name, help), labels).expect(STATIC_DEFINITION))
+    }
+
+    fn gauge_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+        self.register(GaugeVec::new(Opts::new(name, help), labels).expect(STATIC_DEFINITION))
     }
 
     fn counter_vec(&mut self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -657,6 +679,39 @@ impl Metrics {
                 "muster_gpu_preflight_duration_seconds",
                 "How long the last GPU pre-flight took.",
             ),
+            network_checks: defs.counter_vec(
+                "muster_network_checks_total",
+                "Gang network checks (--network-check) ended on this node, by result (clean, finding, no_verdict).",
+                &["result"],
+            ),
+            network_check_duration: defs.gauge(
+                "muster_network_check_duration_seconds",
+                "How long the last gang network check took on this node.",
+            ),
+            network_check_findings: defs.int_gauge_vec(
+                "muster_network_check_findings",
+                "Slow nodes and links the last gang network check named, by kind (node, link).",
+                &["kind"],
+            ),
+            network_check_named: defs.int_gauge(
+                "muster_network_check_named",
+                "1 when the last gang network check named this node (a slow node, or one end of a slow link).",
+            ),
+            network_peer_rtt: defs.gauge_vec(
+                "muster_network_peer_rtt_seconds",
+                "Shortest round-trip time of the last network check's measurement with a peer, by peer node rank, direction (out: this node measured; in: the peer did) and round.",
+                NETWORK_PEER_LABELS,
+            ),
+            network_peer_throughput: defs.gauge_vec(
+                "muster_network_peer_throughput_bytes_per_second",
+                "Throughput of the last network check's stream with a peer (0: failed), by peer node rank, direction and round.",
+                NETWORK_PEER_LABELS,
+            ),
+            network_peer_slow: defs.int_gauge_vec(
+                "muster_network_peer_slow",
+                "The last network check's verdict on a measurement with a peer (1 slow or failed, 0 ok), by peer node rank, direction and round.",
+                NETWORK_PEER_LABELS,
+            ),
             strays_stopped: defs.counter_vec(
                 "muster_stray_processes_stopped_total",
                 "Processes a finished attempt's workers left behind, stopped with the attempt, by signal.",
@@ -738,6 +793,12 @@ impl Metrics {
             inner
                 .checkpoint_duration
                 .with_label_values(&[outcome.as_str()]);
+        }
+        for result in NETWORK_CHECK_RESULTS {
+            inner.network_checks.with_label_values(&[result]);
+        }
+        for kind in ["node", "link"] {
+            inner.network_check_findings.with_label_values(&[kind]);
         }
         for signal in ["SIGTERM", "SIGKILL"] {
             inner.strays_stopped.with_label_values(&[signal]);
@@ -917,6 +978,76 @@ impl Metrics {
     pub fn gpu_preflight_finished(&self, healthy: bool, elapsed: Duration) {
         self.inner.gpu_preflight_healthy.set(i64::from(healthy));
         self.inner.gpu_preflight_duration.set(elapsed.as_secs_f64());
+    }
+
+    // ---- gang network check -----------------------------------------------------------------
+
+    /// The gang's network check ended with node 0's verdict: this node's measurements with its
+    /// peers (replacing the previous check's, whose peers may have left), what the verdict named
+    /// and how long the check took here. At most [`MAX_NETWORK_PEER_SERIES`] measurements.
+    pub fn network_check_judged(&self, summary: &Summary, elapsed: Duration) {
+        let inner = &self.inner;
+        let findings = summary.node_findings + summary.link_findings;
+        inner
+            .network_checks
+            .with_label_values(&[if findings == 0 { "clean" } else { "finding" }])
+            .inc();
+        inner.network_check_duration.set(elapsed.as_secs_f64());
+        inner
+            .network_check_findings
+            .with_label_values(&["node"])
+            .set(i64::from(summary.node_findings));
+        inner
+            .network_check_findings
+            .with_label_values(&["link"])
+            .set(i64::from(summary.link_findings));
+        inner.network_check_named.set(i64::from(summary.named));
+        self.clear_network_peers();
+        for peer in summary.peers.iter().take(MAX_NETWORK_PEER_SERIES) {
+            let rank = peer.peer_node_rank.to_string();
+            let round = peer.round.to_string();
+            let labels = [rank.as_str(), peer.direction.as_str(), round.as_str()];
+            if let Some(rtt) = peer.rtt {
+                inner
+                    .network_peer_rtt
+                    .with_label_values(&labels)
+                    .set(rtt.as_secs_f64());
+            }
+            inner
+                .network_peer_throughput
+                .with_label_values(&labels)
+                .set(peer.bytes_per_second);
+            inner
+                .network_peer_slow
+                .with_label_values(&labels)
+                .set(i64::from(peer.slow));
+        }
+    }
+
+    /// The gang's network check ended on this node without a verdict (node 0 did not answer in
+    /// time): counted, timed; the previous check's measurements are no longer this round's.
+    pub fn network_check_without_verdict(&self, elapsed: Duration) {
+        let inner = &self.inner;
+        inner
+            .network_checks
+            .with_label_values(&["no_verdict"])
+            .inc();
+        inner.network_check_duration.set(elapsed.as_secs_f64());
+        inner.network_check_named.set(0);
+        for kind in ["node", "link"] {
+            inner
+                .network_check_findings
+                .with_label_values(&[kind])
+                .set(0);
+        }
+        self.clear_network_peers();
+    }
+
+    /// Drops the previous network check's per-peer series (its peers may have left the gang).
+    fn clear_network_peers(&self) {
+        self.inner.network_peer_rtt.reset();
+        self.inner.network_peer_throughput.reset();
+        self.inner.network_peer_slow.reset();
     }
 
     /// An attempt's leftover processes were stopped: `count` of them, `killed` with SIGKILL.

@@ -63,6 +63,8 @@ pub struct GangRendezvous {
     gpu_verdict: serde_json::Value,
     /// `--max-store-bytes`, for both stores this node may host.
     max_store_bytes: usize,
+    /// `--network-check*`: the gang's network pre-flight after each round.
+    network: crate::netcheck::Settings,
     /// Where discovery and the hosted store are reported.
     events: Events,
     /// Set while this survivor waits for a replacement store host.
@@ -141,13 +143,14 @@ impl GangRendezvous {
             running: None,
             gpu_verdict: serde_json::Value::Null,
             max_store_bytes: config.max_store_bytes,
+            network: config.network_check.clone(),
             events: Events::default(),
             recovering: None,
             host_loss: Arc::default(),
         })
     }
 
-    /// Reports DNS lookups and the hosted rendezvous store to `events`.
+    /// Reports DNS lookups, the hosted rendezvous store and the network check to `events`.
     #[must_use]
     pub fn with_events(mut self, events: Events) -> Self {
         self.events = events;
@@ -272,7 +275,9 @@ impl GangRendezvous {
     async fn round(&mut self) -> Result<Round, LaunchError> {
         loop {
             match self.try_round().await {
-                Ok(round) => return Ok(round),
+                Ok(Some(round)) => return Ok(round),
+                // The network check sent some nodes away: the rest form a new round.
+                Ok(None) => {}
                 Err(RoundError::HostLost(why)) => self.host_lost(why)?,
                 Err(RoundError::Launch(e)) => return Err(e),
             }
@@ -321,7 +326,9 @@ impl GangRendezvous {
         Ok(())
     }
 
-    async fn try_round(&mut self) -> Result<Round, RoundError> {
+    /// One rendezvous round and its network check: `None` when the check sent some nodes away
+    /// and the others must form a new round.
+    async fn try_round(&mut self) -> Result<Option<Round>, RoundError> {
         if self.rdzv.is_none() {
             let deadline = match &self.recovering {
                 Some(r) => r.lost_at + self.cfg.join_timeout,
@@ -397,7 +404,7 @@ impl GangRendezvous {
             a.world_size,
             a.restart_count
         );
-        let watch_kv = match rdzv.kv().reconnect().await {
+        let mut watch_kv = match rdzv.kv().reconnect().await {
             Ok(kv) => kv,
             Err(e) => {
                 if let Some(s) = store {
@@ -405,6 +412,33 @@ impl GangRendezvous {
                 }
                 return Err(RoundError::HostLost(e.to_string()));
             }
+        };
+        let check = crate::netcheck::gang::RoundInfo {
+            run_id: self.cfg.run_id.clone(),
+            generation: a.generation,
+            me: crate::netcheck::verdict::NodeInfo {
+                group_rank: a.group_rank,
+                node_rank: a.node_rank,
+                host: crate::host::name(),
+                addr: advertised.to_string(),
+            },
+            ip: advertised,
+            world: a.group_world_size,
+            min_nodes: self.cfg.min_nodes,
+            max_nodes: self.cfg.max_nodes,
+            settings: self.network.clone(),
+        };
+        let go = network_check(&check, &mut watch_kv, &self.events).await;
+        if !matches!(go, Ok(true)) {
+            if let Some(s) = store {
+                s.shutdown().await;
+            }
+            return go.map(|_| None).map_err(RoundError::from);
+        }
+        let Some(rdzv) = self.rdzv.as_ref() else {
+            return Err(RoundError::Launch(LaunchError::Internal(
+                "rendezvous not started",
+            )));
         };
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
@@ -431,7 +465,7 @@ impl GangRendezvous {
             fired,
             task,
         });
-        Ok(Round { assignment, store })
+        Ok(Some(Round { assignment, store }))
     }
 
     async fn after(
@@ -618,6 +652,69 @@ enum RoundError {
 impl From<LaunchError> for RoundError {
     fn from(e: LaunchError) -> Self {
         RoundError::Launch(e)
+    }
+}
+
+/// Runs the network check of one round ([`crate::netcheck`]) and acts on node 0's verdict:
+/// `Ok(true)` to start the workers, `Ok(false)` to form a new round without the nodes it sent
+/// away, `Err` with exit 208 when it ends the round for this node. What this node measured and
+/// the verdict go to `events` either way.
+async fn network_check(
+    round: &crate::netcheck::gang::RoundInfo,
+    kv: &mut rendezvous::rdzv::StoreKv,
+    events: &Events,
+) -> Result<bool, LaunchError> {
+    use crate::events::NetworkCheckResult;
+    use crate::netcheck::{gang, summary::Summary, verdict::Action, Mode};
+    if round.settings.mode == Mode::Off || round.world < 2 {
+        return Ok(true);
+    }
+    let started = Instant::now();
+    let outcome = gang::run(kv, round)
+        .await
+        .map_err(LaunchError::NetworkCheck)?;
+    let report = match outcome {
+        gang::Outcome::NoVerdict(why) => {
+            events.publish(Event::NetworkChecked {
+                result: NetworkCheckResult::NoVerdict,
+                elapsed: started.elapsed(),
+            });
+            warn!("network check: {why}; starting the workers without a verdict");
+            return Ok(true);
+        }
+        gang::Outcome::Report(report) => report,
+    };
+    if round.me.group_rank == 0 {
+        info!(
+            "network check took {} ms: {}\n{}",
+            report.millis,
+            report.verdict.reason,
+            report.table(&round.settings.thresholds).trim_end()
+        );
+    } else {
+        info!("network check: {}", report.verdict.reason);
+    }
+    for finding in &report.verdict.findings {
+        warn!("network check: {}", finding.message(&report.nodes));
+    }
+    events.publish(Event::NetworkChecked {
+        result: NetworkCheckResult::Judged(std::sync::Arc::new(Summary::of(
+            &report,
+            round.me.group_rank,
+            &round.settings.thresholds,
+        ))),
+        elapsed: started.elapsed(),
+    });
+    match report.action {
+        Action::Proceed => Ok(true),
+        Action::End { message } => Err(LaunchError::NetworkCheckFailed(message)),
+        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => Err(
+            LaunchError::NetworkCheckFailed(format!("{message}; this node leaves the job")),
+        ),
+        Action::Leave { message, .. } => {
+            warn!("{message}; forming a new round without the named node(s)");
+            Ok(false)
+        }
     }
 }
 

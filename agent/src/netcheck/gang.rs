@@ -1,0 +1,575 @@
+//! The check's exchange through the rendezvous store: who listens where, what each node
+//! measured, round 2's plan and node 0's verdict. Node 0 decides; the others measure and
+//! follow, so every node acts on one verdict.
+//!
+//! Keys, under the round's own prefix `muster/<run_id>/g<G>/net/` (so nothing of an earlier
+//! round is read):
+//!
+//! | key | value | written by |
+//! |---|---|---|
+//! | `addr/<g>` | JSON: the node, its listener's port and token (or why it has none) | node of group rank g |
+//! | `r1/<g>`, `r2/<g>` | JSON list of [`Sample`]s it measured in round 1, 2 | node g |
+//! | `plan2` | JSON list of [`Pair`]s (empty: no round 2) | node 0 |
+//! | `verdict` | JSON [`Report`] | node 0, after any generation bump it implies |
+//! | `acks` | ADD counter: members that read a verdict ending the round | members |
+//!
+//! Time, as fractions of the budget B from each node's own start: addresses by 0.25 B; each
+//! stream lasts at most 0.2 B; node 0 takes round 1's results until 0.6 B and round 2's until
+//! 0.95 B. A member waits longer than that for node 0's answers, so a slow node 0 delays the
+//! gang instead of splitting it; a member that still hears nothing goes on without a verdict.
+
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use rendezvous::rdzv::{decide as rdzv_decide, keys::Keys, GenRecord, Kv, KvError};
+use serde::{Deserialize, Serialize};
+use tokio::time::{sleep, Instant};
+use tracing::debug;
+
+use super::plan::{self, Pair};
+use super::probe::{self, Limits, Listener};
+use super::verdict::{self, Action, Classifier, NodeInfo, Sample, Verdict};
+use super::Settings;
+use crate::exit_code;
+
+/// What a member waits for node 0 beyond node 0's own schedule (its start may lag ours).
+const MEMBER_GRACE: Duration = Duration::from_secs(3);
+/// How often node 0 looks at the acknowledgement counter.
+const ACK_POLL: Duration = Duration::from_millis(10);
+
+/// One node's entry under `addr/<g>`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Published {
+    node: NodeInfo,
+    port: u16,
+    token: String,
+    /// Why this node has no listener (the peers record their measurement as failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// This node's place in the round being checked.
+#[derive(Debug, Clone)]
+pub struct RoundInfo {
+    pub run_id: String,
+    pub generation: u64,
+    /// This node (its group rank says whether it is node 0, the decider).
+    pub me: NodeInfo,
+    /// The advertised address, where the listener binds.
+    pub ip: IpAddr,
+    pub world: u32,
+    pub min_nodes: u32,
+    pub max_nodes: u32,
+    pub settings: Settings,
+}
+
+/// Node 0's verdict with everything behind it, as published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Report {
+    pub nodes: Vec<NodeInfo>,
+    pub samples: Vec<Sample>,
+    pub verdict: Verdict,
+    pub action: Action,
+    /// How long the check took on node 0.
+    pub millis: u64,
+}
+
+impl Report {
+    /// The measurement table (see [`verdict::table`]).
+    pub fn table(&self, thresholds: &super::Thresholds) -> String {
+        let n = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
+        let c = Classifier::new(n, &self.samples, thresholds);
+        verdict::table(&self.nodes, &self.samples, &c)
+    }
+}
+
+/// How the check ended on this node.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Node 0's report.
+    Report(Report),
+    /// No verdict reached this node in time (why): the workers start.
+    NoVerdict(String),
+}
+
+/// The store failed under the check.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    #[error("lost the store host (node 0) during the network check: {0}")]
+    Store(String),
+    #[error("could not encode a network check value: {0}")]
+    Encode(#[from] serde_json::Error),
+}
+
+#[allow(clippy::needless_pass_by_value)] // used as `.map_err(lost)`
+fn lost(e: KvError) -> CheckError {
+    CheckError::Store(e.to_string())
+}
+
+struct NetKeys {
+    prefix: String,
+}
+
+impl NetKeys {
+    fn new(run_id: &str, generation: u64) -> Self {
+        Self {
+            prefix: format!("muster/{run_id}/g{generation}/net/"),
+        }
+    }
+
+    fn key(&self, what: &str) -> Vec<u8> {
+        format!("{}{what}", self.prefix).into_bytes()
+    }
+
+    fn per_node(&self, what: &str, world: u32) -> Vec<Vec<u8>> {
+        (0..world)
+            .map(|g| self.key(&format!("{what}/{g}")))
+            .collect()
+    }
+}
+
+/// Runs the check on this node. `Err` only when the store fails.
+pub async fn run<K: Kv>(kv: &mut K, round: &RoundInfo) -> Result<Outcome, CheckError> {
+    let start = Instant::now();
+    let budget = round.settings.budget;
+    let keys = NetKeys::new(&round.run_id, round.generation);
+    let me = round.me.group_rank;
+    let limits = Limits::for_budget(budget, round.settings.stream_bytes);
+    let listener = Listener::bind(round.ip, limits).await;
+    let published = match &listener {
+        Ok(l) => Published {
+            node: round.me.clone(),
+            port: l.addr().port(),
+            token: probe::token_hex(&l.token()),
+            error: None,
+        },
+        Err(e) => Published {
+            node: round.me.clone(),
+            port: 0,
+            token: String::new(),
+            error: Some(format!("could not listen on {}: {e}", round.ip)),
+        },
+    };
+    kv.set(
+        &keys.key(&format!("addr/{me}")),
+        &serde_json::to_vec(&published)?,
+    )
+    .await
+    .map_err(lost)?;
+    let addr_keys = keys.per_node("addr", round.world);
+    let peers = wait_and_read::<_, Published>(kv, &addr_keys, start + budget.mul_f64(0.25)).await?;
+    let nodes: Vec<NodeInfo> = (0..round.world)
+        .map(|g| {
+            peers[g as usize].as_ref().map_or_else(
+                || NodeInfo {
+                    group_rank: g,
+                    node_rank: g,
+                    host: "?".to_owned(),
+                    addr: "?".to_owned(),
+                },
+                |p| p.node.clone(),
+            )
+        })
+        .collect();
+    let stream_time = budget.mul_f64(0.2);
+    let ring: Vec<Pair> = plan::ring(round.world)
+        .into_iter()
+        .filter(|p| p.from == me)
+        .collect();
+    let r1 = measure_all(
+        &ring,
+        1,
+        &peers,
+        round,
+        stream_time,
+        start + budget.mul_f64(0.55),
+    )
+    .await;
+    kv.set(&keys.key(&format!("r1/{me}")), &serde_json::to_vec(&r1)?)
+        .await
+        .map_err(lost)?;
+    let outcome = if me == 0 {
+        coordinate(kv, round, &keys, &peers, nodes, start).await?
+    } else {
+        follow(kv, round, &keys, &peers, start).await?
+    };
+    if let Ok(l) = listener {
+        l.close().await;
+    }
+    Ok(outcome)
+}
+
+/// Node 0: collect round 1, plan and run round 2, judge, publish.
+async fn coordinate<K: Kv>(
+    kv: &mut K,
+    round: &RoundInfo,
+    keys: &NetKeys,
+    peers: &[Option<Published>],
+    nodes: Vec<NodeInfo>,
+    start: Instant,
+) -> Result<Outcome, CheckError> {
+    let budget = round.settings.budget;
+    let th = &round.settings.thresholds;
+    let r1_keys = keys.per_node("r1", round.world);
+    let mut samples: Vec<Sample> =
+        wait_and_read::<_, Vec<Sample>>(kv, &r1_keys, start + budget.mul_f64(0.6))
+            .await?
+            .into_iter()
+            .flatten()
+            .flatten()
+            .collect();
+    let c = Classifier::new(round.world, &samples, th);
+    let plan2 = plan::second_round(round.world, &samples, &c);
+    kv.set(&keys.key("plan2"), &serde_json::to_vec(&plan2)?)
+        .await
+        .map_err(lost)?;
+    if !plan2.is_empty() {
+        debug!("network check round 2: {plan2:?}");
+        let mine: Vec<Pair> = plan2.iter().copied().filter(|p| p.from == 0).collect();
+        let now = Instant::now();
+        let r2 = measure_all(
+            &mine,
+            2,
+            peers,
+            round,
+            budget.mul_f64(0.2),
+            now + budget.mul_f64(0.3),
+        )
+        .await;
+        kv.set(&keys.key("r2/0"), &serde_json::to_vec(&r2)?)
+            .await
+            .map_err(lost)?;
+        let senders: BTreeSet<u32> = plan2.iter().map(|p| p.from).collect();
+        let r2_keys: Vec<Vec<u8>> = senders
+            .iter()
+            .map(|g| keys.key(&format!("r2/{g}")))
+            .collect();
+        let deadline = (start + budget.mul_f64(0.95)).max(now + budget.mul_f64(0.35));
+        samples.extend(
+            wait_and_read::<_, Vec<Sample>>(kv, &r2_keys, deadline)
+                .await?
+                .into_iter()
+                .flatten()
+                .flatten(),
+        );
+    }
+    let verdict = verdict::judge(round.world, &samples, th);
+    let action = verdict::decide(
+        round.settings.mode,
+        &verdict,
+        &nodes,
+        round.min_nodes,
+        round.max_nodes,
+    );
+    let report = Report {
+        nodes,
+        samples,
+        verdict,
+        action,
+        millis: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+    };
+    // The generation moves before the verdict is out, so a member that reads "leave" or "end"
+    // finds the new generation already there (and one that missed the verdict still learns it
+    // from the generation).
+    bump_for(kv, &round.run_id, &report.action).await?;
+    kv.set(&keys.key("verdict"), &serde_json::to_vec(&report)?)
+        .await
+        .map_err(lost)?;
+    if matches!(report.action, Action::End { .. }) {
+        // Node 0's exit takes the store with it: stay until every member read why.
+        let until = Instant::now() + budget.max(Duration::from_secs(1));
+        let want = i64::from(round.world.saturating_sub(1));
+        while Instant::now() < until {
+            if kv.add(&keys.key("acks"), 0).await.map_err(lost)? >= want {
+                break;
+            }
+            sleep(ACK_POLL).await;
+        }
+    }
+    Ok(Outcome::Report(report))
+}
+
+/// A member: wait for round 2's plan, measure its part, wait for the verdict.
+async fn follow<K: Kv>(
+    kv: &mut K,
+    round: &RoundInfo,
+    keys: &NetKeys,
+    peers: &[Option<Published>],
+    start: Instant,
+) -> Result<Outcome, CheckError> {
+    let budget = round.settings.budget;
+    let me = round.me.group_rank;
+    let plan_key = vec![keys.key("plan2")];
+    let Some(plan2) = wait_and_read::<_, Vec<Pair>>(kv, &plan_key, start + budget + MEMBER_GRACE)
+        .await?
+        .pop()
+        .flatten()
+    else {
+        return Ok(Outcome::NoVerdict(
+            "node 0 published no plan in time".to_owned(),
+        ));
+    };
+    let mine: Vec<Pair> = plan2.into_iter().filter(|p| p.from == me).collect();
+    if !mine.is_empty() {
+        let now = Instant::now();
+        let r2 = measure_all(
+            &mine,
+            2,
+            peers,
+            round,
+            budget.mul_f64(0.2),
+            now + budget.mul_f64(0.3),
+        )
+        .await;
+        kv.set(&keys.key(&format!("r2/{me}")), &serde_json::to_vec(&r2)?)
+            .await
+            .map_err(lost)?;
+    }
+    let verdict_key = vec![keys.key("verdict")];
+    let Some(report) =
+        wait_and_read::<_, Report>(kv, &verdict_key, start + budget * 2 + MEMBER_GRACE)
+            .await?
+            .pop()
+            .flatten()
+    else {
+        return Ok(Outcome::NoVerdict(
+            "node 0 published no verdict in time".to_owned(),
+        ));
+    };
+    if matches!(report.action, Action::End { .. }) {
+        kv.add(&keys.key("acks"), 1).await.map_err(lost)?;
+    }
+    Ok(Outcome::Report(report))
+}
+
+/// Moves the generation as `action` says: the fatal end (exit 208) or a membership change
+/// that the leaving nodes sit out. Nothing for [`Action::Proceed`].
+async fn bump_for<K: Kv>(kv: &mut K, run_id: &str, action: &Action) -> Result<(), CheckError> {
+    let (fatal, reason) = match action {
+        Action::Proceed => return Ok(()),
+        Action::End { message } => (true, message.clone()),
+        Action::Leave { message, .. } => (
+            false,
+            format!("{message}; the named node(s) leave and the others form a new round"),
+        ),
+    };
+    let key = Keys::new(run_id).gen();
+    let raw = kv.get(&key).await.map_err(lost)?;
+    let current: GenRecord = if raw.is_empty() {
+        GenRecord::first()
+    } else {
+        serde_json::from_slice(&raw)?
+    };
+    let next = if fatal {
+        rdzv_decide::fatal_bump(&current, Some(0), exit_code::NETWORK_CHECK_FAILED, reason)
+    } else {
+        rdzv_decide::membership_bump(&current, 0, reason)
+    };
+    // A COMPARE_SET from the bytes just read: if someone else bumped meanwhile, theirs stands.
+    kv.compare_set(&key, &raw, &serde_json::to_vec(&next)?)
+        .await
+        .map_err(lost)?;
+    Ok(())
+}
+
+/// Waits until `keys` all exist or `deadline`, then reads them: `None` for a key not written
+/// or not readable (a foreign or newer writer).
+async fn wait_and_read<K: Kv, T: serde::de::DeserializeOwned>(
+    kv: &mut K,
+    keys: &[Vec<u8>],
+    deadline: Instant,
+) -> Result<Vec<Option<T>>, CheckError> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    match kv.wait(keys, left).await {
+        Ok(()) | Err(KvError::WaitTimeout) => {}
+        Err(e) => return Err(lost(e)),
+    }
+    let values = kv.multi_get(keys).await.map_err(lost)?;
+    Ok(values
+        .iter()
+        .map(|v| {
+            if v.is_empty() {
+                None
+            } else {
+                serde_json::from_slice(v).ok()
+            }
+        })
+        .collect())
+}
+
+/// Measures `pairs` (all with this node as the sender) at once; the samples in `pairs` order.
+async fn measure_all(
+    pairs: &[Pair],
+    round_no: u8,
+    peers: &[Option<Published>],
+    round: &RoundInfo,
+    stream_time: Duration,
+    deadline: Instant,
+) -> Vec<Sample> {
+    let mut set = tokio::task::JoinSet::new();
+    for (i, p) in pairs.iter().copied().enumerate() {
+        let peer = peers.get(p.to as usize).cloned().flatten();
+        let stream_bytes = round.settings.stream_bytes;
+        set.spawn(async move {
+            let sample = match request(p, round_no, peer, stream_bytes, stream_time, deadline) {
+                Ok(req) => probe::measure(&req).await,
+                Err(why) => Sample::failed(p.from, p.to, round_no, why),
+            };
+            (i, sample)
+        });
+    }
+    let mut out: Vec<(usize, Sample)> = Vec::with_capacity(pairs.len());
+    while let Some(joined) = set.join_next().await {
+        if let Ok(done) = joined {
+            out.push(done);
+        }
+    }
+    out.sort_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, s)| s).collect()
+}
+
+/// The measurement of `p` against what the peer published, or why it cannot be made.
+fn request(
+    p: Pair,
+    round: u8,
+    peer: Option<Published>,
+    stream_bytes: u64,
+    stream_time: Duration,
+    deadline: Instant,
+) -> Result<probe::Request, String> {
+    let peer = peer.ok_or("published no address in time")?;
+    if let Some(e) = peer.error {
+        return Err(e);
+    }
+    let ip = peer
+        .node
+        .addr
+        .parse::<IpAddr>()
+        .map_err(|_| format!("published an unreadable address `{}`", peer.node.addr))?;
+    let token = probe::token_from_hex(&peer.token).ok_or("published an unreadable token")?;
+    Ok(probe::Request {
+        from: p.from,
+        to: p.to,
+        round,
+        addr: SocketAddr::new(ip, peer.port),
+        token,
+        stream_bytes,
+        stream_time,
+        deadline,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use rendezvous::rdzv::{BumpKind, StoreKv};
+    use rendezvous::store::server::{self, ServerThread};
+
+    use super::*;
+    use crate::netcheck::Mode;
+
+    async fn store() -> ServerThread {
+        ServerThread::start(
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            server::Config::default(),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// Runs the check on `n` agents on loopback, each with its own store connection.
+    async fn check(n: u32, settings: &Settings, min_nodes: u32) -> (Vec<Outcome>, StoreKv) {
+        let server = store().await;
+        let addr = server.local_addr();
+        let mut tasks = Vec::new();
+        for g in 0..n {
+            let round = RoundInfo {
+                run_id: "job".to_owned(),
+                generation: 0,
+                me: NodeInfo {
+                    group_rank: g,
+                    node_rank: g,
+                    host: format!("worker-{g}"),
+                    addr: "127.0.0.1".to_owned(),
+                },
+                ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+                world: n,
+                min_nodes,
+                max_nodes: n,
+                settings: settings.clone(),
+            };
+            tasks.push(tokio::spawn(async move {
+                let mut kv = StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
+                    .await
+                    .unwrap();
+                run(&mut kv, &round).await.unwrap()
+            }));
+        }
+        let mut outcomes = Vec::new();
+        for t in tasks {
+            outcomes.push(t.await.unwrap());
+        }
+        let kv = StoreKv::connect(addr, Duration::from_secs(5), Duration::from_secs(5))
+            .await
+            .unwrap();
+        // Keep the server up while the caller reads it.
+        std::mem::forget(server);
+        (outcomes, kv)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_clean_gang_measures_the_ring_and_every_node_gets_one_verdict() {
+        let settings = Settings::default_for(4);
+        let (outcomes, _) = check(4, &settings, 4).await;
+        let Outcome::Report(first) = &outcomes[0] else {
+            panic!("{outcomes:?}");
+        };
+        assert!(outcomes.iter().all(|o| o == &outcomes[0]), "{outcomes:?}");
+        // Round 1 is the ring; a loaded test machine may make one stream look slow, which round
+        // 2 then measures again.
+        let ring: Vec<&Sample> = first.samples.iter().filter(|s| s.round == 1).collect();
+        assert_eq!(ring.len(), 4, "{first:?}");
+        assert!(
+            ring.iter().all(|s| s.error.is_none() && s.bytes > 0),
+            "{first:?}"
+        );
+        assert_eq!(first.action, Action::Proceed);
+        assert_eq!(first.nodes[2].host, "worker-2");
+        // Whether a finding shows is for the network tests (tests/python/test_network_check.py):
+        // four agents sharing two threads here measure the scheduler as much as the network.
+        assert!(first.verdict.reason.starts_with("4 nodes, "), "{first:?}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn require_ends_the_round_through_the_generation() {
+        let mut settings = Settings::default_for(3);
+        settings.mode = Mode::Require;
+        settings.stream_bytes = 1 << 20;
+        // Nothing on loopback reaches a petabyte per second: every link is below the floor.
+        settings.thresholds.min_mbps = Some(1e9);
+        let (outcomes, mut kv) = check(3, &settings, 3).await;
+        for o in &outcomes {
+            let Outcome::Report(r) = o else {
+                panic!("{o:?}")
+            };
+            assert!(
+                matches!(&r.action, Action::End { message } if message.contains("below min_mbps")),
+                "{r:?}"
+            );
+        }
+        let raw = kv.get(&Keys::new("job").gen()).await.unwrap();
+        let rec: GenRecord = serde_json::from_slice(&raw).unwrap();
+        assert_eq!(rec.kind, BumpKind::Fatal);
+        assert_eq!(rec.exit_code, Some(exit_code::NETWORK_CHECK_FAILED));
+        assert!(
+            rec.reason
+                .starts_with("network check failed: slow link between node rank 0"),
+            "{}",
+            rec.reason
+        );
+    }
+}
