@@ -17,6 +17,7 @@
 //! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
 //! | 205 | the store host (node 0) was lost |
 //! | 206 | internal agent error |
+//! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
 
 use std::process::ExitCode;
 
@@ -43,6 +44,10 @@ pub const UNHEALTHY_GPU: u8 = 204;
 pub const STORE_HOST_LOST: u8 = 205;
 /// A bug or an unexpected OS failure in the agent itself.
 pub const INTERNAL_ERROR: u8 = 206;
+/// A rank hung (no step within `--hang-timeout`, or a section past `--section-timeout`) and the
+/// restart budget was spent: a code of its own, so a failure policy can tell a hang (often a bad
+/// node or link) from a crash.
+pub const HUNG: u8 = 207;
 
 /// Exit code for a process that died of `signal` (the shell convention).
 pub fn for_signal(signal: i32) -> u8 {
@@ -114,6 +119,7 @@ mod tests {
             UNHEALTHY_GPU,
             STORE_HOST_LOST,
             INTERNAL_ERROR,
+            HUNG,
         ];
         for (i, a) in reserved.iter().enumerate() {
             assert!(*a > 192, "{a} collides with 128+signal");

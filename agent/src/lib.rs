@@ -22,6 +22,8 @@
 //! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
 //! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
 //!   SIGTERM/SIGINT → cancellation for the simple subcommands.
+//! - [`watch`]: watching a running job: hung ranks detected from their step reports, every
+//!   rank's Python stacks dumped gang-wide (py-spy, or faulthandler through the helper).
 //! - [`scratch`]: where muster's own files go (`--tmp-dir`, `$TMPDIR`, `/tmp`, `/dev/shm`) on a
 //!   possibly read-only root filesystem.
 #![deny(unsafe_code)]
@@ -42,5 +44,6 @@ pub mod scratch;
 pub mod signals;
 pub mod store_cmd;
 pub mod sys;
+pub mod watch;
 
 pub use commands::main;

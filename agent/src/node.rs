@@ -335,11 +335,14 @@ impl GangRendezvous {
                 GroupOutcome::Failed(f) => {
                     running.stop.cancel();
                     let _ = running.task.await;
-                    let code = f.status.exit_code();
-                    let what = format!(
-                        "rank {} (local rank {}) failed: {}",
-                        f.rank, f.local_rank, f.status
-                    );
+                    let code = f.exit_code();
+                    let what = match &f.hang {
+                        Some(hang) => format!("cause hang: {}", hang.describe()),
+                        None => format!(
+                            "rank {} (local rank {}) failed: {}",
+                            f.rank, f.local_rank, f.status
+                        ),
+                    };
                     let rec = rdzv
                         .report_failure(code, &what)
                         .await

@@ -180,6 +180,7 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     launch = launch
         .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .on_terminate(preemption.terminate_hook());
+    launch = watch_hangs(launch, &preemption);
     if let Some(dir) = preemption.writable_base().and_then(|base| {
         crate::scratch::workers_tmpdir(
             base,
@@ -236,6 +237,20 @@ async fn launch(config: Config) -> anyhow::Result<u8> {
     }
 }
 
+/// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
+/// helper's `faulthandler` fallback writes (the helper's own private directory).
+fn watch_hangs(launch: Launch, preemption: &Preemption) -> Launch {
+    let policy = launch.config().hang;
+    let mut launch = launch.with_watchdog(std::sync::Arc::new(crate::watch::HangWatch::new(
+        policy,
+        preemption.progress_view(),
+    )));
+    if let Some(dir) = preemption.helper_dir() {
+        launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
+    }
+    launch
+}
+
 /// The agent's own messages go through the console writer, so they never split a worker line.
 /// `muster dry-run` writes its own messages the same way.
 pub(crate) fn init_tracing(format: LogFormat, sink: LogSink) {
@@ -244,7 +259,8 @@ pub(crate) fn init_tracing(format: LogFormat, sink: LogSink) {
         .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
         .and_then(|spec| EnvFilter::try_new(spec).ok())
         // The workers' store logs every start and stop at info; that is noise in a launch.
-        .unwrap_or_else(|| EnvFilter::new("info,rendezvous=warn"));
+        // py-spy (stack dumps) narrates every read at info.
+        .unwrap_or_else(|| EnvFilter::new("info,rendezvous=warn,py_spy=warn,remoteprocess=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(TracingWriter::new(sink))

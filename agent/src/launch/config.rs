@@ -226,6 +226,8 @@ pub struct Config {
     pub gpu_release_timeout: Duration,
     /// `--max-store-bytes`: what each store the agent hosts may hold.
     pub max_store_bytes: usize,
+    /// `--hang-timeout` and `--section-timeout`.
+    pub hang: crate::watch::hang::Policy,
 }
 
 impl Config {
@@ -268,6 +270,7 @@ impl Config {
             keep_strays: false,
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
+            hang: crate::watch::hang::Policy::default(),
         }
     }
 }

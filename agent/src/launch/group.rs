@@ -61,6 +61,8 @@ pub struct WorkerGroupSpec {
     pub rank_cpus: Vec<Vec<u32>>,
     /// Per-rank variables, set last (see [`super::RankEnv`]).
     pub rank_env: Option<super::RankEnv>,
+    /// Watches each attempt for a hang.
+    pub watchdog: Option<Arc<dyn super::Watchdog>>,
 }
 
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
@@ -134,6 +136,41 @@ impl WorkerGroupSpec {
             rank,
             local_rank,
             stream: stream_name(stream),
+        })
+    }
+
+    /// Writes the agent's lines about a rank (its stack dump) as that rank's stderr shows on the
+    /// console — also for a rank the console filter hides or that is redirected to files: the
+    /// dump is for the pod log.
+    fn rank_writer(&self, ranks: Vec<(u32, u32)>) -> super::RankWriter {
+        let targets: Vec<(u32, LineTarget)> = ranks
+            .into_iter()
+            .map(|(local_rank, rank)| {
+                let target = self
+                    .console_target(local_rank, rank, Streams::STDERR)
+                    .unwrap_or_else(|| LineTarget {
+                        console: Console::Stderr,
+                        format: self.config.logs.format,
+                        prefix: logs::render_template(
+                            &self.config.logs.prefix_template,
+                            &self.hostname,
+                            rank,
+                            local_rank,
+                            &self.config.role,
+                        ),
+                        host: self.hostname.clone(),
+                        rank,
+                        local_rank,
+                        stream: "stderr",
+                    });
+                (local_rank, target)
+            })
+            .collect();
+        let sink = self.logs.clone();
+        Arc::new(move |local_rank: u32, lines: &[String]| {
+            if let Some((_, target)) = targets.iter().find(|(l, _)| *l == local_rank) {
+                sink.agent_line(target.console, target.encode_lines(lines));
+            }
         })
     }
 
@@ -240,6 +277,7 @@ pub async fn run_group(
         armed: true,
     };
 
+    let attempt_started = tokio::time::Instant::now();
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
         let dir = attempt_dir.as_ref().map(|d| d.join(local_rank.to_string()));
@@ -328,12 +366,40 @@ pub async fn run_group(
 
     let mut failure: Option<Failure> = None;
     let mut stopped = false;
+    let (exited_tx, exited) = tokio::sync::watch::channel(Vec::<u32>::new());
+    let hang_watch = spec.watchdog.as_ref().map(|watchdog| {
+        watchdog.watch(super::WatchedAttempt {
+            assignment: assignment.clone(),
+            host: spec.hostname.clone(),
+            workers: workers
+                .iter()
+                .map(|w| super::WatchedWorker {
+                    local_rank: w.local_rank,
+                    rank: w.rank,
+                    pid: w.pid.as_raw() as u32,
+                })
+                .collect(),
+            exited,
+            started: attempt_started,
+            attempt_dir: attempt_dir.clone(),
+            write: spec.rank_writer(workers.iter().map(|w| (w.local_rank, w.rank)).collect()),
+        })
+    });
+    let hang_watch = async move {
+        match hang_watch {
+            Some(watch) => watch.await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(hang_watch);
+    let mut hung: Option<crate::watch::Hang> = None;
     while workers.iter().any(|w| w.status.is_none()) {
         tokio::select! {
             biased;
             report = exits.recv() => {
                 let Some((local_rank, status)) = report else { break };
                 record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                exited_tx.send_modify(|exited| exited.push(local_rank as u32));
                 if !status.success() {
                     // Exits already reaped together with this one are candidates too: the root
                     // cause is the earliest by the workers' own error-file timestamps.
@@ -346,6 +412,10 @@ pub async fn run_group(
             }
             () = stop.requested() => {
                 stopped = true;
+                break;
+            }
+            hang = &mut hang_watch => {
+                hung = Some(hang);
                 break;
             }
         }
@@ -364,6 +434,9 @@ pub async fn run_group(
                 f.rank,
                 f.status
             );
+        }
+        if let Some(hang) = &hung {
+            tracing::info!("rank {} hung: stopping every worker with {sig}", hang.rank);
         }
         let mut pending = PendingExits {
             exits: &mut exits,
@@ -388,6 +461,9 @@ pub async fn run_group(
     }
     guard.armed = false;
     drain(&mut pumps, &pipes_closed).await;
+    if let Some(hang) = hung {
+        failure = Some(hung_failure(&workers, &spec.hostname, hang));
+    }
 
     let outcome = if let Some(f) = failure {
         GroupOutcome::Failed(f)
@@ -544,12 +620,34 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
                     // Empty: the worker had no error file (no writable place).
                     error_file: w.error_file.clone().unwrap_or_default(),
                     message: file.map(|f| f.message),
+                    hang: None,
                 },
             ))
         })
         .collect();
     candidates.sort_by_key(|(key, order, f)| (*key, f.at, *order));
     candidates.into_iter().next().map(|(_, _, f)| f)
+}
+
+/// The failure of an attempt the hang watch ended: the hung rank, however it exited once
+/// stopped.
+fn hung_failure(workers: &[Worker], host: &str, hang: crate::watch::Hang) -> Failure {
+    let worker = workers.iter().find(|w| w.local_rank == hang.local_rank);
+    Failure {
+        host: host.to_owned(),
+        local_rank: hang.local_rank,
+        rank: hang.rank,
+        pid: worker.map_or(0, |w| w.pid.as_raw() as u32),
+        status: worker
+            .and_then(|w| w.status)
+            .unwrap_or(ExitStatus::Signaled(Signal::SIGKILL)),
+        at: worker.and_then(|w| w.seen).unwrap_or_else(SystemTime::now),
+        error_file: worker
+            .and_then(|w| w.error_file.clone())
+            .unwrap_or_default(),
+        message: None,
+        hang: Some(Box::new(hang)),
+    }
 }
 
 struct PendingExits<'a> {

@@ -37,6 +37,7 @@ pub mod signals;
 mod store_host;
 pub mod strays;
 pub mod summary;
+pub mod watchdog;
 
 use std::ffi::OsString;
 use std::future::Future;
@@ -55,6 +56,7 @@ pub use observe::{Event, Observer, Phase, Publisher};
 pub use reaper::{ExitStatus, Reaper};
 pub use signals::{StopRequest, TerminateHook};
 pub use store_host::HostedStore;
+pub use watchdog::{RankWriter, Watchdog, WatchedAttempt, WatchedWorker};
 
 use crate::exit_code;
 use crate::logs::{Console, LogSink};
@@ -100,6 +102,20 @@ pub struct Failure {
     pub error_file: PathBuf,
     /// The message of `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if the worker left one.
     pub message: Option<String>,
+    /// The worker did not exit by itself: the hang watch found it hung and the agent stopped it.
+    pub hang: Option<Box<crate::watch::Hang>>,
+}
+
+impl Failure {
+    /// The agent's exit code for this failure: [`exit_code::HUNG`] for a hung rank, else the
+    /// worker's own code (or 128+signal).
+    pub fn exit_code(&self) -> u8 {
+        if self.hang.is_some() {
+            exit_code::HUNG
+        } else {
+            self.status.exit_code()
+        }
+    }
 }
 
 /// How an attempt ended.
@@ -125,7 +141,7 @@ impl GroupOutcome {
             | GroupOutcome::Stopped {
                 all_clean: true, ..
             } => exit_code::SUCCESS,
-            GroupOutcome::Failed(f) => f.status.exit_code(),
+            GroupOutcome::Failed(f) => f.exit_code(),
             GroupOutcome::Stopped { signal, .. } => {
                 exit_code::for_signal(signal.unwrap_or(Signal::SIGTERM) as i32)
             }
@@ -342,6 +358,7 @@ pub struct Launch {
     extra_env: Vec<(String, OsString)>,
     rank_cpus: Vec<Vec<u32>>,
     rank_env: Option<RankEnv>,
+    watchdog: Option<Arc<dyn Watchdog>>,
 }
 
 /// Variables for one rank of one attempt, computed just before it starts:
@@ -359,7 +376,16 @@ impl Launch {
             extra_env: Vec::new(),
             rank_cpus: Vec::new(),
             rank_env: None,
+            watchdog: None,
         }
+    }
+
+    /// Watches every attempt for a hang ([`crate::watch`]): a hung attempt fails with the hung
+    /// rank named, and restarts like any failure.
+    #[must_use]
+    pub fn with_watchdog(mut self, watchdog: Arc<dyn Watchdog>) -> Self {
+        self.watchdog = Some(watchdog);
+        self
     }
 
     /// Sets `key=value` in every worker's environment (after torchrun's variables), e.g.
@@ -426,6 +452,7 @@ impl Launch {
             extra_env,
             rank_cpus,
             rank_env,
+            watchdog,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -491,6 +518,7 @@ impl Launch {
             extra_env,
             rank_cpus,
             rank_env,
+            watchdog,
         };
         let result = attempts(&spec, rendezvous.as_mut(), &stop)
             .await
@@ -590,12 +618,20 @@ async fn attempts(
                 if restart_count < config.max_restarts && !stop.is_requested() =>
             {
                 restart_count += 1;
-                tracing::warn!(
-                    "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
-                    f.rank,
-                    f.status,
-                    config.max_restarts
-                );
+                if let Some(hang) = &f.hang {
+                    tracing::warn!(
+                        "{}; restarting the worker group with cause hang (restart {restart_count} of {})",
+                        hang.describe(),
+                        config.max_restarts
+                    );
+                } else {
+                    tracing::warn!(
+                        "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
+                        f.rank,
+                        f.status,
+                        config.max_restarts
+                    );
+                }
                 spec.publisher.event(Event::Restarting { restart_count });
             }
             _ => {
@@ -780,6 +816,7 @@ mod tests {
             at: SystemTime::UNIX_EPOCH,
             error_file: PathBuf::new(),
             message: None,
+            hang: None,
         }
     }
 

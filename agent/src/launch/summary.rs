@@ -42,6 +42,9 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFile> {
 pub fn render(failure: &Failure, attempts: u32) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    if let Some(hang) = &failure.hang {
+        return render_hang(failure, hang, attempts);
+    }
     let _ = writeln!(
         out,
         "muster: worker group failed after {attempts} attempt(s); root cause (first observed failure):"
@@ -73,6 +76,50 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
     out
 }
 
+/// The summary of a hung attempt: node, rank, last step, seconds without progress, the
+/// innermost frame.
+fn render_hang(failure: &Failure, hang: &crate::watch::Hang, attempts: u32) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "muster: worker group hung after {attempts} attempt(s); root cause (the rank that stopped progressing):"
+    );
+    let _ = writeln!(
+        out,
+        "muster:   node: {} ({})  rank: {} (local_rank {})  pid: {}",
+        hang.node_rank, hang.host, hang.rank, hang.local_rank, failure.pid
+    );
+    let step = hang
+        .last_step
+        .map_or_else(|| "none".to_owned(), |s| s.to_string());
+    let place = hang
+        .section
+        .as_ref()
+        .map_or_else(String::new, |s| format!(" inside section {s:?}"));
+    let _ = writeln!(
+        out,
+        "muster:   last step: {step}  no progress{place} for {:.1} s (limit {} s)",
+        hang.stalled.as_secs_f64(),
+        hang.limit.as_secs_f64()
+    );
+    let _ = writeln!(
+        out,
+        "muster:   innermost frame: {}",
+        hang.frame.as_deref().unwrap_or("(unknown)")
+    );
+    let _ = writeln!(
+        out,
+        "muster:   stacks: {}; every rank's are in the log above",
+        hang.stacks
+    );
+    if let Some(node) = hang.reported_by {
+        let _ = writeln!(out, "muster:   detected first by node {node}");
+    }
+    let _ = writeln!(out, "muster:   stopped by the agent: {}", failure.status);
+    out
+}
+
 /// The same report as one record of the JSON log schema ([`crate::logs::record`]), event
 /// `root_cause`. `error_file` names the worker's error file only when `files_kept` (the run
 /// directory outlives the agent: `--log-dir`) and the worker wrote one; otherwise the field is
@@ -82,10 +129,16 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
         ExitStatus::Exited(c) => (Some(c), None),
         ExitStatus::Signaled(s) => (None, Some(s.as_str())),
     };
-    let mut msg = format!(
-        "worker group failed after {attempts} attempt(s); root cause: rank {} (local_rank {}, pid {}) {}",
-        failure.rank, failure.local_rank, failure.pid, failure.status
-    );
+    let mut msg = match &failure.hang {
+        Some(hang) => format!(
+            "worker group hung after {attempts} attempt(s); root cause: {}",
+            hang.describe()
+        ),
+        None => format!(
+            "worker group failed after {attempts} attempt(s); root cause: rank {} (local_rank {}, pid {}) {}",
+            failure.rank, failure.local_rank, failure.pid, failure.status
+        ),
+    };
     if let Some(first) = failure.message.as_deref().and_then(|m| m.lines().next()) {
         msg.push_str(": ");
         msg.push_str(first);
@@ -99,11 +152,26 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
         "pid": failure.pid,
         "exit_code": exit_code,
         "signal": signal,
-        "agent_exit_code": failure.status.exit_code(),
+        "agent_exit_code": failure.exit_code(),
         "error": failure.message,
     }) else {
         unreachable!("a json! object literal is an object")
     };
+    if let Some(hang) = &failure.hang {
+        extra.insert(
+            "hang".into(),
+            serde_json::json!({
+                "node_rank": hang.node_rank,
+                "last_step": hang.last_step,
+                "seconds_without_progress": hang.stalled.as_secs_f64(),
+                "limit_seconds": hang.limit.as_secs_f64(),
+                "section": hang.section,
+                "innermost_frame": hang.frame,
+                "stacks": hang.stacks,
+                "reported_by": hang.reported_by,
+            }),
+        );
+    }
     if files_kept && failure.error_file.is_file() {
         extra.insert(
             "error_file".into(),
@@ -157,6 +225,7 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: "e".into(),
             message: None,
+            hang: None,
         };
         let text = render(&f, 1);
         assert!(
@@ -164,6 +233,60 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("signal SIGSEGV (11)"), "{text}");
+    }
+
+    #[test]
+    fn a_hang_summary_names_node_rank_step_seconds_and_frame() {
+        let hang = crate::watch::Hang {
+            node_rank: 1,
+            host: "node-1".into(),
+            local_rank: 1,
+            rank: 3,
+            last_step: Some(15),
+            stalled: std::time::Duration::from_millis(4200),
+            limit: std::time::Duration::from_secs(3),
+            section: None,
+            frame: Some("stuck_in_loader (/app/train.py:42)".into()),
+            stacks: "read with py-spy".into(),
+            reported_by: Some(0),
+        };
+        let f = Failure {
+            host: "node-1".into(),
+            local_rank: 1,
+            rank: 3,
+            pid: 42,
+            status: ExitStatus::Signaled(nix::sys::signal::Signal::SIGTERM),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+            hang: Some(Box::new(hang)),
+        };
+        assert_eq!(f.exit_code(), crate::exit_code::HUNG);
+        let text = render(&f, 2);
+        assert!(
+            text.contains("worker group hung after 2 attempt(s)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("node: 1 (node-1)  rank: 3 (local_rank 1)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("last step: 15  no progress for 4.2 s (limit 3 s)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("innermost frame: stuck_in_loader (/app/train.py:42)"),
+            "{text}"
+        );
+        assert!(text.contains("detected first by node 0"), "{text}");
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 2, false)).unwrap();
+        assert_eq!(v["agent_exit_code"], 207);
+        assert_eq!(v["hang"]["last_step"], 15);
+        assert_eq!(
+            v["hang"]["innermost_frame"],
+            "stuck_in_loader (/app/train.py:42)"
+        );
     }
 
     #[test]
@@ -181,6 +304,7 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: error_file.clone(),
             message: Some("ValueError: boom\nmore".into()),
+            hang: None,
         };
         let parse = |kept| -> serde_json::Value {
             serde_json::from_str(&render_json(&f, 2, kept)).unwrap()

@@ -43,6 +43,20 @@ pub struct PumpConfig {
 }
 
 impl LineTarget {
+    /// Whole lines as this pipe's console shows them (the agent's own lines about a rank, such
+    /// as its stack dump, in the rank's stream).
+    pub fn encode_lines(&self, lines: &[String]) -> Vec<u8> {
+        let ts = match self.format {
+            LogFormat::Text => String::new(),
+            LogFormat::Json => super::utc_timestamp(SystemTime::now()),
+        };
+        let mut out = Vec::new();
+        for line in lines {
+            self.encode(Kind::Line, line.as_bytes(), &ts, &mut out);
+        }
+        out
+    }
+
     /// Appends one record as the console shows it; `ts` is the JSON timestamp.
     fn encode(&self, kind: Kind, text: &[u8], ts: &str, out: &mut Vec<u8>) {
         match self.format {

@@ -379,7 +379,12 @@ impl Rendezvous for Metered {
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
         Box::pin(async move {
             let decision = self.inner.after_group(outcome, stop).await;
-            if let Ok(Some(AfterGroup::Restart)) = &decision {
+            let hung = matches!(outcome, GroupOutcome::Failed(f) if f.hang.is_some());
+            if hung && matches!(&decision, Ok(None | Some(AfterGroup::Restart))) {
+                // This node's hang watch stopped the attempt (one node: the local policy may
+                // restart it; several: the gang restarts from here).
+                self.metrics.next_restart_cause(RestartCause::Hang);
+            } else if let Ok(Some(AfterGroup::Restart)) = &decision {
                 // A local failure restarts the gang from here; otherwise another node's failure
                 // (or a membership change, which the inner rendezvous does not tell apart here)
                 // made the gang re-form.

@@ -230,13 +230,16 @@ pub enum RestartCause {
     PeerFailure,
     /// A node joined or left within `--nnodes MIN:MAX` (does not consume the restart budget).
     MembershipChange,
+    /// A local rank hung (`--hang-timeout`): the agent stopped the attempt.
+    Hang,
 }
 
 impl RestartCause {
-    const ALL: [RestartCause; 3] = [
+    const ALL: [RestartCause; 4] = [
         RestartCause::WorkerFailure,
         RestartCause::PeerFailure,
         RestartCause::MembershipChange,
+        RestartCause::Hang,
     ];
 
     fn as_str(self) -> &'static str {
@@ -244,6 +247,7 @@ impl RestartCause {
             RestartCause::WorkerFailure => "worker_failure",
             RestartCause::PeerFailure => "peer_failure",
             RestartCause::MembershipChange => "membership_change",
+            RestartCause::Hang => "hang",
         }
     }
 }
