@@ -190,3 +190,18 @@ def test_an_early_finisher_and_a_long_section_are_not_hangs(tmp_path):
     assert code == 0, text
     assert "DONE rank=0" in text and "DONE rank=1" in text, text
     assert "hang detected" not in text, text
+
+
+def test_without_record_the_summary_shows_the_exception_line_of_stderr(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    print('not an exception: ValueError: in a log line', file=sys.stderr)\n"
+        "    def load():\n"
+        "        raise ValueError('batch 7 has no labels')\n"
+        "    load()\n")
+    p = subprocess.run([muster_bin(), "--nproc-per-node", "2", "--metrics-addr", "none", str(script)],
+                       env=muster_env(), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "muster:   error: ValueError: batch 7 has no labels\n" in p.stderr, p.stderr

@@ -103,6 +103,8 @@ struct Worker {
     /// When the agent reaped it.
     seen: Option<SystemTime>,
     error_file: Option<PathBuf>,
+    /// The last exception line of its stderr.
+    exception: Arc<logs::ExceptionLine>,
 }
 
 impl WorkerGroupSpec {
@@ -297,6 +299,7 @@ pub async fn run_group(
             };
             let pid = child.pid;
             guard.pgids.push(Pid::from_raw(pid as i32));
+            let exception = Arc::new(logs::ExceptionLine::default());
             workers.push(Worker {
                 local_rank,
                 rank,
@@ -304,6 +307,7 @@ pub async fn run_group(
                 status: None,
                 seen: None,
                 error_file,
+                exception: Arc::clone(&exception),
             });
             let streams = [
                 (
@@ -319,14 +323,15 @@ pub async fn run_group(
             ];
             for (stream, fd, file_name) in streams {
                 let Some(fd) = fd else { continue };
+                let follow = (stream == Streams::STDERR).then(|| Arc::clone(&exception));
                 match start_pump(
                     spec,
-                    local_rank,
-                    rank,
+                    (local_rank, rank),
                     stream,
                     fd,
                     dir.as_ref().map(|d| d.join(file_name)),
                     &pipes_closed,
+                    follow,
                 ) {
                     Ok(pump) => {
                         pumps.spawn(pump);
@@ -535,12 +540,12 @@ async fn stop_strays(
 /// Watches one of a worker's pipes: the console target and, when asked for, the log file.
 fn start_pump(
     spec: &WorkerGroupSpec,
-    local_rank: u32,
-    rank: u32,
+    (local_rank, rank): (u32, u32),
     stream: Streams,
     fd: OwnedFd,
     file_path: Option<PathBuf>,
     closed: &CancellationToken,
+    exception: Option<Arc<logs::ExceptionLine>>,
 ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
     let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
         what: "cannot watch a worker's output pipe",
@@ -560,6 +565,7 @@ fn start_pump(
         file,
         progress_interval: spec.config.logs.progress_interval,
         counters: spec.logs.stats().stream(rank, stream_name(stream)),
+        exception,
     };
     Ok(logs::pump(
         receiver,
@@ -620,6 +626,7 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
                     // Empty: the worker had no error file (no writable place).
                     error_file: w.error_file.clone().unwrap_or_default(),
                     message: file.map(|f| f.message),
+                    exception_line: w.exception.last(),
                     hang: None,
                 },
             ))
@@ -646,6 +653,7 @@ fn hung_failure(workers: &[Worker], host: &str, hang: crate::watch::Hang) -> Fai
             .and_then(|w| w.error_file.clone())
             .unwrap_or_default(),
         message: None,
+        exception_line: None,
         hang: Some(Box::new(hang)),
     }
 }

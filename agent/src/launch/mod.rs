@@ -102,6 +102,9 @@ pub struct Failure {
     pub error_file: PathBuf,
     /// The message of `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if the worker left one.
     pub message: Option<String>,
+    /// The last `SomeError: message` line of the worker's stderr (shown when it left no error
+    /// file).
+    pub exception_line: Option<String>,
     /// The worker did not exit by itself: the hang watch found it hung and the agent stopped it.
     pub hang: Option<Box<crate::watch::Hang>>,
 }
@@ -816,6 +819,7 @@ mod tests {
             at: SystemTime::UNIX_EPOCH,
             error_file: PathBuf::new(),
             message: None,
+            exception_line: None,
             hang: None,
         }
     }

@@ -65,13 +65,24 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
                 let _ = writeln!(out, "muster:   error: {line}");
             }
         }
-        None => {
-            let _ = writeln!(
-                out,
-                "muster:   error: (no error file; decorate the worker's main with \
-                 torch.distributed.elastic.multiprocessing.errors.record to capture it)"
-            );
-        }
+        None => match &failure.exception_line {
+            Some(line) => {
+                let _ = writeln!(out, "muster:   error: {line}");
+                let _ = writeln!(
+                    out,
+                    "muster:   (the last exception line of its stderr; no error file: decorate the \
+                     worker's main with torch.distributed.elastic.multiprocessing.errors.record \
+                     for the whole message)"
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "muster:   error: (no error file; decorate the worker's main with \
+                     torch.distributed.elastic.multiprocessing.errors.record to capture it)"
+                );
+            }
+        },
     }
     out
 }
@@ -139,7 +150,12 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
             failure.rank, failure.local_rank, failure.pid, failure.status
         ),
     };
-    if let Some(first) = failure.message.as_deref().and_then(|m| m.lines().next()) {
+    let first_line = failure
+        .message
+        .as_deref()
+        .and_then(|m| m.lines().next())
+        .or(failure.exception_line.as_deref());
+    if let Some(first) = first_line {
         msg.push_str(": ");
         msg.push_str(first);
     }
@@ -157,6 +173,9 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
     }) else {
         unreachable!("a json! object literal is an object")
     };
+    if let Some(line) = &failure.exception_line {
+        extra.insert("exception_line".into(), line.clone().into());
+    }
     if let Some(hang) = &failure.hang {
         extra.insert(
             "hang".into(),
@@ -225,6 +244,7 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: "e".into(),
             message: None,
+            exception_line: None,
             hang: None,
         };
         let text = render(&f, 1);
@@ -233,6 +253,40 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("signal SIGSEGV (11)"), "{text}");
+    }
+
+    #[test]
+    fn without_an_error_file_the_last_exception_line_of_stderr_is_shown() {
+        let f = Failure {
+            host: "node-0".into(),
+            local_rank: 0,
+            rank: 2,
+            pid: 42,
+            status: ExitStatus::Exited(1),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+            exception_line: Some("ValueError: bad batch".into()),
+            hang: None,
+        };
+        let text = render(&f, 1);
+        assert!(
+            text.contains("muster:   error: ValueError: bad batch\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("the last exception line of its stderr"),
+            "{text}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
+        assert!(
+            v["msg"]
+                .as_str()
+                .unwrap()
+                .ends_with("exit code 1: ValueError: bad batch"),
+            "{v}"
+        );
+        assert_eq!(v["exception_line"], "ValueError: bad batch");
     }
 
     #[test]
@@ -259,6 +313,7 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: "e".into(),
             message: None,
+            exception_line: None,
             hang: Some(Box::new(hang)),
         };
         assert_eq!(f.exit_code(), crate::exit_code::HUNG);
@@ -304,6 +359,7 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: error_file.clone(),
             message: Some("ValueError: boom\nmore".into()),
+            exception_line: None,
             hang: None,
         };
         let parse = |kept| -> serde_json::Value {

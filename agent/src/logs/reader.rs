@@ -40,6 +40,8 @@ pub struct PumpConfig {
     pub progress_interval: Duration,
     /// Where the bytes, lines and progress updates of this pipe are counted.
     pub counters: Arc<StreamCounters>,
+    /// Follows the stream's Python tracebacks (stderr), for the failure summary.
+    pub exception: Option<Arc<super::ExceptionLine>>,
 }
 
 impl LineTarget {
@@ -83,6 +85,7 @@ impl LineTarget {
 /// the console and the file.
 struct Batch<'a> {
     console: Option<&'a LineTarget>,
+    exception: Option<&'a super::ExceptionLine>,
     console_out: Vec<u8>,
     file_out: Option<Vec<u8>>,
     /// The JSON timestamp, taken once per batch: every line of one read arrived together.
@@ -91,6 +94,9 @@ struct Batch<'a> {
 
 impl Emit for Batch<'_> {
     fn record(&mut self, kind: Kind, text: &[u8]) {
+        if let (Some(exception), Kind::Line) = (self.exception, kind) {
+            exception.observe(text);
+        }
         if let Some(target) = self.console {
             let ts = match (&self.ts, target.format) {
                 (Some(ts), _) => ts.as_str(),
@@ -129,6 +135,7 @@ pub async fn pump(
         let mut seen = Seen::default();
         let mut batch = Batch {
             console: config.console.as_ref(),
+            exception: config.exception.as_deref(),
             console_out: Vec::new(),
             file_out: config.file.as_ref().map(|_| Vec::new()),
             ts: None,
