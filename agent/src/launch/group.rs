@@ -280,6 +280,11 @@ pub async fn run_group(
     };
 
     let attempt_started = tokio::time::Instant::now();
+    // The OOM kills so far: a SIGKILLed rank is the OOM killer's when the count rose.
+    let memory = crate::watch::cgroup::MemoryCgroup::find();
+    let oom_kills_before = memory
+        .as_ref()
+        .and_then(crate::watch::cgroup::MemoryCgroup::oom_kills);
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
         let dir = attempt_dir.as_ref().map(|d| d.join(local_rank.to_string()));
@@ -412,6 +417,9 @@ pub async fn run_group(
                         record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
                     }
                     failure = root_cause(&workers, &spec.hostname);
+                    if let Some(f) = failure.as_mut() {
+                        name_oom_kill(f, memory.as_ref(), oom_kills_before, restart_count, &spec.publisher);
+                    }
                     break;
                 }
             }
@@ -627,6 +635,7 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
                     error_file: w.error_file.clone().unwrap_or_default(),
                     message: file.map(|f| f.message),
                     exception_line: w.exception.last(),
+                    oom_killed: None,
                     hang: None,
                 },
             ))
@@ -634,6 +643,31 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
         .collect();
     candidates.sort_by_key(|(key, order, f)| (*key, f.at, *order));
     candidates.into_iter().next().map(|(_, _, f)| f)
+}
+
+/// Marks `failure` as the OOM killer's when the worker died of SIGKILL and the memory cgroup's
+/// OOM-kill count rose during the attempt.
+fn name_oom_kill(
+    failure: &mut Failure,
+    memory: Option<&crate::watch::cgroup::MemoryCgroup>,
+    before: Option<u64>,
+    restart_count: u32,
+    publisher: &Publisher,
+) {
+    if failure.status != ExitStatus::Signaled(Signal::SIGKILL) {
+        return;
+    }
+    let Some(memory) = memory else { return };
+    let after = memory.oom_kills();
+    if after.unwrap_or(0) <= before.unwrap_or(0) {
+        return;
+    }
+    failure.oom_killed = Some(memory.limit());
+    publisher.event(Event::WorkerOomKilled {
+        restart_count,
+        local_rank: failure.local_rank,
+        rank: failure.rank,
+    });
 }
 
 /// The failure of an attempt the hang watch ended: the hung rank, however it exited once
@@ -654,6 +688,7 @@ fn hung_failure(workers: &[Worker], host: &str, hang: crate::watch::Hang) -> Fai
             .unwrap_or_default(),
         message: None,
         exception_line: None,
+        oom_killed: None,
         hang: Some(Box::new(hang)),
     }
 }

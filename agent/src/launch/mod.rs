@@ -105,6 +105,9 @@ pub struct Failure {
     /// The last `SomeError: message` line of the worker's stderr (shown when it left no error
     /// file).
     pub exception_line: Option<String>,
+    /// It died of SIGKILL while the container's memory cgroup counted an OOM kill: the kernel's
+    /// OOM killer; the container's memory limit, if it has one.
+    pub oom_killed: Option<Option<u64>>,
     /// The worker did not exit by itself: the hang watch found it hung and the agent stopped it.
     pub hang: Option<Box<crate::watch::Hang>>,
 }
@@ -820,6 +823,7 @@ mod tests {
             error_file: PathBuf::new(),
             message: None,
             exception_line: None,
+            oom_killed: None,
             hang: None,
         }
     }

@@ -68,6 +68,12 @@ pub enum Event {
         count: u32,
         killed: u32,
     },
+    /// A worker died of SIGKILL while the container's memory cgroup counted an OOM kill.
+    WorkerOomKilled {
+        restart_count: u32,
+        local_rank: u32,
+        rank: u32,
+    },
     /// Before attempt `restart_count` started, the agent waited `waited` for the previous
     /// attempt's GPU processes and memory to be released (`released`: false when it gave up).
     GpuReleaseWaited {

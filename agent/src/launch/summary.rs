@@ -59,6 +59,9 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
         failure.pid
     );
     let _ = writeln!(out, "muster:   {}", failure.status);
+    if let Some(line) = oom_line(failure) {
+        let _ = writeln!(out, "muster:   {line}");
+    }
     match &failure.message {
         Some(m) => {
             for line in m.lines() {
@@ -85,6 +88,24 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
         },
     }
     out
+}
+
+/// "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)".
+fn oom_line(failure: &Failure) -> Option<String> {
+    let limit = failure.oom_killed?;
+    let limit = limit.map_or_else(
+        || "no container memory limit: the node ran out".to_owned(),
+        |b| {
+            format!(
+                "container memory limit {}",
+                crate::watch::cgroup::human_bytes(b)
+            )
+        },
+    );
+    Some(format!(
+        "rank {} was killed by the kernel OOM killer ({limit})",
+        failure.rank
+    ))
 }
 
 /// The summary of a hung attempt: node, rank, last step, seconds without progress, the
@@ -155,6 +176,10 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
         .as_deref()
         .and_then(|m| m.lines().next())
         .or(failure.exception_line.as_deref());
+    if let Some(oom) = oom_line(failure) {
+        msg.push_str(": ");
+        msg.push_str(&oom);
+    }
     if let Some(first) = first_line {
         msg.push_str(": ");
         msg.push_str(first);
@@ -175,6 +200,12 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
     };
     if let Some(line) = &failure.exception_line {
         extra.insert("exception_line".into(), line.clone().into());
+    }
+    if let Some(limit) = failure.oom_killed {
+        extra.insert(
+            "oom_killed".into(),
+            serde_json::json!({ "memory_limit_bytes": limit }),
+        );
     }
     if let Some(hang) = &failure.hang {
         extra.insert(
@@ -245,6 +276,7 @@ mod tests {
             error_file: "e".into(),
             message: None,
             exception_line: None,
+            oom_killed: None,
             hang: None,
         };
         let text = render(&f, 1);
@@ -267,6 +299,7 @@ mod tests {
             error_file: "e".into(),
             message: None,
             exception_line: Some("ValueError: bad batch".into()),
+            oom_killed: None,
             hang: None,
         };
         let text = render(&f, 1);
@@ -287,6 +320,35 @@ mod tests {
             "{v}"
         );
         assert_eq!(v["exception_line"], "ValueError: bad batch");
+    }
+
+    #[test]
+    fn an_oom_kill_is_named_and_keeps_137() {
+        let mut f = Failure {
+            host: "node-0".into(),
+            local_rank: 3,
+            rank: 3,
+            pid: 42,
+            status: ExitStatus::Signaled(nix::sys::signal::Signal::SIGKILL),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+            exception_line: None,
+            oom_killed: Some(Some(8 << 30)),
+            hang: None,
+        };
+        assert_eq!(f.exit_code(), 137);
+        let text = render(&f, 1);
+        assert!(
+            text.contains(
+                "muster:   rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)\n"
+            ),
+            "{text}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
+        assert_eq!(v["oom_killed"]["memory_limit_bytes"], 8u64 << 30);
+        f.oom_killed = Some(None);
+        assert!(render(&f, 1).contains("no container memory limit"));
     }
 
     #[test]
@@ -314,6 +376,7 @@ mod tests {
             error_file: "e".into(),
             message: None,
             exception_line: None,
+            oom_killed: None,
             hang: Some(Box::new(hang)),
         };
         assert_eq!(f.exit_code(), crate::exit_code::HUNG);
@@ -360,6 +423,7 @@ mod tests {
             error_file: error_file.clone(),
             message: Some("ValueError: boom\nmore".into()),
             exception_line: None,
+            oom_killed: None,
             hang: None,
         };
         let parse = |kept| -> serde_json::Value {

@@ -460,6 +460,7 @@ struct Inner {
     gpu_preflight_duration: Gauge,
     /// Leftover processes of finished attempts stopped, by the signal that ended them.
     strays_stopped: IntCounterVec,
+    oom_kills: IntCounterVec,
     gpu_release_wait: HistogramVec,
     http_requests: IntCounterVec,
     http_shed: IntCounterVec,
@@ -702,6 +703,11 @@ impl Metrics {
                 "Processes a finished attempt's workers left behind, stopped with the attempt, by signal.",
                 &["signal"],
             ),
+            oom_kills: defs.counter_vec(
+                "muster_worker_oom_kills_total",
+                "Workers killed by the kernel OOM killer (SIGKILL while the container's memory cgroup counted an OOM kill).",
+                &[],
+            ),
             gpu_release_wait: defs.register(
                 HistogramVec::new(
                     HistogramOpts::new(
@@ -777,6 +783,8 @@ impl Metrics {
         for signal in ["SIGTERM", "SIGKILL"] {
             inner.strays_stopped.with_label_values(&[signal]);
         }
+        // Zero from the start, so a rate() sees the first kill.
+        inner.oom_kills.with_label_values::<&str>(&[]);
         for outcome in ["released", "timeout"] {
             inner.gpu_release_wait.with_label_values(&[outcome]);
         }
@@ -967,6 +975,11 @@ impl Metrics {
         c.with_label_values(&["SIGTERM"])
             .inc_by(u64::from(count - killed));
         c.with_label_values(&["SIGKILL"]).inc_by(u64::from(killed));
+    }
+
+    /// A worker was killed by the kernel OOM killer.
+    pub fn worker_oom_killed(&self) {
+        self.inner.oom_kills.with_label_values::<&str>(&[]).inc();
     }
 
     /// A restart waited `waited` for the GPUs; `released`: false when it gave up (exit 204).

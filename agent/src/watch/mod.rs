@@ -12,6 +12,7 @@
 //! The step reports come from the checkpoint helper's `should_save(step)` through the local
 //! channel ([`crate::checkpoint::local`]); a script that does not use the helper is not watched.
 
+pub mod cgroup;
 pub mod gang;
 pub mod hang;
 pub mod monitor;
