@@ -15,11 +15,9 @@
 //! | 202 | configuration error (bad flag, missing script, unwritable log dir, ...) |
 //! | 203 | rendezvous timeout (nodes missing at the join deadline) |
 //! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
-//! | 205 | the store host (node 0) was lost |
+//! | 205 | the store host (node 0) was lost and no replacement came back within the join timeout |
 //! | 206 | internal agent error |
 //! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
-
-use std::process::ExitCode;
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
@@ -54,8 +52,8 @@ pub fn for_signal(signal: i32) -> u8 {
     (128 + signal.clamp(0, 127)) as u8
 }
 
-/// An error that knows which exit code it maps to. Library errors implement this so that the one
-/// mapping function in [`crate::commands`] can find the code by walking the error chain.
+/// An error that knows which exit code it maps to. Error types implement this so that the one
+/// mapping function, [`crate::cmd::exit_code_of`], finds the code by walking the error chain.
 pub trait Coded {
     fn exit_code(&self) -> u8;
 }
@@ -87,18 +85,6 @@ impl Coded for Exit {
     }
 }
 
-/// The exit code for an error: the first [`Exit`] in its chain, else [`INTERNAL_ERROR`].
-pub fn for_error(err: &anyhow::Error) -> u8 {
-    err.chain()
-        .find_map(|cause| cause.downcast_ref::<Exit>().map(Coded::exit_code))
-        .unwrap_or(INTERNAL_ERROR)
-}
-
-/// Convenience for `main`.
-pub fn to_exit_code(code: u8) -> ExitCode {
-    ExitCode::from(code)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,13 +113,5 @@ mod tests {
                 assert_ne!(a, b);
             }
         }
-    }
-
-    #[test]
-    fn the_first_exit_in_the_chain_wins() {
-        let err = anyhow::Error::new(Exit::new(RENDEZVOUS_TIMEOUT, "nodes 2 missing"))
-            .context("launch failed");
-        assert_eq!(for_error(&err), RENDEZVOUS_TIMEOUT);
-        assert_eq!(for_error(&anyhow::anyhow!("boom")), INTERNAL_ERROR);
     }
 }

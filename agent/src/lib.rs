@@ -1,49 +1,52 @@
 //! The muster agent: a drop-in replacement for `torchrun` that runs as PID 1 of a training pod.
 //!
 //! # Layout
-//! - [`commands`]: dispatch between the torchrun-compatible launch form
-//!   (`muster [OPTIONS] script.py ...`) and muster's own subcommands (`store`, `gpu-check`,
-//!   `dry-run`), and the one place where errors become exit codes.
-//! - [`exit_code`]: the documented exit codes, including the reserved ones for the agent's own
-//!   outcomes (configuration error, rendezvous timeout, unhealthy GPU, ...).
-//! - [`gpu`]: GPU pre-flight (NVML health, NVLink topology, CUDA smoke test), `muster gpu-check`;
-//!   its private `fabric` module holds one raw NVML call (`unsafe`, allowed on that module alone).
-//! - [`checkpoint`]: the preemption checkpoint barrier (local worker channel + cross-node
-//!   protocol over the store).
-//! - [`metrics`]: Prometheus metrics and the health/readiness probes on port 8000.
-//! - [`store_cmd`]: `muster store`, a standalone TCPStore server.
-//! - [`cli`]: the launch form's command line (torchrun's flags, `MUSTER_*`/`PET_*` env).
-//! - [`launch`]: attempts, rank assignment, worker supervision, restarts, exit codes.
-//! - [`logs`]: worker output: prefixed or JSON lines, per-rank files, one console writer.
-//! - [`sys`]: the only `unsafe`: process-group and parent-death setup between fork and exec.
-//! - [`discovery`]: resolving and reaching the rendezvous endpoint; the advertised address.
-//! - [`node`]: the multi-node driver: muster's gang rendezvous in the launch loop's seam.
-//! - [`dry_run`]: `muster dry-run`, N agents as local processes on loopback.
-//! - [`logging`]: the agent's own diagnostics (`MUSTER_LOG`), text or JSON.
-//! - [`signals`]: when a second stop signal counts as "stop now" (not a copy of the first), and
-//!   SIGTERM/SIGINT → cancellation for the simple subcommands.
-//! - [`watch`]: watching a running job: hung ranks detected from their step reports, every
-//!   rank's Python stacks dumped gang-wide (py-spy, or faulthandler through the helper).
-//! - [`scratch`]: where muster's own files go (`--tmp-dir`, `$TMPDIR`, `/tmp`, `/dev/shm`) on a
-//!   possibly read-only root filesystem.
+//! Layers, top to bottom; a module imports only from layers below it (checked by
+//! `tests/module_graph.rs`; `docs/architecture.md` says where new code goes).
+//!
+//! - Commands: [`cmd`]: one module per command (`muster [OPTIONS] script.py`, `store`,
+//!   `gpu-check`, `dry-run`), the shared clap-error path, and the one place where an error
+//!   becomes an exit code ([`cmd::exit_code_of`]); the dry run's fault rehearsal ([`cmd::dry_run::fault`]) and the
+//!   timeline it prints live under it.
+//! - Composition root: [`app`] wires one launch: console, metrics and their observers, GPU
+//!   pre-flight, rendezvous, checkpoint barrier. The only importer of [`metrics`].
+//! - Observers: [`metrics`]: Prometheus metrics and the probes on port 8000; they follow the
+//!   launch loop's [`launch::observe`] and the parts' [`events`], and read stores' statistics at
+//!   scrape time. Nothing calls into them.
+//! - Command line: [`cli`]: the launch form's raw parse (`lowargs`: torchrun's flags and
+//!   `MUSTER_*`/`PET_*` env) and validated [`launch::Config`] (`hiargs`).
+//! - The launch and its parts: [`launch`] (attempts, rank assignment, worker supervision,
+//!   restarts, signals; the [`launch::rdzv`] seam with the single-node and gang rendezvous),
+//!   [`checkpoint`] (the preemption checkpoint barrier), [`discovery`] (resolving and reaching the
+//!   rendezvous endpoint; the advertised address).
+//! - Events: [`events`]: the typed events the parts publish for observers.
+//! - Foundations: [`gpu`] (NVML health, NVLink topology, CUDA smoke test; its private `fabric`
+//!   module holds one raw NVML call, `unsafe` allowed there alone), [`logs`] (worker output and
+//!   the agent's own diagnostics: one console writer, one tracing set-up), [`exit_code`] (the
+//!   documented codes), [`scratch`] (where muster's own files go on a possibly read-only root
+//!   filesystem), [`host`] (the host name), [`sys`] (the only other `unsafe`: process-group and
+//!   parent-death setup between fork and exec).
+//! - Run-time watch: [`hang_watch`] (a part of the launch, like [`checkpoint`]: the per-attempt
+//!   watchdog over the helper's step reports) on top of [`watch`] (a foundation: the pure hang
+//!   decisions, reading ranks' Python stacks with py-spy or faulthandler, the gang-wide notice key,
+//!   OOM kills from the memory cgroup).
 #![deny(unsafe_code)]
 
+pub mod app;
 pub mod checkpoint;
 pub mod cli;
-pub mod commands;
+pub mod cmd;
 pub mod discovery;
-pub mod dry_run;
+pub mod events;
 pub mod exit_code;
 pub mod gpu;
+pub mod hang_watch;
+pub mod host;
 pub mod launch;
-pub mod logging;
 pub mod logs;
 pub mod metrics;
-pub mod node;
 pub mod scratch;
-pub mod signals;
-pub mod store_cmd;
 pub mod sys;
 pub mod watch;
 
-pub use commands::main;
+pub use cmd::main;

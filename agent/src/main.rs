@@ -4,5 +4,5 @@
 //! outcome into the process exit code.
 
 fn main() -> std::process::ExitCode {
-    agent::main(std::env::args_os().collect())
+    agent::main(&std::env::args_os().collect::<Vec<_>>())
 }

@@ -81,6 +81,7 @@ async fn one(
             local_world_size: 8,
             coordinator: rank == 0,
             gpu: serde_json::Value::Null,
+            memory: None,
         };
         agents.push(Rendezvous::new(Counted { inner, ops }, cfg.clone(), reg));
     }

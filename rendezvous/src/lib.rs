@@ -10,7 +10,10 @@
 //!   generation counter that restarts every node together, the exit barrier.
 //! - [`store::client`]: a client for the same protocol with a timeout on every read (torch's own
 //!   client blocks forever on a silent server). The agents use it to rendezvous.
+//! - [`host`]: how a server listens (dual-stack) and runs on a thread with its own runtime; shared
+//!   by the store and the agent's metrics endpoint.
 #![forbid(unsafe_code)]
 
+pub mod host;
 pub mod rdzv;
 pub mod store;

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -90,6 +91,11 @@ class Capabilities:
             return "no launch form"
         return _probe_metrics(self.muster)
 
+    def _probe_node0_recovery(self) -> str | None:
+        if self.why_missing("multinode"):
+            return "no multi-node rendezvous"
+        return _probe_node0_recovery(self.muster)
+
 
 def _probe_checkpoint_channel(muster: str) -> str | None:
     """The checkpoint barrier is wired into the launch when workers get MUSTER_CHECKPOINT_SOCKET."""
@@ -102,6 +108,44 @@ def _probe_checkpoint_channel(muster: str) -> str | None:
         return "`muster --standalone --no-python env` did not finish in 60 s"
     if "MUSTER_CHECKPOINT_SOCKET=" not in proc.stdout + proc.stderr:
         return f"workers get no MUSTER_CHECKPOINT_SOCKET (probe exited {proc.returncode})"
+    return None
+
+
+# A worker that joins its process group as torch would (a connection to the workers' store at
+# MASTER_PORT), then works for 4 s, printing a step every 0.2 s as a training loop would (the
+# first line after the dry run sees every worker joined starts its fault clock).
+_JOINING_WORKER = ("import os, socket, time\n"
+                   "s = socket.create_connection((os.environ['MASTER_ADDR'], "
+                   "int(os.environ['MASTER_PORT'])))\n"
+                   "for step in range(20):\n"
+                   "    print('step', step, flush=True)\n"
+                   "    time.sleep(0.2)\n")
+
+
+def _probe_node0_recovery(muster: str) -> str | None:
+    """Survivors wait for a replacement node 0 (issue #14): a 2-node dry run (loopback) whose
+    node 0 agent is SIGKILLed and replaced a second later finishes with exit 0, where without
+    recovery the survivor exits 205 and the replacement waits alone for the join timeout."""
+    _, text = _help(muster, "dry-run")
+    if "--fault" not in text:
+        return "`muster dry-run --help` lists no --fault (no fault rehearsal to probe with)"
+    try:
+        proc = subprocess.run(
+            [muster, "dry-run", "--nnodes", "2", "--nproc-per-node", "1", "--metrics-addr", "none",
+             "--max-restarts", "1", "--rdzv-conf",
+             "join_timeout=15,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3",
+             "--fault", "kill:0@1", "--replace-after", "1",
+             "--no-python", sys.executable, "-c", _JOINING_WORKER],
+            capture_output=True, text=True, timeout=90, check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return "the node-0 loss probe (a 2-node dry run) did not finish in 90 s"
+    out = proc.stdout + proc.stderr
+    if "replacement agent started" not in out:
+        return f"the node-0 loss probe never replaced node 0 (exit {proc.returncode}):\n{out[-2000:]}"
+    if proc.returncode != 0:
+        return (f"a dry run whose node 0 is killed and replaced exits {proc.returncode}, not 0 "
+                "(the survivors do not wait for a replacement node 0)")
     return None
 
 

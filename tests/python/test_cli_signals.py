@@ -260,6 +260,8 @@ def test_muster_store_stops_on_sigint_to_its_pid_and_names_itself_in_errors():
     finally:
         kill_all([p.pid])
     assert rc == 0, err
+    # Its diagnostics went to a pipe, not a terminal: plain text, as the launch form writes.
+    assert "store stopped" in err and "\x1b[" not in err, repr(err)
     bad = subprocess.run([muster_bin(), "store", "--bogus"], capture_output=True, text=True,
                          timeout=10)
     assert bad.returncode == 202

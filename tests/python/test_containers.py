@@ -452,6 +452,69 @@ def test_docker_kill_of_a_non_host_pod_restarts_the_gang(job, caps):
         assert c.wait(timeout=120) == 0, f"pod {i}:\n{job.dump_logs()}"
 
 
+def test_docker_kill_of_worker0_resumes_from_the_last_committed_step(job, caps):
+    """Issue #14: the store host's pod dies (SIGKILL of the worker-0 container, as when its node
+    dies) and Kubernetes starts a new one under the same name and network alias (a new IP): pods
+    1 and 2 wait for it instead of exiting 205, the gang re-forms, and the workers resume from the
+    last committed checkpoint (examples/train_checkpoint.py's own resume logic) and finish.
+
+    The committed checkpoint comes from a preemption first (`docker stop` of pod 1: every pod
+    exits 200), as a job that was preempted, resumed, and then lost its node 0 would have."""
+    caps.require("launch", "multinode", "preemption", "node0_recovery")
+    grace = 30
+    script = f"{dockerjob.EXAMPLES_IN_CONTAINER}/train_checkpoint.py"
+    ckpt = f"{dockerjob.SHARED_IN_CONTAINER}/ckpt"
+
+    def start(i, steps):
+        job.run(i, ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{job.fqdn(0)}:{RDZV_PORT}",
+                    "--rdzv-id", job.name, "--rdzv-conf", RDZV_CONF, "--grace-period", str(grace),
+                    "--max-restarts", "3", script, "--steps", str(steps), "--ckpt-dir", ckpt,
+                    "--step-seconds", "0.05"],
+                env=pod_env(i), stop_timeout=grace)
+
+    # A committed checkpoint at step T.
+    for i in range(NNODES):
+        start(i, 100000)
+    wait_until(lambda: "step 20 " in job.containers[0].logs(), timeout=240, interval=0.5,
+               what="training to reach step 20")
+    job.containers[1].stop(grace=grace)
+    codes = {i: c.wait(timeout=grace + 30) for i, c in job.containers.items()}
+    assert codes == {i: PREEMPTED_CHECKPOINTED for i in range(NNODES)}, f"{codes}\n{job.dump_logs()}"
+    target = int((job.shared / "ckpt" / "LATEST").read_text())
+
+    # The job resumes from T; mid-training, worker-0's container is SIGKILLed and replaced.
+    steps = target + 400
+    for i in range(NNODES):
+        start(i, steps)
+
+    def trained_past_checkpoint():
+        logged = [int(s) for s in re.findall(r"step (\d+) loss", job.containers[0].logs())]
+        return any(s > target + 30 for s in logged)
+
+    wait_until(trained_past_checkpoint, timeout=240, interval=0.5,
+               what="the resumed job to train past its checkpoint")
+    old_ip = job.containers[0].ip()
+    job.containers[0].kill("KILL")
+    assert job.containers[0].wait(timeout=30) == 137
+    time.sleep(3)
+    for i in (1, 2):
+        assert job.containers[i].running(), \
+            f"pod {i} exited instead of waiting for a new worker-0:\n{job.dump_logs()}"
+    start(0, steps)
+    new0 = job.containers[0]
+    codes = {i: c.wait(timeout=300) for i, c in job.containers.items()}
+    assert codes == {i: 0 for i in range(NNODES)}, f"{codes}\n{job.dump_logs()}"
+    print(f"worker-0 came back at {new0.ip()} (was {old_ip})")
+    # Pod 1's ranks resumed from T twice (the resumed job, then the re-formed gang), and the new
+    # worker-0's ranks once; every rank finished.
+    for i, times in ((1, 2), (0, 1)):
+        logs = job.containers[i].logs()
+        resumed = re.findall(rf"resumed from committed step {target}$", logs, re.M)
+        assert len(resumed) == NPROC * times, logs
+        assert len(re.findall(rf"finished {steps} steps$", logs, re.M)) == NPROC, logs
+
+
 # --- hardened pods: read-only root, non-root user, no capabilities (issue #21) ---------------------
 
 # A pod under the "restricted" Pod Security Standard plus readOnlyRootFilesystem, as docker runs it.

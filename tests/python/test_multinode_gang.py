@@ -215,20 +215,125 @@ def test_min_max_proceeds_smaller_when_a_node_dies_and_times_out_below_min(
     assert re.search(r"never arrived: node ranks 1 \([^)]*127\.0\.0\.1\), 2", text), text
 
 
-def test_losing_node_0_ends_the_others_with_205_within_the_heartbeat_timeout(agents_factory):
+def test_losing_node_0_without_a_replacement_ends_the_others_with_205_after_the_join_timeout(
+        agents_factory):
+    """Issue #14: a survivor waits for a replacement node 0 up to the join timeout (counted from
+    the loss), then exits 205 naming the endpoint and how long it waited."""
     a = agents_factory("2")
     env = {"MODE": "sleep"}
-    host = a.start(node_rank=0, env=env)
-    other = a.start(node_rank=1, env=env)
-    time.sleep(6)
+    join_timeout = 6
+    conf = CONF.replace("join_timeout=20", f"join_timeout={join_timeout}")
+    host = a.start(node_rank=0, env=env, conf=conf)
+    other = a.start(node_rank=1, env=env, conf=conf)
+    wait_until(lambda: a.text(1).count("RESULT") == 2, timeout=60, what="the gang running")
     assert host.poll() is None and other.poll() is None
     os.killpg(host.pid, signal.SIGKILL)
     killed = time.monotonic()
-    other.wait(timeout=30)
+    other.wait(timeout=join_timeout + 30)
     took = time.monotonic() - killed
-    text = other.stdout.read()
+    other.reader.join(timeout=10)
+    text = a.text(1)
     assert other.returncode == 205, text
-    assert took < 1.5 + 3, (took, text)
+    assert "waiting up to 6.0s for a replacement node 0" in text, text
+    assert re.search(r"no node 0 came back at 127\.0\.0\.1:%d within the join timeout "
+                     r"\(6\.0s; waited [0-9.]+s since the store host was lost\)" % a.port, text), text
+    assert took < join_timeout + 5, (took, text)
+
+
+RECOVERY_WORKER = r'''
+import os, sys, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+rank, restart = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+if rank == "2" and restart == "0":
+    sys.exit(3)  # one counted restart before node 0 is lost
+after_loss = os.path.exists(os.environ["LOST"])
+if not after_loss:
+    # Train until node 0 is lost (this generation never ends on its own).
+    while True:
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        time.sleep(0.05)
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+print(f"RESULT rank={rank} world={dist.get_world_size()} sum={t.item():.0f} restart={restart}",
+      flush=True)
+while not os.path.exists(os.environ["FINISH"]):
+    time.sleep(0.05)
+dist.all_reduce(t)
+dist.destroy_process_group()
+'''
+
+
+def scrape(port):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
+def metric(body, name):
+    m = re.search(r"^" + re.escape(name) + r" (\S+)$", body, re.M)
+    assert m, f"{name} not in metrics"
+    return float(m.group(1))
+
+
+def test_losing_node_0_costs_one_gang_restart_and_a_replacement_brings_the_gang_back(tmp_path):
+    """Issue #14: 3 agents (2, 1 and 2 ranks), one worker failure uses a restart, then node 0's
+    agent is SIGKILLed mid-training. The survivors stop their workers and wait; a replacement
+    node 0 started a few seconds later with the same flags hosts a fresh store, adopts the gang's
+    memory (generation, restarts used), and every rank of the new generation finishes its
+    all-reduce; every agent exits 0, and the restart counter goes on from 1 (not reset to 0)."""
+    script = tmp_path / "worker.py"
+    script.write_text(RECOVERY_WORKER)
+    lost, finish = tmp_path / "lost", tmp_path / "finish"
+    env = {"LOST": str(lost), "FINISH": str(finish)}
+    mport = free_port()
+    a = Agents(free_port(), "3", str(script))
+    nproc = {0: 2, 1: 1, 2: 2}
+    restarts = ("--max-restarts", "1")
+    try:
+        first = a.start(node_rank=0, env=env, nproc=nproc[0], extra=restarts)
+        a.start(node_rank=1, env=env, nproc=nproc[1],
+                extra=(*restarts, "--metrics-addr", f"127.0.0.1:{mport}"))
+        a.start(node_rank=2, env=env, nproc=nproc[2], extra=restarts)
+        wait_until(lambda: all("restarts used 1" in a.text(i) for i in range(3)), timeout=90,
+                   what="the gang re-formed after the worker failure")
+        time.sleep(2)  # the generation-1 workers train
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+        wait_until(lambda: all("lost the store host (node 0)" in a.text(i) for i in (1, 2)),
+                   timeout=30, what="both survivors noticing the loss")
+        lost.write_text("1")
+        time.sleep(3)
+        a.start(node_rank=0, env=env, nproc=nproc[0], extra=restarts)  # the replacement
+        wait_until(lambda: sum(len(results(a.text(i))) for i in (1, 2, 3)) == 5, timeout=90,
+                   what="every rank of the new generation")
+        body = scrape(mport)
+        assert metric(body, "muster_rendezvous_host_lost_total") == 1, body
+        assert metric(body, "muster_rendezvous_host_rejoined_total") == 1, body
+        assert metric(body, "muster_rendezvous_host_waiting") == 0, body
+        assert metric(body, "muster_rendezvous_seconds_without_gang_total") > 3, body
+        finish.write_text("1")
+        out = a.finish(timeout=90)
+    finally:
+        a.kill_all()
+    for code, text in out[1:]:
+        assert code == 0, text
+    ranks = sorted(int(r["rank"]) for _, text in out[1:] for r in results(text))
+    assert ranks == [0, 1, 2, 3, 4], out
+    for _, text in out[1:]:
+        for r in results(text):
+            assert r["world"] == "5" and r["sum"] == "10", text
+            assert r["restart"] == "1", ("the restart counter goes on", text)
+    for i in (1, 2):
+        text = out[i][1]
+        assert "waiting up to 20.0s for a replacement node 0 (generation 1, 1 restart(s) used" \
+            in text, text
+        assert "rejoined the gang at generation 2" in text, text
+    replacement = out[3][1]
+    assert "node 0 was replaced: generation 1" in replacement, replacement
+    assert "1 restart(s) used" in replacement, replacement
 
 
 def test_sigkill_of_a_non_host_agent_then_a_replacement_rejoins_and_the_gang_finishes(

@@ -29,6 +29,7 @@ use tracing::{info, warn};
 use super::barrier::Request;
 use super::local::{BindError, LocalChannel};
 use super::{Outcome, Settings, DEFAULT_NOTIFY_LATENCY};
+use crate::events::{CheckpointResult, Event as AgentEvent, Events};
 use crate::exit_code;
 use crate::launch::{Config, Event, Observer, RankAssignment, StopRequest, TerminateHook};
 use crate::scratch::{ScratchDir, ScratchError};
@@ -105,13 +106,16 @@ impl Preemption {
     ///
     /// `observer` must be taken from the launch before it runs; `shutdown` is the token the
     /// launch runs under (cancelling it stops the workers on nodes that were not signalled).
+    /// Checkpoints and the ranks' step reports are told to `events`.
     pub fn start(
         config: &Config,
         observer: Observer,
         shutdown: CancellationToken,
+        events: Events,
     ) -> Result<Preemption, StartError> {
         let helper_dir = write_helper(config.tmp_dir.as_deref())?;
         let channel = LocalChannel::bind(&shutdown)?;
+        channel.report_steps(events.clone());
         let socket = channel.address().to_owned();
         let view = channel.view();
         let (triggers, trigger_rx) = mpsc::unbounded_channel();
@@ -123,6 +127,7 @@ impl Preemption {
             budget: budget(grace),
             outcome: Arc::clone(&outcome),
             shutdown,
+            events,
         };
         let task = tokio::spawn(controller.run(observer, trigger_rx));
         Ok(Preemption {
@@ -258,6 +263,7 @@ struct Controller {
     budget: Duration,
     outcome: Arc<Mutex<Option<Outcome>>>,
     shutdown: CancellationToken,
+    events: Events,
 }
 
 /// The attempt the controller is watching.
@@ -342,7 +348,9 @@ impl Controller {
         observer: &mut Observer,
     ) -> Outcome {
         let started = Instant::now();
-        crate::metrics::agent::checkpoint_started(local.is_none());
+        self.events.publish(AgentEvent::CheckpointStarted {
+            from_peer: local.is_none(),
+        });
         let settings = Settings {
             run_id: assignment.run_id.clone(),
             node_rank: assignment.node_rank,
@@ -386,7 +394,14 @@ impl Controller {
         let outcome = result.unwrap_or_else(|err| Outcome::Aborted {
             reason: err.to_string(),
         });
-        crate::metrics::agent::checkpoint_ended(&outcome, started.elapsed());
+        self.events.publish(AgentEvent::CheckpointEnded {
+            result: match &outcome {
+                Outcome::Committed { step } => CheckpointResult::Committed { step: *step },
+                Outcome::Aborted { .. } => CheckpointResult::Aborted,
+                Outcome::Unsupported { .. } => CheckpointResult::Unsupported,
+            },
+            elapsed: started.elapsed(),
+        });
         match &outcome {
             Outcome::Committed { step } => {
                 info!("checkpoint committed at step {step} on every node");

@@ -24,6 +24,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::events::{Event, Events};
+
 /// Environment variable naming the socket, read by the Python helper: `@name` for an abstract
 /// socket (what the agent exports), else a file path (a helper may be pointed at one by hand).
 pub const SOCKET_ENV: &str = "MUSTER_CHECKPOINT_SOCKET";
@@ -100,6 +102,8 @@ struct Link {
 #[derive(Default)]
 struct Links {
     by_rank: HashMap<u32, Link>,
+    /// Where step reports go (see [`LocalChannel::report_steps`]).
+    steps: Events,
 }
 
 /// The listening socket and what the connected workers reported.
@@ -151,6 +155,11 @@ impl LocalChannel {
             events,
             stop,
         })
+    }
+
+    /// Tells `events` every step a rank reports from now on.
+    pub fn report_steps(&self, events: Events) {
+        lock(&self.links).steps = events;
     }
 
     /// The address to export as [`SOCKET_ENV`]: `@name`.
@@ -450,7 +459,9 @@ fn handle_line(
         Some("step") => {
             let step = number(1)?;
             let rank = local_rank.ok_or("step before hello")?;
-            if let Some(link) = lock(links).by_rank.get_mut(&rank) {
+            let mut links = lock(links);
+            let links = &mut *links;
+            if let Some(link) = links.by_rank.get_mut(&rank) {
                 let now = Instant::now();
                 let p = &mut link.progress;
                 if let (Some(prev_step), Some(prev_at)) = (p.step, p.reported_at) {
@@ -478,7 +489,10 @@ fn handle_line(
                     (Some(old), Some(new)) => Some(old.max(new)),
                     (old, new) => old.or(new),
                 };
-                crate::metrics::agent::worker_step(rank, step);
+                links.steps.publish(Event::WorkerStep {
+                    local_rank: rank,
+                    step,
+                });
             }
         }
         Some(kind @ ("saved" | "missed" | "failed")) => {

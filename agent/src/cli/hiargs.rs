@@ -20,6 +20,12 @@ use crate::launch::config::{
 #[error("{0}")]
 pub struct ConfigError(pub String);
 
+impl crate::exit_code::Coded for ConfigError {
+    fn exit_code(&self) -> u8 {
+        crate::exit_code::CONFIG_ERROR
+    }
+}
+
 /// What the machine offers, injected so validation stays a pure function in tests.
 pub struct Probe<'a> {
     pub gpu_count: &'a dyn Fn() -> u32,
@@ -28,27 +34,38 @@ pub struct Probe<'a> {
     pub is_file: &'a dyn Fn(&Path) -> bool,
 }
 
-/// GPUs visible to this node: the NVIDIA character devices `/dev/nvidia0`, `/dev/nvidia1`, ...
-///
-/// The GPU pre-flight replaces this with NVML's count; device nodes are what the container
-/// runtime exposes, so the count is right without loading any driver library.
-pub fn gpu_count() -> u32 {
-    let Ok(dir) = std::fs::read_dir("/dev") else {
-        return 0;
-    };
-    dir.filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name().to_str().is_some_and(|n| {
-                n.strip_prefix("nvidia")
-                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
-            })
-        })
-        .count() as u32
-}
-
 /// CPUs this process may use (affinity and cgroup quota aware, unlike torch's `os.cpu_count()`).
 pub fn cpu_count() -> u32 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u32)
+}
+
+/// `1073741824`, `1024MiB`, `1GiB`: a plain number of bytes or a binary-unit suffix (also the
+/// agent's `--max-store-bytes`, and `muster store --max-store-bytes`).
+pub fn parse_byte_size(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, ""),
+    };
+    let shift = match unit.trim() {
+        "" | "B" => 0,
+        "KiB" => 10,
+        "MiB" => 20,
+        "GiB" => 30,
+        "TiB" => 40,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} (use a number of bytes or KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    let number: usize = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 1073741824 or 1GiB)"))?;
+    number
+        .checked_mul(1 << shift)
+        .filter(|&bytes| bytes > 0)
+        .ok_or_else(|| format!("{text:?} is zero or too large"))
 }
 
 fn bad(raw: &RawValue, flag: &str, why: impl std::fmt::Display) -> ConfigError {
@@ -443,6 +460,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let grace_period = parse_duration(low, "grace-period")?;
     let gpu_release_timeout = parse_duration(low, "gpu-release-timeout")?
         .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
+    let gpu_watch_interval =
+        parse_duration(low, "gpu-watch-interval")?.unwrap_or(crate::gpu::watch::DEFAULT_INTERVAL);
     let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
         None => false,
         Some((_, "node")) => true,
@@ -515,10 +534,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         None => {
             let asks_gpu = get(low, "nproc-per-node").is_some_and(|r| r.value.trim() == "gpu");
             let visible = (probe.env)("NVIDIA_VISIBLE_DEVICES").and_then(|v| v.into_string().ok());
-            match crate::gpu::gate::Mode::default_for(asks_gpu, visible.as_deref()) {
-                crate::gpu::gate::Mode::Require => GpuCheck::Require,
-                _ => GpuCheck::Off,
-            }
+            GpuCheck::default_for(asks_gpu, visible.as_deref())
         }
         Some((_, "warn")) => GpuCheck::Warn,
         Some((_, "off")) => GpuCheck::Off,
@@ -576,10 +592,12 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             .filter(|p| !p.as_os_str().is_empty()),
         keep_strays: switch("keep-strays"),
         gpu_release_timeout,
+        gpu_watch_interval,
         max_store_bytes: match get(low, "max-store-bytes") {
             None => rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
-            Some(raw) => crate::store_cmd::parse_byte_size(&raw.value)
-                .map_err(|why| bad(raw, "max-store-bytes", why))?,
+            Some(raw) => {
+                parse_byte_size(&raw.value).map_err(|why| bad(raw, "max-store-bytes", why))?
+            }
         },
         hang,
     })
@@ -964,6 +982,24 @@ mod tests {
         let err =
             build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--gpu-release-timeout"), "{err}");
+    }
+
+    #[test]
+    fn the_gpu_watch_interval() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.gpu_watch_interval, Duration::from_secs(10));
+        let c = build_with(&["--gpu-watch-interval", "0.5", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.gpu_watch_interval, Duration::from_millis(500));
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_GPU_WATCH_INTERVAL", "0")],
+            0,
+        )
+        .unwrap();
+        assert!(c.gpu_watch_interval.is_zero());
+        let err =
+            build_with(&["--gpu-watch-interval", "often", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--gpu-watch-interval"), "{err}");
     }
 
     #[test]

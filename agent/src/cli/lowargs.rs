@@ -117,6 +117,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("tmp-dir", "DIR", "Where muster writes its own files (checkpoint helper, error files) (default: first writable of $TMPDIR, /tmp, /dev/shm; none: do without)"),
     switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
     value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
+    value("gpu-watch-interval", "SECS", "While the ranks run, look at every GPU this often (utilization, memory, power, temperature, ECC, row remaps, NVLink errors, throttling) and listen for XID events; a fatal XID stops the node with exit 204 (0: no watch; without an NVIDIA driver there is none) (default 10)"),
     value("hang-timeout", "SECS|auto|0", "A rank that reports no step (through the checkpoint helper's should_save) for this long is hung: every rank's stacks are dumped on every node and the gang restarts (cause hang; after --max-restarts, exit 207). auto: max(600 s, 20 x the slowest step period) once a rank reported 5 steps; 0: off (default auto)"),
     value("section-timeout", "SECS", "Limit for long work the script marks between steps (`with ckpt.section(\"eval\"):`) instead of the hang limit (default 3600)"),
     value("max-store-bytes", "BYTES", "What each store the agent hosts (rendezvous, workers') may hold, e.g. 1GiB; a write past it closes the writer's connection (default 1GiB)"),
@@ -384,8 +385,8 @@ pub fn help_text() -> String {
          root-cause worker died of signal N, or the agent was stopped by signal N (after SIGINT 0\n\
          if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
          201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
-         204 unhealthy GPU; 205 store host lost; 206 internal error; 207 a rank hung and the\n\
-         restarts were spent.\n",
+         204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n\
+         lost; 206 internal error; 207 a rank hung and the restarts were spent.\n",
     );
     out
 }

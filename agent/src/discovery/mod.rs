@@ -18,6 +18,8 @@ use rendezvous::rdzv::StoreKv;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use crate::events::{DnsResult, Event, Events};
+
 /// torchrun's default c10d port.
 pub const DEFAULT_PORT: u16 = 29400;
 /// One progress line per this interval while waiting.
@@ -116,13 +118,26 @@ impl Backoff {
     }
 }
 
-/// Resolves `host` (A and AAAA) until `deadline`. An IP literal is returned as is.
-pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, DiscoveryError> {
+/// Resolves `host` (A and AAAA) until `deadline`, telling `events` about every lookup. An IP
+/// literal is returned as is.
+pub async fn resolve(
+    host: &str,
+    deadline: Instant,
+    events: &Events,
+) -> Result<Vec<IpAddr>, DiscoveryError> {
     if let Ok(ip) = host.parse::<IpAddr>() {
         return Ok(vec![ip]);
     }
     let started = Instant::now();
-    crate::metrics::agent::dns_started();
+    events.publish(Event::ResolvingStarted);
+    let resolved = |ips: Vec<IpAddr>| {
+        events.publish(Event::DnsAttempt(DnsResult::Ok));
+        events.publish(Event::ResolvingFinished {
+            resolved: true,
+            elapsed: started.elapsed(),
+        });
+        Ok(ips)
+    };
     let resolver = match TokioResolver::builder(TokioConnectionProvider::default()) {
         Ok(mut builder) => {
             let opts = builder.options_mut();
@@ -142,7 +157,7 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
     let mut backoff = Backoff(FIRST_BACKOFF);
     let mut last_progress: Option<Instant> = None;
     loop {
-        let kind = match &resolver {
+        let (result, kind) = match &resolver {
             Some(r) => match r.lookup_ip(host).await {
                 Ok(found) => {
                     let ips: Vec<IpAddr> = found.iter().collect();
@@ -152,10 +167,9 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
                             join(&ips),
                             started.elapsed().as_secs_f64()
                         );
-                        crate::metrics::agent::dns_finished(true, started.elapsed());
-                        return Ok(ips);
+                        return resolved(ips);
                     }
-                    "no answer".to_owned()
+                    (DnsResult::NxDomain, "no answer".to_owned())
                 }
                 Err(e) => classify_dns(&e),
             },
@@ -163,18 +177,20 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
                 Ok(found) => {
                     let ips: Vec<IpAddr> = found.map(|sa| sa.ip()).collect();
                     if !ips.is_empty() {
-                        crate::metrics::agent::dns_finished(true, started.elapsed());
-                        return Ok(ips);
+                        return resolved(ips);
                     }
-                    "no answer".to_owned()
+                    (DnsResult::NxDomain, "no answer".to_owned())
                 }
-                Err(e) => e.to_string(),
+                Err(e) => (DnsResult::Error, e.to_string()),
             },
         };
-        crate::metrics::agent::dns_failed(&kind);
+        events.publish(Event::DnsAttempt(result));
         let now = Instant::now();
         if now >= deadline {
-            crate::metrics::agent::dns_finished(false, started.elapsed());
+            events.publish(Event::ResolvingFinished {
+                resolved: false,
+                elapsed: started.elapsed(),
+            });
             return Err(DiscoveryError::Resolve {
                 host: host.to_owned(),
                 kind,
@@ -193,21 +209,22 @@ pub async fn resolve(host: &str, deadline: Instant) -> Result<Vec<IpAddr>, Disco
     }
 }
 
-fn classify_dns(e: &hickory_resolver::ResolveError) -> String {
+/// The typed result of a failed lookup, and how the progress line names it.
+fn classify_dns(e: &hickory_resolver::ResolveError) -> (DnsResult, String) {
     if e.is_nx_domain() {
-        return "NXDOMAIN".into();
+        return (DnsResult::NxDomain, "NXDOMAIN".into());
     }
     if e.is_no_records_found() {
-        return "no answer".into();
+        return (DnsResult::NxDomain, "no answer".into());
     }
     let text = e.to_string();
     let lower = text.to_ascii_lowercase();
     if lower.contains("timed out") || lower.contains("timeout") {
-        "timeout".into()
+        (DnsResult::Timeout, "timeout".into())
     } else if lower.contains("refused") {
-        "refused".into()
+        (DnsResult::Error, "refused".into())
     } else {
-        text
+        (DnsResult::Error, text)
     }
 }
 
@@ -251,6 +268,29 @@ pub async fn connect(
             last_progress = Some(now);
         }
         tokio::time::sleep(backoff.next().min(deadline.saturating_duration_since(now))).await;
+    }
+}
+
+/// How long one set of resolved addresses is tried before the name is resolved again.
+const RESOLVE_AGAIN_EVERY: Duration = Duration::from_secs(3);
+
+/// Resolves `endpoint` and connects, resolving again every [`RESOLVE_AGAIN_EVERY`] until
+/// `deadline`: a replacement store host (node 0's new pod) comes back under the same name with
+/// a new address, so the addresses of the lost one must not be held on to.
+pub async fn reach(
+    endpoint: &Endpoint,
+    deadline: Instant,
+    op_timeout: Duration,
+    events: &Events,
+) -> Result<StoreKv, DiscoveryError> {
+    loop {
+        let ips = resolve(&endpoint.host, deadline, events).await?;
+        let until = (Instant::now() + RESOLVE_AGAIN_EVERY).min(deadline);
+        match connect(endpoint, &ips, until, op_timeout).await {
+            Ok(kv) => return Ok(kv),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => {}
+        }
     }
 }
 
@@ -374,7 +414,9 @@ mod tests {
 
     #[tokio::test]
     async fn an_ip_literal_needs_no_dns_and_a_bad_local_addr_is_an_error() {
-        let ips = resolve("127.0.0.1", Instant::now()).await.ok();
+        let ips = resolve("127.0.0.1", Instant::now(), &Events::default())
+            .await
+            .ok();
         assert_eq!(ips, Some(vec![IpAddr::V4(Ipv4Addr::LOCALHOST)]));
         let ip = advertised_addr(Some("[::1]"), false).await.ok();
         assert_eq!(ip, "::1".parse().ok());

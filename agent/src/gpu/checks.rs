@@ -1,7 +1,7 @@
 //! The pre-flight rules: pure functions from a [`NodeSnapshot`] to per-check, per-GPU verdicts,
 //! each with a reason a person on call can act on.
 //!
-//! Severity follows `shared/reference/gpu-health.md` §6: anything that will make NCCL hang, crash
+//! Severity follows the policy in `docs/gpu.md`: anything that will make NCCL hang, crash
 //! or silently corrupt (lost GPU, reset or reboot asked for by the driver, uncorrectable memory,
 //! a pending row remap, a missing NVLink, NVLink errors growing, an untrained fabric, MIG on,
 //! a narrowed PCIe link, hardware throttling at idle) fails the node; configuration that only

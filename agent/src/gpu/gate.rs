@@ -14,11 +14,13 @@ use serde::{Deserialize, Serialize};
 use super::{preflight, preflight_isolated, PreflightOptions, Report, Summary, Verdict};
 use crate::exit_code::{self, Exit};
 
-/// `--gpu-check`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+/// `--gpu-check`: what the launch does with the pre-flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Mode {
-    /// No pre-flight (CPU jobs, dry runs).
+pub enum GpuCheck {
+    /// No pre-flight (CPU jobs, dry runs): what a job that asks for no GPUs gets (see
+    /// [`GpuCheck::default_for`], which the command line applies).
+    #[default]
     Off,
     /// Run it and report, but start the ranks whatever it says.
     Warn,
@@ -26,7 +28,7 @@ pub enum Mode {
     Require,
 }
 
-impl Mode {
+impl GpuCheck {
     /// The default: `require` when the job asks for GPUs (`--nproc-per-node gpu`, or the device
     /// plugin gave the pod GPUs, which it announces in `NVIDIA_VISIBLE_DEVICES`), else `off`.
     pub fn default_for(nproc_is_gpu: bool, nvidia_visible_devices: Option<&str>) -> Self {
@@ -49,16 +51,11 @@ const LAUNCH_TIMEOUT: Duration = Duration::from_secs(180);
 /// The launch's pre-flight, before the first round: `--gpu-check` from the configuration, the
 /// GPUs the container runtime exposed (`/dev/nvidiaN`) as the expected count, run in a child
 /// that is killed after 180 s. `Err` (exit 204) only under `require`.
-pub async fn for_launch(config: &crate::launch::Config) -> Result<Option<Report>, Exit> {
-    let mode = match config.gpu_check {
-        crate::launch::config::GpuCheck::Off => Mode::Off,
-        crate::launch::config::GpuCheck::Warn => Mode::Warn,
-        crate::launch::config::GpuCheck::Require => Mode::Require,
-    };
-    if mode == Mode::Off {
+pub async fn for_launch(mode: GpuCheck) -> Result<Option<Report>, Exit> {
+    if mode == GpuCheck::Off {
         return Ok(None);
     }
-    let exposed = crate::cli::hiargs::gpu_count();
+    let exposed = super::gpu_count();
     let opts = PreflightOptions {
         policy: super::Policy {
             expected_gpus: (exposed > 0).then_some(exposed),
@@ -78,7 +75,7 @@ pub async fn for_launch(config: &crate::launch::Config) -> Result<Option<Report>
 }
 
 /// Logs what failed or warned and applies `mode` to the verdict.
-fn decide(mode: Mode, report: Report) -> Result<Report, Exit> {
+fn decide(mode: GpuCheck, report: Report) -> Result<Report, Exit> {
     for check in report
         .checks
         .iter()
@@ -86,7 +83,7 @@ fn decide(mode: Mode, report: Report) -> Result<Report, Exit> {
     {
         tracing::warn!(status = ?check.status, "gpu pre-flight: {check}");
     }
-    if mode == Mode::Require && report.verdict() == Verdict::Unhealthy {
+    if mode == GpuCheck::Require && report.verdict() == Verdict::Unhealthy {
         return Err(Exit::new(
             exit_code::UNHEALTHY_GPU,
             format!("GPU pre-flight failed on {}", report.summary().message()),
@@ -98,8 +95,8 @@ fn decide(mode: Mode, report: Report) -> Result<Report, Exit> {
 /// Runs the pre-flight as `mode` says. `Ok(None)` when off; `Ok(Some(report))` when it ran and
 /// the node may proceed (the report says whether it warned or, under `warn`, failed);
 /// `Err` with the "unhealthy GPU" exit code when `require` found a failing check.
-pub fn run(mode: Mode, opts: &PreflightOptions) -> Result<Option<Report>, Exit> {
-    if mode == Mode::Off {
+pub fn run(mode: GpuCheck, opts: &PreflightOptions) -> Result<Option<Report>, Exit> {
+    if mode == GpuCheck::Off {
         return Ok(None);
     }
     decide(mode, preflight(opts)).map(Some)
@@ -160,13 +157,11 @@ pub fn fatal_registration_value(report: &Report) -> serde_json::Value {
 /// before joining, since the others would only learn of it at the join deadline; it joins with
 /// [`fatal_registration_value`] and the whole gang exits 204 by name. Returns the report and
 /// whether it is such a fatal one.
-pub async fn for_gang(config: &crate::launch::Config) -> Result<(Option<Report>, bool), Exit> {
-    if config.gpu_check != crate::launch::config::GpuCheck::Require {
-        return for_launch(config).await.map(|r| (r, false));
+pub async fn for_gang(mode: GpuCheck) -> Result<(Option<Report>, bool), Exit> {
+    if mode != GpuCheck::Require {
+        return for_launch(mode).await.map(|r| (r, false));
     }
-    let mut probe = config.clone();
-    probe.gpu_check = crate::launch::config::GpuCheck::Warn;
-    let report = for_launch(&probe).await?;
+    let report = for_launch(GpuCheck::Warn).await?;
     let fatal = report
         .as_ref()
         .is_some_and(|r| r.verdict() == Verdict::Unhealthy);
@@ -233,13 +228,16 @@ mod tests {
     use crate::gpu::{CheckResult, GpuRef, Policy, Status};
 
     #[test]
-    fn default_mode_follows_the_gpu_request() {
-        assert_eq!(Mode::default_for(true, None), Mode::Require);
-        assert_eq!(Mode::default_for(false, Some("GPU-1,GPU-2")), Mode::Require);
-        assert_eq!(Mode::default_for(false, Some("all")), Mode::Require);
-        assert_eq!(Mode::default_for(false, Some("void")), Mode::Off);
-        assert_eq!(Mode::default_for(false, Some("")), Mode::Off);
-        assert_eq!(Mode::default_for(false, None), Mode::Off);
+    fn the_default_follows_the_gpu_request() {
+        assert_eq!(GpuCheck::default_for(true, None), GpuCheck::Require);
+        assert_eq!(
+            GpuCheck::default_for(false, Some("GPU-1,GPU-2")),
+            GpuCheck::Require
+        );
+        assert_eq!(GpuCheck::default_for(false, Some("all")), GpuCheck::Require);
+        assert_eq!(GpuCheck::default_for(false, Some("void")), GpuCheck::Off);
+        assert_eq!(GpuCheck::default_for(false, Some("")), GpuCheck::Off);
+        assert_eq!(GpuCheck::default_for(false, None), GpuCheck::Off);
     }
 
     fn no_driver(expected: Option<u32>) -> PreflightOptions {
@@ -259,17 +257,17 @@ mod tests {
 
     #[test]
     fn require_stops_an_unhealthy_node_warn_does_not() {
-        let err = run(Mode::Require, &no_driver(Some(8))).unwrap_err();
+        let err = run(GpuCheck::Require, &no_driver(Some(8))).unwrap_err();
         assert_eq!(err.code, exit_code::UNHEALTHY_GPU);
         assert!(
             err.message.contains("driver: 8 GPU(s) expected"),
             "{}",
             err.message
         );
-        let report = run(Mode::Warn, &no_driver(Some(8))).unwrap().unwrap();
+        let report = run(GpuCheck::Warn, &no_driver(Some(8))).unwrap().unwrap();
         assert_eq!(report.verdict(), Verdict::Unhealthy);
-        assert!(run(Mode::Off, &no_driver(Some(8))).unwrap().is_none());
-        let ok = run(Mode::Require, &no_driver(None)).unwrap().unwrap();
+        assert!(run(GpuCheck::Off, &no_driver(Some(8))).unwrap().is_none());
+        let ok = run(GpuCheck::Require, &no_driver(None)).unwrap().unwrap();
         assert_eq!(ok.verdict(), Verdict::Healthy);
     }
 
@@ -307,11 +305,11 @@ mod tests {
     #[test]
     fn registration_values_carry_the_verdict() {
         assert_eq!(registration_value(None), serde_json::Value::Null);
-        let report = run(Mode::Warn, &no_driver(Some(8))).unwrap().unwrap();
+        let report = run(GpuCheck::Warn, &no_driver(Some(8))).unwrap().unwrap();
         let value = registration_value(Some(&report));
         assert_eq!(value["verdict"], "unhealthy");
         assert_eq!(value["failures"][0]["check"], "driver");
-        let healthy = registration_value(run(Mode::Warn, &no_driver(None)).unwrap().as_ref());
+        let healthy = registration_value(run(GpuCheck::Warn, &no_driver(None)).unwrap().as_ref());
         let garbage = serde_json::json!({"something": "else"});
         let null = serde_json::Value::Null;
         assert!(gang_verdict_from_values(&[(0, &healthy), (1, &null), (2, &garbage)]).is_none());

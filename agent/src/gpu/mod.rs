@@ -13,9 +13,12 @@
 //! - [`release`]: before a restart, the bounded wait until the previous attempt's compute
 //!   processes and memory are gone from the local GPUs (else the node is unhealthy).
 //! - [`gate`]: what the launch does with it: `--gpu-check off|warn|require`
-//!   ([`gate::for_launch`], called by `cli::launch` before the first round; its verdict goes into
+//!   ([`gate::for_launch`], called by [`crate::app`] before the first round; its verdict goes into
 //!   the gang registration through `GangRendezvous::set_gpu_verdict`), and the gang-wide
 //!   fail-fast decision over every node's published [`Summary`] ([`gate::gang_verdict`]).
+//! - [`watch`]: while the ranks train, XID events, ECC, row remaps, NVLink errors, throttling and
+//!   the DCGM-style readings (utilization, memory, power, temperature) of every GPU; a fatal
+//!   fault stops the node (204).
 //!
 //! # API for launch and metrics
 //! - [`preflight`]`(&PreflightOptions) -> Report` (blocking: it samples NVLink counters and may
@@ -26,8 +29,8 @@
 //! - [`ordered_devices`]`() -> Result<Vec<GpuInfo>, GpuError>`: GPUs sorted by PCI bus id (the
 //!   order for `CUDA_VISIBLE_DEVICES`), each with UUID, NUMA node and NVML's CPU list;
 //!   [`binding_cpus`] intersects such a list with the CPUs this process may use.
-//! - `muster gpu-check` ([`run_cli`]): the report for people (`--json` for machines), exit 0 when
-//!   healthy, [`crate::exit_code::UNHEALTHY_GPU`] otherwise.
+//! - `muster gpu-check` (in [`crate::cmd`]) prints the report for people (`--json` for machines)
+//!   and exits 0 when healthy, [`crate::exit_code::UNHEALTHY_GPU`] otherwise.
 
 pub mod checks;
 mod child;
@@ -38,17 +41,13 @@ pub mod nvml;
 pub mod release;
 pub mod report;
 pub mod snapshot;
+pub mod watch;
 
-use std::ffi::OsString;
 use std::time::Duration;
-
-use clap::Parser;
 
 pub use checks::Policy;
 pub use report::{CheckResult, GpuInfo, GpuRef, Report, Status, Summary, Topology, Verdict};
 pub use snapshot::NodeSnapshot;
-
-use crate::exit_code::{self, Exit};
 
 /// Why GPU information could not be read at all.
 #[derive(Debug, thiserror::Error)]
@@ -106,7 +105,8 @@ impl Default for PreflightOptions {
 }
 
 impl PreflightOptions {
-    fn nvml_options(&self) -> nvml::Options {
+    /// The part of these options that the NVML snapshot takes.
+    pub fn nvml_options(&self) -> nvml::Options {
         nvml::Options {
             library: self.nvml_library.clone(),
             sample_interval: self.sample_interval,
@@ -131,7 +131,12 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 pub fn preflight(opts: &PreflightOptions) -> Report {
     let node = nvml::snapshot(&opts.nvml_options());
     let results = checks::evaluate(&node, &opts.policy);
-    let mut report = Report::new(hostname(), opts.policy.expected_gpus, &node, results);
+    let mut report = Report::new(
+        crate::host::name(),
+        opts.policy.expected_gpus,
+        &node,
+        results,
+    );
     let driver_loaded = matches!(node.driver, snapshot::DriverState::Loaded { .. });
     let expected = opts.policy.expected_gpus.is_some_and(|n| n > 0);
     if opts.cuda && (driver_loaded || expected) {
@@ -155,7 +160,7 @@ pub fn preflight_isolated(opts: &PreflightOptions, timeout: Duration) -> Report 
     let failed = |reason: String| {
         let check = CheckResult::node(checks::name::PREFLIGHT, Status::Fail, reason);
         Report {
-            host: hostname(),
+            host: crate::host::name(),
             verdict: Verdict::Unhealthy,
             expected_gpus: opts.policy.expected_gpus,
             driver_version: None,
@@ -194,6 +199,24 @@ pub fn preflight_isolated(opts: &PreflightOptions, timeout: Duration) -> Report 
     };
     child::run_json(cmd, timeout, "an NVML or CUDA call did not return")
         .unwrap_or_else(|e| failed(format!("GPU pre-flight did not complete: {e}")))
+}
+
+/// GPUs the container runtime exposed to this node: the NVIDIA character devices
+/// `/dev/nvidia0`, `/dev/nvidia1`, ... (`--nproc-per-node gpu`, and the count the launch's
+/// pre-flight expects). Device nodes need no driver library, so the count is right even where
+/// NVML cannot load.
+pub fn gpu_count() -> u32 {
+    let Ok(dir) = std::fs::read_dir("/dev") else {
+        return 0;
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name().to_str().is_some_and(|n| {
+                n.strip_prefix("nvidia")
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            })
+        })
+        .count() as u32
 }
 
 /// Local GPUs in PCI bus id order (the order `CUDA_DEVICE_ORDER=PCI_BUS_ID` gives, and the order
@@ -254,117 +277,6 @@ pub fn cpulist(cpus: &[u32]) -> String {
         i += 1;
     }
     parts.join(",")
-}
-
-fn hostname() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "unknown-host".into())
-}
-
-/// `muster gpu-check`: check this node's GPUs and print the report.
-#[derive(Debug, Parser)]
-#[command(
-    name = "muster gpu-check",
-    about = "Check this node's GPUs (NVML health, NVLink topology, CUDA smoke test)",
-    after_help = "Exit status: 0 healthy (warnings allowed), 204 unhealthy GPU, 202 bad usage.\n\
-                  MUSTER_NVML_LIBRARY=<path> loads another libnvidia-ml.so (e.g. the test fake)."
-)]
-struct Args {
-    /// GPUs this node must have; without it any count passes and a missing driver is fine.
-    #[arg(long, value_name = "N")]
-    expect_gpus: Option<u32>,
-    /// Active NVLinks every GPU must have (default: as many as the best local GPU has).
-    #[arg(long, value_name = "N")]
-    expect_nvlinks: Option<u32>,
-    /// Print the report as JSON.
-    #[arg(long)]
-    json: bool,
-    /// Longest wait for an NVSwitch fabric that is still initialising, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
-    fabric_wait: f64,
-    /// Time between the two NVLink error-counter samples, in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
-    sample_interval_ms: u64,
-    /// Do not run the CUDA smoke test.
-    #[arg(long)]
-    skip_cuda: bool,
-    /// Time limit for the CUDA smoke test, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 60)]
-    cuda_timeout: u64,
-    /// Fail (instead of warn) when other compute processes already use a GPU.
-    #[arg(long)]
-    fail_on_processes: bool,
-    /// Print the raw NVML snapshot (what every check looked at) as JSON instead of the report;
-    /// used to record fixtures on real hardware.
-    #[arg(long)]
-    dump_snapshot: bool,
-    /// Internal: run the CUDA smoke test in this process and print its JSON result.
-    #[arg(long = "cuda-smoke-child", hide = true)]
-    cuda_smoke_child: bool,
-    /// Internal: GPU pairs for the child's peer copies ("0-1,2-3").
-    #[arg(long, hide = true, value_name = "PAIRS")]
-    peers: Option<String>,
-}
-
-/// Entry point of `muster gpu-check` (`args[0]` is the binary, `args[1]` is `gpu-check`).
-pub fn run_cli(args: &[OsString]) -> anyhow::Result<u8> {
-    let argv =
-        std::iter::once(OsString::from("muster gpu-check")).chain(args.iter().skip(2).cloned());
-    let args = match Args::try_parse_from(argv) {
-        Ok(a) => a,
-        Err(e) if !e.use_stderr() => {
-            // --help / --version.
-            print!("{e}");
-            return Ok(exit_code::SUCCESS);
-        }
-        Err(e) => {
-            // One line, without clap's own "error: " prefix (main adds "muster: error:").
-            let text = e.to_string();
-            let first = text.lines().next().unwrap_or_default();
-            let line = first.strip_prefix("error: ").unwrap_or(first);
-            return Err(Exit::config(format!("gpu-check: {line} (see --help)")).into());
-        }
-    };
-    if args.cuda_smoke_child {
-        let peers =
-            cuda::parse_peers(args.peers.as_deref().unwrap_or_default()).map_err(Exit::config)?;
-        return Ok(cuda::child_main(&peers));
-    }
-    if !(args.fabric_wait.is_finite() && args.fabric_wait >= 0.0) {
-        return Err(Exit::config("--fabric-wait must be a number of seconds >= 0").into());
-    }
-    let opts = PreflightOptions {
-        nvml_library: nvml::library_override(),
-        policy: Policy {
-            expected_gpus: args.expect_gpus,
-            expected_nvlinks: args.expect_nvlinks,
-            foreign_processes_fail: args.fail_on_processes,
-            ..Policy::default()
-        },
-        sample_interval: Duration::from_millis(args.sample_interval_ms),
-        fabric_wait: Duration::from_secs_f64(args.fabric_wait),
-        fabric_poll: Duration::from_millis(200).min(Duration::from_secs_f64(args.fabric_wait)),
-        cuda: !args.skip_cuda,
-        cuda_timeout: Duration::from_secs(args.cuda_timeout),
-    };
-    if args.dump_snapshot {
-        let node = nvml::snapshot(&opts.nvml_options());
-        println!("{}", serde_json::to_string_pretty(&node)?);
-        return Ok(exit_code::SUCCESS);
-    }
-    let report = preflight(&opts);
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        print!("{}", report.render_text());
-    }
-    Ok(if report.verdict().is_unhealthy() {
-        exit_code::UNHEALTHY_GPU
-    } else {
-        exit_code::SUCCESS
-    })
 }
 
 #[cfg(test)]
@@ -435,15 +347,5 @@ mod tests {
             "{}",
             report.checks[0].reason
         );
-    }
-
-    #[test]
-    fn cli_rejects_bad_flags_with_a_config_error() {
-        let args: Vec<OsString> = ["muster", "gpu-check", "--expect-gpus", "eight"]
-            .iter()
-            .map(OsString::from)
-            .collect();
-        let err = run_cli(&args).unwrap_err();
-        assert_eq!(exit_code::for_error(&err), exit_code::CONFIG_ERROR);
     }
 }

@@ -256,7 +256,7 @@ fn normalise_bus_id(bus_id: &str) -> String {
 
 /// One field value as a number. A driver that predates a field ID answers that field with
 /// INVALID_ARGUMENT, which means "not supported here", not a faulty GPU.
-fn field_u64(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Reading<u64> {
+pub(crate) fn field_u64(sample: Option<&Result<FieldValueSample, NvmlError>>) -> Reading<u64> {
     let field_error = |e: &NvmlError| match e {
         NvmlError::InvalidArg => ReadError::NotSupported,
         other => classify(other),

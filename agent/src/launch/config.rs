@@ -4,10 +4,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
+use std::fmt;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+
+pub use crate::gpu::gate::GpuCheck;
+pub use crate::logs::LogFormat;
 
 /// Default `--gpu-release-timeout` (NVIDIA's ft_launcher waits up to 50 s for the same thing).
 pub const DEFAULT_GPU_RELEASE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -17,6 +23,77 @@ pub const DEFAULT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_PREFIX_TEMPLATE: &str = "[${hostname}:${rank}] ";
 /// torchrun's default `--signals-to-handle`, exported as `TORCHELASTIC_SIGNALS_TO_HANDLE`.
 pub const DEFAULT_SIGNALS: &str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT";
+
+/// Where the metrics endpoint listens unless `--metrics-addr` / `MUSTER_METRICS_ADDR` says
+/// otherwise: the port the platform's `prometheus.io/port` annotation names.
+pub const DEFAULT_METRICS_ADDR: &str = "0.0.0.0:8000";
+/// The environment variable that sets the metrics address (the flag wins).
+pub const METRICS_ADDR_ENV: &str = "MUSTER_METRICS_ADDR";
+
+/// `--metrics-addr`: where to serve, or nowhere (`none`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsAddr(Option<SocketAddr>);
+
+impl MetricsAddr {
+    /// The address to listen on; `None` when disabled.
+    pub fn addr(self) -> Option<SocketAddr> {
+        self.0
+    }
+
+    /// Serve on `addr`.
+    pub fn at(addr: SocketAddr) -> Self {
+        Self(Some(addr))
+    }
+
+    /// Do not serve.
+    pub fn disabled() -> Self {
+        Self(None)
+    }
+}
+
+impl Default for MetricsAddr {
+    fn default() -> Self {
+        Self(DEFAULT_METRICS_ADDR.parse().ok())
+    }
+}
+
+impl fmt::Display for MetricsAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(addr) => write!(f, "{addr}"),
+            None => f.write_str("none"),
+        }
+    }
+}
+
+/// A `--metrics-addr` value that is neither `IP:PORT`, `:PORT`, `PORT` nor `none`.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid metrics address {input:?}: expected IP:PORT (e.g. 0.0.0.0:8000 or [::]:8000), :PORT, or none")]
+pub struct AddrError {
+    input: String,
+}
+
+impl FromStr for MetricsAddr {
+    type Err = AddrError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        let s = input.trim();
+        if s.eq_ignore_ascii_case("none") {
+            return Ok(Self(None));
+        }
+        let err = || AddrError {
+            input: input.to_owned(),
+        };
+        let port_only = s.strip_prefix(':').unwrap_or(s);
+        if !port_only.is_empty() && port_only.bytes().all(|b| b.is_ascii_digit()) {
+            let port: u16 = port_only.parse().map_err(|_| err())?;
+            return Ok(Self(Some(SocketAddr::from(([0, 0, 0, 0], port)))));
+        }
+        s.parse::<SocketAddr>()
+            .map(|a| Self(Some(a)))
+            .map_err(|_| err())
+    }
+}
 
 /// `--nnodes`: a fixed count or an elastic range.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,16 +142,6 @@ impl StreamSpec {
     pub fn is_empty(&self) -> bool {
         self.all == Streams::NONE && self.per_rank.values().all(|s| *s == Streams::NONE)
     }
-}
-
-/// How worker lines are written to the console.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LogFormat {
-    /// `<prefix><line>`.
-    #[default]
-    Text,
-    /// One JSON object per line, every record in the schema of [`crate::logs::record`].
-    Json,
 }
 
 /// Everything about worker output.
@@ -164,15 +231,6 @@ impl Default for SignalPolicy {
     }
 }
 
-/// `--gpu-check`: stored here; the GPU pre-flight reads it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum GpuCheck {
-    Off,
-    #[default]
-    Warn,
-    Require,
-}
-
 /// The validated launch configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
@@ -202,7 +260,7 @@ pub struct Config {
     pub shutdown_timeout: Duration,
     pub signals: SignalPolicy,
     /// `--metrics-addr` as given (`None`: not given, serve on the default port if it is free).
-    pub metrics_addr: Option<crate::metrics::MetricsAddr>,
+    pub metrics_addr: Option<MetricsAddr>,
     pub gpu_check: GpuCheck,
     pub grace_period: Option<Duration>,
     /// Exit code after a committed preemption checkpoint (200 unless `--preempted-exit-code`
@@ -224,6 +282,9 @@ pub struct Config {
     /// `--gpu-release-timeout`: how long a restart waits for the previous attempt's GPU
     /// processes and memory to go (zero: no wait).
     pub gpu_release_timeout: Duration,
+    /// `--gpu-watch-interval`: how often the GPU watch looks at the GPUs while the ranks run
+    /// (zero: no watch).
+    pub gpu_watch_interval: Duration,
     /// `--max-store-bytes`: what each store the agent hosts may hold.
     pub max_store_bytes: usize,
     /// `--hang-timeout` and `--section-timeout`.
@@ -269,8 +330,55 @@ impl Config {
             tmp_dir: None,
             keep_strays: false,
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
+            gpu_watch_interval: crate::gpu::watch::DEFAULT_INTERVAL,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
             hang: crate::watch::hang::Policy::default(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_parse_like_the_flag_documents() {
+        assert_eq!(
+            "none".parse::<MetricsAddr>().ok(),
+            Some(MetricsAddr::disabled())
+        );
+        assert_eq!(
+            "NONE".parse::<MetricsAddr>().ok(),
+            Some(MetricsAddr::disabled())
+        );
+        let any = SocketAddr::from(([0, 0, 0, 0], 9100));
+        assert_eq!(
+            ":9100".parse::<MetricsAddr>().ok(),
+            Some(MetricsAddr::at(any))
+        );
+        assert_eq!(
+            "9100".parse::<MetricsAddr>().ok(),
+            Some(MetricsAddr::at(any))
+        );
+        let v6: SocketAddr = "[::1]:8000".parse().unwrap();
+        assert_eq!(
+            "[::1]:8000".parse::<MetricsAddr>().ok(),
+            Some(MetricsAddr::at(v6))
+        );
+        assert_eq!(MetricsAddr::default().to_string(), "0.0.0.0:8000");
+        for bad in [
+            "",
+            "host:8000",
+            "0.0.0.0",
+            ":99999",
+            "1.2.3.4:x",
+            "none please",
+        ] {
+            let err = bad.parse::<MetricsAddr>().unwrap_err();
+            assert!(
+                err.to_string().contains("invalid metrics address"),
+                "{bad}: {err}"
+            );
         }
     }
 }

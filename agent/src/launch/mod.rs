@@ -10,7 +10,7 @@
 //!    [`RankAssignment`] (ranks, world size, where the workers' store is, the run id) and, on the
 //!    node that hosts it, the [`HostedStore`]: a fresh store on an ephemeral port for every
 //!    attempt, so a restarted group never reads the dead attempt's keys. [`LocalRendezvous`] does
-//!    this for one node; the multi-node rendezvous plugs in here through
+//!    this for one node; the gang rendezvous ([`rdzv::GangRendezvous`]) plugs in here through
 //!    [`Launch::with_rendezvous`].
 //! 2. **Run the group**: [`run_group`] starts `nproc-per-node` workers with torchrun's
 //!    environment ([`env`]), each in its own session and process group with a parent-death
@@ -32,7 +32,9 @@ pub mod config;
 pub mod env;
 mod group;
 pub mod observe;
+pub mod rdzv;
 pub mod reaper;
+mod repeat;
 pub mod signals;
 mod store_host;
 pub mod strays;
@@ -40,10 +42,8 @@ pub mod summary;
 pub mod watchdog;
 
 use std::ffi::OsString;
-use std::future::Future;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -52,7 +52,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use config::Config;
 pub use group::{run_group, Attempt, WorkerGroupSpec};
-pub use observe::{Event, Observer, Phase, Publisher};
+pub use observe::{Event, Observer, Phase, Publisher, RestartCause};
+pub use rdzv::{AfterGroup, BoxFuture, LocalRendezvous, Rendezvous};
 pub use reaper::{ExitStatus, Reaper};
 pub use signals::{StopRequest, TerminateHook};
 pub use store_host::HostedStore;
@@ -205,20 +206,59 @@ pub enum LaunchError {
         what: &'static str,
         source: std::io::Error,
     },
-    /// An outcome with its own exit code (rendezvous timeout, unhealthy GPU, ...), for the parts
-    /// that plug into the loop.
-    #[error("{message}")]
-    Coded { code: u8, message: String },
+    /// The rendezvous endpoint could not be resolved or reached before the join deadline.
+    #[error("rendezvous timed out: {0}")]
+    DiscoveryTimeout(crate::discovery::DiscoveryError),
+    /// The gang rendezvous failed: timed out, lost node 0, rejected this node, or ended the job
+    /// for everyone with a worker's code.
+    #[error(transparent)]
+    Rendezvous(rendezvous::rdzv::RdzvError),
+    /// Node 0, which hosts the rendezvous store, stopped answering while workers ran.
+    #[error("lost the store host (node 0): {0}")]
+    StoreHostLost(String),
+    /// Before a restart, the previous attempt's GPU processes or memory did not go within
+    /// `--gpu-release-timeout`: this node is unhealthy.
+    #[error(
+        "the GPUs were not released {waited:.1}s after attempt {previous} stopped: {detail}; \
+         this node is unhealthy (--gpu-release-timeout {timeout})"
+    )]
+    GpusNotReleased {
+        waited: f64,
+        previous: u32,
+        detail: String,
+        timeout: f64,
+    },
+    /// A state the agent's own logic should never reach.
+    #[error("{0}")]
+    Internal(&'static str),
+    /// A fatal GPU fault while the ranks ran ([`crate::gpu::watch`]): the workers were stopped
+    /// and this node leaves the job with the "unhealthy GPU" code, so an elastic gang
+    /// (`--nnodes MIN:MAX`) re-forms without it.
+    #[error("fatal GPU fault: {0}; this node is unhealthy, its workers were stopped")]
+    GpuFault(Box<crate::gpu::watch::GpuEvent>),
 }
 
 impl LaunchError {
-    pub fn exit_code(&self) -> u8 {
+    /// Whether this is the join deadline passing with nodes missing.
+    pub fn is_rendezvous_timeout(&self) -> bool {
+        matches!(
+            self,
+            LaunchError::DiscoveryTimeout(_)
+                | LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::Timeout(_))
+        )
+    }
+}
+
+impl exit_code::Coded for LaunchError {
+    fn exit_code(&self) -> u8 {
+        use rendezvous::rdzv::RdzvError;
         match self {
             LaunchError::Config(_)
             | LaunchError::LogDir { .. }
             | LaunchError::LogDirOption { .. }
             | LaunchError::TmpDir { .. }
-            | LaunchError::Scratch(_) => exit_code::CONFIG_ERROR,
+            | LaunchError::Scratch(_)
+            | LaunchError::Rendezvous(RdzvError::Rejected(_)) => exit_code::CONFIG_ERROR,
             LaunchError::Spawn { source, .. }
                 if matches!(
                     source.kind(),
@@ -227,8 +267,21 @@ impl LaunchError {
             {
                 exit_code::CONFIG_ERROR
             }
-            LaunchError::Coded { code, .. } => *code,
-            _ => exit_code::INTERNAL_ERROR,
+            LaunchError::DiscoveryTimeout(_) | LaunchError::Rendezvous(RdzvError::Timeout(_)) => {
+                exit_code::RENDEZVOUS_TIMEOUT
+            }
+            LaunchError::StoreHostLost(_) | LaunchError::Rendezvous(RdzvError::StoreLost(_)) => {
+                exit_code::STORE_HOST_LOST
+            }
+            LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
+            LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => {
+                exit_code::UNHEALTHY_GPU
+            }
+            LaunchError::Rendezvous(RdzvError::Malformed { .. } | RdzvError::Encode(_))
+            | LaunchError::Spawn { .. }
+            | LaunchError::Store { .. }
+            | LaunchError::Io { .. }
+            | LaunchError::Internal(_) => exit_code::INTERNAL_ERROR,
         }
     }
 }
@@ -252,108 +305,6 @@ impl LaunchError {
     }
 }
 
-impl exit_code::Coded for LaunchError {
-    fn exit_code(&self) -> u8 {
-        LaunchError::exit_code(self)
-    }
-}
-
-/// A boxed future, for the object-safe [`Rendezvous`] trait.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
-
-/// The "obtain assignment" step of every attempt.
-pub trait Rendezvous: Send {
-    /// Joins round `restart_count` and returns the assignment. Should give up promptly when
-    /// `stop` is requested.
-    fn next_round<'a>(
-        &'a mut self,
-        config: &'a Config,
-        restart_count: u32,
-        stop: &'a StopRequest,
-    ) -> BoxFuture<'a, Result<Round, LaunchError>>;
-
-    /// Resolves when the group must stop because the gang re-forms (another node failed, died
-    /// or joined). Must be cancel-safe: it is dropped when the group ends first.
-    fn watch(&mut self) -> BoxFuture<'_, ()> {
-        Box::pin(std::future::pending())
-    }
-
-    /// Decides what follows an attempt; `None` keeps the local policy (restart while
-    /// `--max-restarts` lasts). The multi-node rendezvous restarts every node together here.
-    fn after_group<'a>(
-        &'a mut self,
-        _outcome: &'a GroupOutcome,
-        _stop: &'a StopRequest,
-    ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
-        Box::pin(async { Ok(None) })
-    }
-}
-
-/// What the rendezvous decided after an attempt.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AfterGroup {
-    /// Start another attempt (the rendezvous counts restarts itself).
-    Restart,
-    /// End the launch with this exit code.
-    Finish(u8),
-}
-
-/// One node, no peers: this agent hosts a fresh store per attempt on its advertised address.
-#[derive(Debug, Default)]
-pub struct LocalRendezvous;
-
-impl LocalRendezvous {
-    /// The address workers reach the store at: `--local-addr` (resolved once, numerically),
-    /// else loopback — on one node nothing else needs to reach it.
-    pub async fn advertised_ip(config: &Config) -> Result<IpAddr, LaunchError> {
-        let Some(addr) = config.local_addr.as_deref().filter(|_| !config.standalone) else {
-            return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
-        };
-        if let Ok(ip) = addr
-            .trim_matches(|c| c == '[' || c == ']')
-            .parse::<IpAddr>()
-        {
-            return Ok(ip);
-        }
-        let mut found = tokio::net::lookup_host((addr, 0))
-            .await
-            .map_err(|e| LaunchError::Config(format!("--local-addr {addr}: {e}")))?;
-        found
-            .next()
-            .map(|sa| sa.ip())
-            .ok_or_else(|| LaunchError::Config(format!("--local-addr {addr}: no address")))
-    }
-}
-
-impl Rendezvous for LocalRendezvous {
-    fn next_round<'a>(
-        &'a mut self,
-        config: &'a Config,
-        restart_count: u32,
-        _stop: &'a StopRequest,
-    ) -> BoxFuture<'a, Result<Round, LaunchError>> {
-        Box::pin(async move {
-            let ip = Self::advertised_ip(config).await?;
-            let store = HostedStore::start(ip, config.max_store_bytes)
-                .await
-                .map_err(|source| LaunchError::Store { ip, source })?;
-            Ok(Round {
-                assignment: RankAssignment {
-                    node_rank: 0,
-                    group_world_size: 1,
-                    base_global_rank: 0,
-                    world_size: config.nproc_per_node,
-                    master_addr: store.addr().ip().to_string(),
-                    master_port: store.addr().port(),
-                    restart_count,
-                    run_id: config.run_id.clone(),
-                },
-                store: Some(store),
-            })
-        })
-    }
-}
-
 /// A launch being set up: plug in a rendezvous, a terminate hook, observers; then [`Launch::run`].
 pub struct Launch {
     config: Arc<Config>,
@@ -365,6 +316,7 @@ pub struct Launch {
     rank_cpus: Vec<Vec<u32>>,
     rank_env: Option<RankEnv>,
     watchdog: Option<Arc<dyn Watchdog>>,
+    gpu_watch: Option<crate::gpu::watch::Watch>,
 }
 
 /// Variables for one rank of one attempt, computed just before it starts:
@@ -383,7 +335,16 @@ impl Launch {
             rank_cpus: Vec::new(),
             rank_env: None,
             watchdog: None,
+            gpu_watch: None,
         }
+    }
+
+    /// Stops the workers and ends the launch with [`LaunchError::GpuFault`] when `watch` reports
+    /// a fatal GPU fault, and adds the node's recent GPU events to a failed run's summary.
+    #[must_use]
+    pub fn with_gpu_watch(mut self, watch: crate::gpu::watch::Watch) -> Self {
+        self.gpu_watch = Some(watch);
+        self
     }
 
     /// Watches every attempt for a hang ([`crate::watch`]): a hung attempt fails with the hung
@@ -459,6 +420,7 @@ impl Launch {
             rank_cpus,
             rank_env,
             watchdog,
+            gpu_watch,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -515,7 +477,7 @@ impl Launch {
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
-            hostname: short_hostname(),
+            hostname: crate::host::short_name(),
             run_dir: run_dir.path.clone(),
             files: config.logs.log_dir.is_some(),
             reaper,
@@ -526,15 +488,23 @@ impl Launch {
             rank_env,
             watchdog,
         };
-        let result = attempts(&spec, rendezvous.as_mut(), &stop)
+        let result = attempts(&spec, rendezvous.as_mut(), &stop, gpu_watch.as_ref())
             .await
             .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
             if let GroupOutcome::Failed(f) = &outcome.last {
+                let gpu_events = gpu_watch
+                    .as_ref()
+                    .map(|w| w.summary_lines(f.rank, f.at))
+                    .unwrap_or_default();
                 let text = match config.logs.format {
-                    config::LogFormat::Text => summary::render(f, outcome.attempts),
+                    config::LogFormat::Text => {
+                        summary::render(f, outcome.attempts)
+                            + &summary::render_gpu_events(&gpu_events)
+                    }
                     config::LogFormat::Json => {
                         summary::render_json(f, outcome.attempts, run_dir.is_kept())
+                            + &summary::render_gpu_events_json(&f.host, &gpu_events)
                     }
                 };
                 sink.agent_line(Console::Stderr, text.into_bytes());
@@ -551,10 +521,27 @@ impl Launch {
     }
 }
 
+/// Resolves with the watch's fatal GPU fault; never without a watch.
+async fn gpu_fault(watch: Option<&crate::gpu::watch::Watch>) -> crate::gpu::watch::GpuEvent {
+    match watch {
+        Some(watch) => watch.fault().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// [`LaunchError::GpuFault`] when the watch has seen a fatal fault.
+fn check_gpus(watch: Option<&crate::gpu::watch::Watch>) -> Result<(), LaunchError> {
+    match watch.and_then(crate::gpu::watch::Watch::current_fault) {
+        Some(fault) => Err(LaunchError::GpuFault(Box::new(fault))),
+        None => Ok(()),
+    }
+}
+
 async fn attempts(
     spec: &WorkerGroupSpec,
     rendezvous: &mut dyn Rendezvous,
     stop: &StopRequest,
+    gpu_watch: Option<&crate::gpu::watch::Watch>,
 ) -> Result<Outcome, LaunchError> {
     let config = &spec.config;
     let mut restart_count = 0;
@@ -562,6 +549,9 @@ async fn attempts(
     // waits to see released.
     let mut previous: Option<(Vec<crate::gpu::release::GpuUse>, Vec<u32>)> = None;
     loop {
+        // A node whose GPU faulted starts no attempt (also when the fault came while the
+        // previous one was already failing because of it).
+        check_gpus(gpu_watch)?;
         if let Some((baseline, pids)) = previous.take() {
             if !stop.is_requested() {
                 wait_for_gpus(spec, baseline, pids, restart_count, stop).await?;
@@ -597,17 +587,34 @@ async fn attempts(
                     attempt_stop.request(Signal::SIGTERM);
                     group.await
                 }
+                _fault = gpu_fault(gpu_watch) => {
+                    // Reported by `check_gpus` once the workers are down.
+                    attempt_stop.request(Signal::SIGTERM);
+                    group.await
+                }
             }
         };
         if let Some(store) = round.store {
             store.shutdown().await;
         }
         let Attempt { outcome, pids } = attempt?;
+        check_gpus(gpu_watch)?;
         previous = baseline.map(|b| (b, pids));
         match rendezvous.after_group(&outcome, stop).await? {
             Some(AfterGroup::Restart) => {
                 restart_count += 1;
-                spec.publisher.event(Event::Restarting { restart_count });
+                // A local failure restarts the gang from here; otherwise another node's failure
+                // (or a membership change, which the rendezvous does not tell apart yet) made
+                // the gang re-form.
+                let cause = match &outcome {
+                    GroupOutcome::Failed(f) if f.hang.is_some() => RestartCause::Hang,
+                    GroupOutcome::Failed(_) => RestartCause::WorkerFailure,
+                    _ => RestartCause::PeerFailure,
+                };
+                spec.publisher.event(Event::Restarting {
+                    restart_count,
+                    cause,
+                });
                 continue;
             }
             Some(AfterGroup::Finish(exit_code)) => {
@@ -638,7 +645,14 @@ async fn attempts(
                         config.max_restarts
                     );
                 }
-                spec.publisher.event(Event::Restarting { restart_count });
+                spec.publisher.event(Event::Restarting {
+                    restart_count,
+                    cause: if f.hang.is_some() {
+                        RestartCause::Hang
+                    } else {
+                        RestartCause::WorkerFailure
+                    },
+                });
             }
             _ => {
                 return Ok(Outcome {
@@ -707,16 +721,11 @@ async fn wait_for_gpus(
         released,
     });
     let previous = restart_count.saturating_sub(1);
-    let unhealthy = |detail: String| LaunchError::Coded {
-        code: exit_code::UNHEALTHY_GPU,
-        message: format!(
-            "the GPUs were not released {:.1}s after attempt {previous} stopped: {detail}; {}",
-            waited.as_secs_f64(),
-            format_args!(
-                "this node is unhealthy (--gpu-release-timeout {})",
-                timeout.as_secs_f64()
-            ),
-        ),
+    let unhealthy = |detail: String| LaunchError::GpusNotReleased {
+        waited: waited.as_secs_f64(),
+        previous,
+        detail,
+        timeout: timeout.as_secs_f64(),
     };
     match result {
         Ok(Ok(Released::Yes)) => {
@@ -794,15 +803,6 @@ impl RunDir {
     }
 }
 
-/// The host name up to the first dot (what torchrun's `${hostname}` gives).
-pub fn short_hostname() -> String {
-    let name = nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned());
-    name.split('.').next().unwrap_or(&name).to_owned()
-}
-
 /// Runs a launch with the single-node rendezvous and no hooks.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<Outcome, LaunchError> {
     Launch::new(config).run(shutdown).await
@@ -848,6 +848,7 @@ mod tests {
 
     #[test]
     fn launch_errors_map_to_reserved_codes() {
+        use exit_code::Coded as _;
         let nf = std::io::Error::from(std::io::ErrorKind::NotFound);
         let spawn = LaunchError::Spawn {
             program: "x".into(),
@@ -866,13 +867,27 @@ mod tests {
         assert_eq!(tmp.exit_code(), exit_code::CONFIG_ERROR);
         assert!(tmp.to_string().contains("/ro/muster_x"));
         assert!(tmp.to_string().contains("emptyDir"));
+        let timeout = LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::Timeout("x".into()));
+        assert!(timeout.is_rendezvous_timeout());
+        assert_eq!(timeout.exit_code(), exit_code::RENDEZVOUS_TIMEOUT);
+        assert_eq!(timeout.to_string(), "rendezvous timed out: x");
+        let fatal = LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::Fatal {
+            exit_code: 7,
+            reason: "rank 3 failed".into(),
+        });
+        assert_eq!(fatal.exit_code(), 7);
+        assert!(!fatal.is_rendezvous_timeout());
+        let gpus = LaunchError::GpusNotReleased {
+            waited: 60.04,
+            previous: 0,
+            detail: "GPU 0 held".into(),
+            timeout: 60.0,
+        };
+        assert_eq!(gpus.exit_code(), exit_code::UNHEALTHY_GPU);
         assert_eq!(
-            LaunchError::Coded {
-                code: exit_code::RENDEZVOUS_TIMEOUT,
-                message: "x".into()
-            }
-            .exit_code(),
-            exit_code::RENDEZVOUS_TIMEOUT
+            gpus.to_string(),
+            "the GPUs were not released 60.0s after attempt 0 stopped: GPU 0 held; this node is \
+             unhealthy (--gpu-release-timeout 60)"
         );
     }
 
@@ -888,7 +903,7 @@ mod tests {
             source: std::io::Error::from_raw_os_error(libc::ENOTDIR),
         };
         let named = err().naming_log_dir(&logs);
-        assert_eq!(named.exit_code(), exit_code::CONFIG_ERROR);
+        assert_eq!(exit_code::Coded::exit_code(&named), exit_code::CONFIG_ERROR);
         let text = named.to_string();
         assert!(
             text.starts_with(
@@ -941,7 +956,10 @@ mod tests {
                 .count()
         };
         assert_eq!((started(0), started(1)), (3, 3));
-        assert!(events.contains(&Event::Restarting { restart_count: 1 }));
+        assert!(events.contains(&Event::Restarting {
+            restart_count: 1,
+            cause: RestartCause::WorkerFailure
+        }));
         // The two healthy ranks were stopped with SIGTERM.
         let terminated = events
             .iter()
@@ -956,6 +974,77 @@ mod tests {
             })
             .count();
         assert_eq!(terminated, 4);
+    }
+
+    fn gpu_event(kind: crate::gpu::watch::EventKind) -> crate::gpu::watch::GpuEvent {
+        crate::gpu::watch::GpuEvent {
+            gpu: crate::gpu::watch::GpuId {
+                index: 3,
+                uuid: Some("GPU-3".into()),
+                pci_bus_id: Some("00000000:1B:00.0".into()),
+            },
+            at: SystemTime::now(),
+            kind,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_fatal_gpu_fault_stops_the_workers_and_the_node() {
+        let mut config = sh("exec sleep 30", 2);
+        // A restart budget does not help a node whose GPU fell off the bus.
+        config.max_restarts = 3;
+        let watch = crate::gpu::watch::Watch::new();
+        let launch = Launch::new(config).with_gpu_watch(watch.clone());
+        let mut observer = launch.observer();
+        let run = tokio::spawn(launch.run(CancellationToken::new()));
+        let mut started = 0;
+        while started < 2 {
+            if let Ok(Event::WorkerStarted { .. }) = observer.events.recv().await {
+                started += 1;
+            }
+        }
+        // A non-fatal XID changes nothing.
+        watch.record(gpu_event(crate::gpu::watch::EventKind::Xid(13)));
+        watch.record(gpu_event(crate::gpu::watch::EventKind::Xid(79)));
+        let err = tokio::time::timeout(std::time::Duration::from_secs(20), run)
+            .await
+            .expect("the launch ends")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(exit_code::Coded::exit_code(&err), exit_code::UNHEALTHY_GPU);
+        let text = err.to_string();
+        assert!(
+            text.starts_with(
+                "fatal GPU fault: GPU 3 (GPU-3, 00000000:1B:00.0): XID 79 (GPU has fallen off the bus) at "
+            ),
+            "{text}"
+        );
+        let mut exits = 0;
+        let mut restarts = 0;
+        while let Ok(e) = observer.events.try_recv() {
+            match e {
+                Event::WorkerExited {
+                    status: ExitStatus::Signaled(Signal::SIGTERM),
+                    ..
+                } => exits += 1,
+                Event::Restarting { .. } => restarts += 1,
+                _ => {}
+            }
+        }
+        assert_eq!((exits, restarts), (2, 0));
+    }
+
+    #[tokio::test]
+    async fn a_node_that_faulted_before_the_first_attempt_starts_none() {
+        let watch = crate::gpu::watch::Watch::new();
+        watch.record(gpu_event(crate::gpu::watch::EventKind::Lost));
+        let err = Launch::new(sh("exit 0", 1))
+            .with_gpu_watch(watch)
+            .run(CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert_eq!(exit_code::Coded::exit_code(&err), exit_code::UNHEALTHY_GPU);
+        assert!(err.to_string().contains("GPU lost"), "{err}");
     }
 
     #[tokio::test]
@@ -1041,28 +1130,5 @@ mod tests {
             );
         }
         let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[tokio::test]
-    async fn local_rendezvous_hosts_a_fresh_store_per_round() {
-        let config = Config::for_program("/bin/true", vec![], 3);
-        let stop = StopRequest::new(&CancellationToken::new());
-        let mut rdzv = LocalRendezvous;
-        let a = rdzv.next_round(&config, 0, &stop).await.unwrap();
-        let b = rdzv.next_round(&config, 1, &stop).await.unwrap();
-        assert_eq!(a.assignment.master_addr, "127.0.0.1");
-        assert_eq!(a.assignment.world_size, 3);
-        assert_eq!(b.assignment.restart_count, 1);
-        assert_ne!(a.assignment.master_port, b.assignment.master_port);
-        for round in [a, b] {
-            let store = round.store.unwrap();
-            let addr = store.addr();
-            let mut client =
-                rendezvous::store::client::Client::connect(addr, std::time::Duration::from_secs(5))
-                    .await
-                    .unwrap();
-            client.set(b"k", b"v").await.unwrap();
-            store.shutdown().await;
-        }
     }
 }

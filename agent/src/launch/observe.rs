@@ -33,6 +33,20 @@ pub enum GroupResult {
     Stopped,
 }
 
+/// Why the local worker group is restarted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestartCause {
+    /// A local worker failed.
+    WorkerFailure,
+    /// Another node's worker failed or a peer died; the whole gang restarts together.
+    PeerFailure,
+    /// A node joined or left within `--nnodes MIN:MAX` (does not consume the restart budget).
+    /// The gang rendezvous does not tell this apart from a peer failure yet.
+    MembershipChange,
+    /// A local rank hung (`--hang-timeout`): the agent stopped the attempt.
+    Hang,
+}
+
 /// Something that happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
@@ -55,8 +69,11 @@ pub enum Event {
         restart_count: u32,
         result: GroupResult,
     },
-    /// The group failed and is being restarted as attempt `restart_count`.
-    Restarting { restart_count: u32 },
+    /// The group is being restarted as attempt `restart_count`, because of `cause`.
+    Restarting {
+        restart_count: u32,
+        cause: RestartCause,
+    },
     SignalReceived {
         signal: Signal,
         action: SignalAction,

@@ -3,7 +3,7 @@
 //! - `terminate` (torchrun's only behaviour; the default except for SIGTERM): stop the group with
 //!   that signal, SIGKILL after `--shutdown-timeout`. A second stop signal while stopping sends
 //!   SIGKILL at once (the impatient Ctrl-C), unless it came within
-//!   [`crate::signals::REPEAT_WINDOW`] of the first: then it is the same request delivered twice
+//!   [`REPEAT_WINDOW`] of the first: then it is the same request delivered twice
 //!   (coreutils `timeout`, a terminal and a forwarding wrapper all do that) and changes nothing.
 //! - `checkpoint` (SIGTERM's default): a [`TerminateHook`] (the preemption checkpoint barrier)
 //!   takes over; it decides when to call [`StopRequest::request`]. Without a hook, as `terminate`.
@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::config::{SignalAction, SignalPolicy};
 use super::observe::{Event, Publisher};
 use super::reaper::Reaper;
-use crate::signals::{Repeat, StopSignals, REPEAT_WINDOW};
+pub use super::repeat::{Repeat, StopSignals, REPEAT_WINDOW};
 
 /// A request to stop the worker group: which signal to stop it with, and whether to skip the
 /// grace period. Cheap to clone; the first request wins.

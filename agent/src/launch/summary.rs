@@ -152,6 +152,44 @@ fn render_hang(failure: &Failure, hang: &crate::watch::Hang, attempts: u32) -> S
     out
 }
 
+/// The summary's lines about this node's GPUs (from [`crate::gpu::watch::Watch::summary_lines`]);
+/// nothing when the watch saw nothing.
+pub fn render_gpu_events(lines: &[String]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    if lines.is_empty() {
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "muster:   GPU events on this node in the last {} minutes:",
+        crate::gpu::watch::SUMMARY_WINDOW.as_secs() / 60
+    );
+    for line in lines {
+        let _ = writeln!(out, "muster:     {line}");
+    }
+    out
+}
+
+/// [`render_gpu_events`] as one record of the JSON log schema, event `gpu_events`; nothing when
+/// there are none.
+pub fn render_gpu_events_json(host: &str, lines: &[String]) -> String {
+    if lines.is_empty() {
+        return String::new();
+    }
+    let serde_json::Value::Object(extra) = serde_json::json!({
+        "event": "gpu_events",
+        "gpu_events": lines,
+    }) else {
+        unreachable!("a json! object literal is an object")
+    };
+    let msg = format!(
+        "GPU events on this node before the failure: {}",
+        lines.join("; ")
+    );
+    crate::logs::record::agent_record("WARN", host, &msg, extra)
+}
+
 /// The same report as one record of the JSON log schema ([`crate::logs::record`]), event
 /// `root_cause`. `error_file` names the worker's error file only when `files_kept` (the run
 /// directory outlives the agent: `--log-dir`) and the worker wrote one; otherwise the field is
@@ -405,6 +443,26 @@ mod tests {
             v["hang"]["innermost_frame"],
             "stuck_in_loader (/app/train.py:42)"
         );
+    }
+
+    #[test]
+    fn gpu_events_follow_the_summary_only_when_there_are_some() {
+        assert_eq!(render_gpu_events(&[]), "");
+        assert_eq!(render_gpu_events_json("h", &[]), "");
+        let lines = vec!["GPU 3 (u, b): XID 79 (GPU has fallen off the bus) at 12:03:11 UTC, 4 s before rank 27 stopped".to_owned()];
+        let text = render_gpu_events(&lines);
+        assert_eq!(
+            text,
+            format!(
+                "muster:   GPU events on this node in the last 5 minutes:\nmuster:     {}\n",
+                lines[0]
+            )
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&render_gpu_events_json("node-0", &lines)).unwrap();
+        assert_eq!(v["event"], "gpu_events");
+        assert_eq!(v["gpu_events"][0], lines[0].as_str());
+        assert!(v["msg"].as_str().unwrap().contains("XID 79"));
     }
 
     #[test]

@@ -40,6 +40,61 @@ pub const MAX_BUFFERED_BYTES: usize = 4 * 1024 * 1024;
 /// Default `--progress-interval`: a bar's state every 10 s is plenty in a pod log.
 pub const DEFAULT_PROGRESS_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// How lines are written to the console: worker lines and the agent's own diagnostics alike
+/// (`--log-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LogFormat {
+    /// `<prefix><line>` for workers; plain text for the agent.
+    #[default]
+    Text,
+    /// One JSON object per line, every record in the schema of [`record`].
+    Json,
+}
+
+/// Where the agent's own diagnostics go.
+pub enum Diagnostics {
+    /// Through the console writer, so they never split a worker line (a launch, a dry run);
+    /// without timestamps, like the worker lines around them.
+    Console(LogSink),
+    /// Straight to stderr, with timestamps (`muster store`, a server with no workers).
+    Stderr,
+}
+
+/// The one tracing set-up of every command: `MUSTER_LOG` (else `RUST_LOG`, else
+/// `default_filter`) chooses what is shown, `format` how, `to` where. Colour only when stderr is
+/// a terminal, so `2>file` holds plain text. A second call is a no-op (tests start several
+/// agents in one process).
+pub fn init_tracing(format: LogFormat, to: Diagnostics, default_filter: &str) {
+    use std::io::IsTerminal;
+    let filter = ["MUSTER_LOG", "RUST_LOG"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+        .and_then(|spec| tracing_subscriber::EnvFilter::try_new(spec).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new(default_filter));
+    let (writer, timestamps) = match to {
+        Diagnostics::Console(sink) => (
+            tracing_subscriber::fmt::writer::BoxMakeWriter::new(TracingWriter::new(sink)),
+            false,
+        ),
+        Diagnostics::Stderr => (
+            tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stderr),
+            true,
+        ),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false);
+    let _already_set = match format {
+        LogFormat::Text if timestamps => builder.try_init(),
+        LogFormat::Text => builder.without_time().try_init(),
+        LogFormat::Json => builder
+            .event_format(record::JsonEvents::new(crate::host::short_name()))
+            .try_init(),
+    };
+}
+
 /// Which of the agent's streams a line goes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Console {
@@ -132,8 +187,15 @@ impl LogWriter {
     }
 
     /// Writes everything queued so far, then stops the thread. Later messages go straight to
-    /// the console (see [`LogSink::agent_line`]).
-    pub fn finish(mut self) {
+    /// the console (see [`LogSink::agent_line`]). Dropping the writer does the same, so every
+    /// way out of a command (an early error included) flushes the console.
+    pub fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
         let _ = self.sink.tx.send(Msg::Shutdown);
         if let Some(t) = self.thread.take() {
             let _ = t.join();

@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 use super::progress::{Coalescer, Emit, Kind, Seen};
 use super::split::Splitter;
 use super::stats::StreamCounters;
+use super::LogFormat;
 use super::{Console, LogSink};
-use crate::launch::config::LogFormat;
 
 /// How a pipe's lines reach the console.
 #[derive(Debug, Clone)]

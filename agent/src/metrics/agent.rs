@@ -1,13 +1,14 @@
-//! How the launch loop feeds the metrics, without the loop knowing about Prometheus.
+//! How a launch feeds the metrics, without the launch or its parts knowing about Prometheus.
 //!
-//! Three pieces, each plugged in through a seam the launch loop already has:
+//! Three pieces, each plugged in by the composition root ([`crate::app`]):
 //! - [`start_endpoint`]: serves `--metrics-addr` from the agent's start (before any rendezvous),
 //!   on its own thread ([`super::serve_in_thread`]).
-//! - [`instrument`]: starts a task that follows the loop's [`Observer`] (phase `watch`, event `broadcast`)
-//!   and records phases, worker starts and exits, restarts and signals. Its one-second tick is the
-//!   `/healthz` heartbeat: it runs on the agent's own (single-threaded) runtime, so when that
-//!   thread is stuck the heartbeat stops and `/healthz`, answered from the endpoint's thread, says
-//!   so.
+//! - [`observe_launch`]: starts the task that follows the loop's [`Observer`] (phase `watch`,
+//!   event `broadcast`) and the typed [`events`] of the parts below it (GPU pre-flight, DNS, the
+//!   hosted store, checkpoints, step reports), and records them. It is the one writer of the
+//!   agent phase ([`agent_phase`]). Its one-second tick is the `/healthz` heartbeat: it runs on
+//!   the agent's own (single-threaded) runtime, so when that thread is stuck the heartbeat stops
+//!   and `/healthz`, answered from the endpoint's thread, says so.
 //! - [`Metered`]: wraps the [`Rendezvous`] of every attempt to time its rounds, record their
 //!   outcome, the rank assignment, and attach the statistics of the workers' store.
 
@@ -19,14 +20,14 @@ use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    serve_in_thread, EndpointConfig, Metrics, MetricsAddr, Phase, RestartCause, RoundOutcome,
-    ServeError, Serving, StoreRole, WorkerExit,
+    serve_in_thread, CheckpointOutcome, CheckpointPhase, EndpointConfig, Metrics, MetricsAddr,
+    Phase, Readiness, RoundOutcome, ServeError, Serving, StoreRole, WorkerExit,
 };
-use crate::exit_code;
+use crate::events::{self, CheckpointResult, PreflightResult};
 use crate::launch::config::{Config, SignalAction};
 use crate::launch::{
     AfterGroup, BoxFuture, Event, ExitStatus, GroupOutcome, Launch, LaunchError, LocalRendezvous,
-    Observer, Phase as LaunchPhase, Rendezvous, Round, StopRequest,
+    Observer, Phase as LaunchPhase, Rendezvous, RestartCause, Round, StopRequest,
 };
 
 /// How often the observer proves the agent's runtime is turning.
@@ -99,30 +100,38 @@ pub fn start_endpoint(
     }
 }
 
-/// Plugs the metrics into `launch`: records its configuration, follows its observer, and (on one
-/// node) meters its rendezvous. A multi-node rendezvous is metered where it is plugged in, with
-/// [`metered`].
-/// The endpoint's address is printed when the launch first leaves its setup.
-pub fn instrument(
-    launch: Launch,
+/// Records `launch`'s configuration and starts following it: its [`Observer`] and the parts'
+/// `events`. Call it as soon as the launch is built, before the GPU pre-flight, so that every
+/// phase is seen. The endpoint's address is printed when the launch first leaves its setup.
+pub fn observe_launch(
+    launch: &Launch,
     metrics: &Metrics,
     endpoint: &AgentEndpoint,
+    events: events::Receiver,
     shutdown: &CancellationToken,
-) -> Launch {
-    metrics.install();
+) -> JoinHandle<()> {
     record_config(metrics, launch.config());
     observe(
         metrics.clone(),
         launch.observer(),
+        events,
         launch.config(),
         endpoint.announcement.clone(),
         shutdown.clone(),
-    );
-    if crate::node::is_multi_node(launch.config()) {
-        return launch;
-    }
-    let local = Metered::new(Box::new(LocalRendezvous), metrics.clone(), "single_node");
-    launch.with_rendezvous(Box::new(local))
+    )
+}
+
+/// Meters `launch`'s rendezvous: the single-node one, or `gang` where one is plugged in.
+pub fn meter_rendezvous(
+    launch: Launch,
+    gang: Option<Box<dyn Rendezvous>>,
+    metrics: &Metrics,
+) -> Launch {
+    let metered = match gang {
+        Some(gang) => Metered::new(gang, metrics.clone(), "gang_formed"),
+        None => Metered::new(Box::new(LocalRendezvous), metrics.clone(), "single_node"),
+    };
+    launch.with_rendezvous(Box::new(metered))
 }
 
 /// Records what the configuration fixes before the first attempt.
@@ -133,10 +142,12 @@ pub fn record_config(metrics: &Metrics, config: &Config) {
     metrics.heartbeat();
 }
 
-/// Follows the launch loop until it finishes or `shutdown` is cancelled.
+/// Follows the launch loop and the parts' events until the loop finishes or `shutdown` is
+/// cancelled. The one writer of the agent phase.
 fn observe(
     metrics: Metrics,
     mut observer: Observer,
+    mut events: events::Receiver,
     config: &Config,
     mut announcement: Option<Announcement>,
     shutdown: CancellationToken,
@@ -148,18 +159,9 @@ fn observe(
         let mut tick = tokio::time::interval(HEARTBEAT_INTERVAL);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let mut state = ObserverState::default();
+        let mut phase = observer.phase.borrow_and_update().clone();
         // The loop may be past Starting before this task first runs.
-        let mut on_phase = |phase: &LaunchPhase| {
-            if !matches!(phase, LaunchPhase::Starting | LaunchPhase::Finished { .. }) {
-                if let Some(announcement) = announcement.take() {
-                    announcement.log();
-                }
-            }
-            record_phase(&metrics, phase);
-            metrics.heartbeat();
-        };
-        let first = observer.phase.borrow_and_update().clone();
-        on_phase(&first);
+        state.launch_phase_changed(&metrics, &phase, &mut announcement);
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -168,8 +170,8 @@ fn observe(
                     if changed.is_err() {
                         return;
                     }
-                    let phase = observer.phase.borrow_and_update().clone();
-                    on_phase(&phase);
+                    phase = observer.phase.borrow_and_update().clone();
+                    state.launch_phase_changed(&metrics, &phase, &mut announcement);
                 }
                 event = observer.events.recv() => match event {
                     Ok(Event::AttemptStarted { assignment: a }) => metrics.set_assignment(
@@ -186,21 +188,34 @@ fn observe(
                     }
                     Err(RecvError::Closed) => return,
                 },
+                Some(event) = events.recv() => state.record_part(&metrics, event, &phase),
             }
         }
     })
 }
 
-fn record_phase(metrics: &Metrics, phase: &LaunchPhase) {
-    match phase {
-        LaunchPhase::Starting => metrics.set_phase(Phase::Resolving),
-        LaunchPhase::Rendezvous { .. } => metrics.set_phase(Phase::Rendezvous),
-        LaunchPhase::Running { .. } => metrics.set_phase(Phase::Running),
-        LaunchPhase::Stopping { .. } => metrics.set_phase(Phase::Stopping),
-        LaunchPhase::Finished { .. } => {
-            metrics.set_phase(Phase::Stopping);
-            metrics.workers_stopped();
-        }
+/// What the parts below the loop said that changes the agent phase.
+#[derive(Debug, Default, Clone, Copy)]
+struct PhaseInputs {
+    /// The GPU pre-flight runs.
+    preflight: bool,
+    /// The rendezvous host is being looked up.
+    resolving: bool,
+    /// A checkpoint barrier started during the current run of the workers.
+    checkpointing: bool,
+}
+
+/// The agent phase: the launch loop's phase, refined by what the parts reported. A pure
+/// function of both, so the order in which the two streams are read cannot matter.
+fn agent_phase(launch: &LaunchPhase, inputs: PhaseInputs) -> Phase {
+    match launch {
+        LaunchPhase::Starting if inputs.preflight => Phase::Preflight,
+        LaunchPhase::Starting => Phase::Resolving,
+        LaunchPhase::Rendezvous { .. } if inputs.resolving => Phase::Resolving,
+        LaunchPhase::Rendezvous { .. } => Phase::Rendezvous,
+        LaunchPhase::Running { .. } if inputs.checkpointing => Phase::Checkpointing,
+        LaunchPhase::Running { .. } => Phase::Running,
+        LaunchPhase::Stopping { .. } | LaunchPhase::Finished { .. } => Phase::Stopping,
     }
 }
 
@@ -212,9 +227,32 @@ struct ObserverState {
     stopping: bool,
     /// Restarts that consumed the `--max-restarts` budget.
     counted_restarts: u32,
+    inputs: PhaseInputs,
 }
 
 impl ObserverState {
+    fn launch_phase_changed(
+        &mut self,
+        metrics: &Metrics,
+        phase: &LaunchPhase,
+        announcement: &mut Option<Announcement>,
+    ) {
+        if !matches!(phase, LaunchPhase::Starting | LaunchPhase::Finished { .. }) {
+            if let Some(announcement) = announcement.take() {
+                announcement.log();
+            }
+        }
+        // A checkpoint belongs to the run of workers it started in.
+        if !matches!(phase, LaunchPhase::Running { .. }) {
+            self.inputs.checkpointing = false;
+        }
+        metrics.set_phase(agent_phase(phase, self.inputs));
+        if let LaunchPhase::Finished { .. } = phase {
+            metrics.workers_stopped();
+        }
+        metrics.heartbeat();
+    }
+
     fn record(&mut self, metrics: &Metrics, event: &Event, max_restarts: u32, grace: Duration) {
         match event {
             Event::WorkerStarted { restart_count, .. } => {
@@ -230,12 +268,9 @@ impl ObserverState {
                 ExitStatus::Signaled(signal) => WorkerExit::Signal(*signal as i32),
             }),
             Event::GroupEnded { .. } => metrics.workers_stopped(),
-            Event::Restarting { .. } => {
-                let cause = metrics
-                    .take_restart_cause()
-                    .unwrap_or(RestartCause::WorkerFailure);
-                metrics.restarted(cause);
-                if cause != RestartCause::MembershipChange {
+            Event::Restarting { cause, .. } => {
+                metrics.restarted(*cause);
+                if *cause != RestartCause::MembershipChange {
                     self.counted_restarts += 1;
                 }
                 metrics.set_restarts_remaining(max_restarts.saturating_sub(self.counted_restarts));
@@ -261,18 +296,96 @@ impl ObserverState {
             }
         }
     }
+
+    /// An event of the parts below the loop; `phase` is the loop's current phase.
+    fn record_part(&mut self, metrics: &Metrics, event: events::Event, phase: &LaunchPhase) {
+        use events::Event as Part;
+        let before = self.inputs;
+        match event {
+            Part::PreflightStarted => self.inputs.preflight = true,
+            Part::PreflightFinished { result, elapsed } => {
+                self.inputs.preflight = false;
+                record_preflight(metrics, &result, elapsed);
+            }
+            Part::ResolvingStarted => self.inputs.resolving = true,
+            Part::DnsAttempt(result) => metrics.dns_attempt(result),
+            Part::ResolvingFinished { resolved, elapsed } => {
+                if resolved {
+                    self.inputs.resolving = false;
+                }
+                metrics.dns_resolution_finished(elapsed);
+            }
+            Part::RendezvousStoreHosted { stats } => {
+                metrics.attach_store(StoreRole::Rendezvous, stats);
+            }
+            // Others can join: the pod is ready (and its DNS record, where readiness gates it,
+            // can be published).
+            Part::RendezvousStoreAccepting => metrics.advance_readiness(Readiness::Ready),
+            Part::CheckpointStarted { from_peer } => {
+                if from_peer {
+                    metrics.checkpoint_requested(super::CheckpointTrigger::Peer);
+                }
+                self.inputs.checkpointing = true;
+                metrics.set_checkpoint_phase(CheckpointPhase::Agreeing);
+            }
+            Part::CheckpointEnded { result, elapsed } => match result {
+                CheckpointResult::Committed { step } => {
+                    metrics.checkpoint_finished(CheckpointOutcome::Committed, elapsed, Some(step));
+                }
+                CheckpointResult::Aborted => {
+                    metrics.checkpoint_finished(CheckpointOutcome::Aborted, elapsed, None);
+                }
+                // No barrier ran (the scripts lack the helper): not a checkpoint.
+                CheckpointResult::Unsupported => {
+                    metrics.set_checkpoint_phase(CheckpointPhase::Idle);
+                }
+            },
+            Part::WorkerStep { local_rank, step } => metrics.worker_step(local_rank, step),
+        }
+        if before.preflight != self.inputs.preflight
+            || before.resolving != self.inputs.resolving
+            || before.checkpointing != self.inputs.checkpointing
+        {
+            metrics.set_phase(agent_phase(phase, self.inputs));
+        }
+    }
 }
 
-/// The multi-node rendezvous, metered.
-pub fn metered(rendezvous: impl Rendezvous + 'static, metrics: &Metrics) -> Box<dyn Rendezvous> {
-    Box::new(Metered::new(
-        Box::new(rendezvous),
-        metrics.clone(),
-        "gang_formed",
-    ))
+/// The GPU pre-flight's checks, per GPU and node-wide, and its verdict. A skipped check (not
+/// applicable here) is not exported.
+fn record_preflight(metrics: &Metrics, result: &PreflightResult, elapsed: Duration) {
+    use crate::gpu::report::{Status, Verdict};
+    match result {
+        PreflightResult::Checked(report) => {
+            for check in report.checks.iter().filter(|c| c.status != Status::Skip) {
+                let healthy = check.status != Status::Fail;
+                match &check.gpu {
+                    Some(gpu) => metrics.gpu_check(
+                        Some(gpu.index),
+                        gpu.uuid.as_deref().unwrap_or(""),
+                        &check.check,
+                        healthy,
+                    ),
+                    None => metrics.gpu_check(None, "", &check.check, healthy),
+                }
+            }
+            for gpu in &report.gpus {
+                if let Some(links) = gpu.nvlink_active {
+                    metrics.gpu_nvlink_active_links(
+                        gpu.index,
+                        gpu.uuid.as_deref().unwrap_or(""),
+                        links,
+                    );
+                }
+            }
+            metrics.gpu_preflight_finished(report.verdict != Verdict::Unhealthy, elapsed);
+        }
+        PreflightResult::Skipped => {}
+        PreflightResult::Failed => metrics.gpu_preflight_finished(false, elapsed),
+    }
 }
 
-/// A [`Rendezvous`] that records every round it runs, and why the gang restarts.
+/// A [`Rendezvous`] that records every round it runs.
 pub struct Metered {
     inner: Box<dyn Rendezvous>,
     metrics: Metrics,
@@ -354,7 +467,7 @@ impl Rendezvous for Metered {
                         elapsed,
                     );
                 }
-                Err(err) if err.exit_code() == exit_code::RENDEZVOUS_TIMEOUT => {
+                Err(err) if err.is_rendezvous_timeout() => {
                     metrics.rendezvous_round_finished(
                         RoundOutcome::Timeout,
                         "join_timeout",
@@ -378,26 +491,7 @@ impl Rendezvous for Metered {
         outcome: &'a GroupOutcome,
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
-        Box::pin(async move {
-            let decision = self.inner.after_group(outcome, stop).await;
-            let hung = matches!(outcome, GroupOutcome::Failed(f) if f.hang.is_some());
-            if hung && matches!(&decision, Ok(None | Some(AfterGroup::Restart))) {
-                // This node's hang watch stopped the attempt (one node: the local policy may
-                // restart it; several: the gang restarts from here).
-                self.metrics.next_restart_cause(RestartCause::Hang);
-            } else if let Ok(Some(AfterGroup::Restart)) = &decision {
-                // A local failure restarts the gang from here; otherwise another node's failure
-                // (or a membership change, which the inner rendezvous does not tell apart here)
-                // made the gang re-form.
-                self.metrics
-                    .next_restart_cause(if matches!(outcome, GroupOutcome::Failed(_)) {
-                        RestartCause::WorkerFailure
-                    } else {
-                        RestartCause::PeerFailure
-                    });
-            }
-            decision
-        })
+        self.inner.after_group(outcome, stop)
     }
 }
 
@@ -420,124 +514,6 @@ pub async fn serve_checkpoint_requests<F: std::future::Future>(
                 tracing::debug!("checkpoint request from {:?}", request.trigger);
             }
         }
-    }
-}
-
-/// Runs the GPU pre-flight (phase `preflight`) and records its checks, per GPU and node-wide, and
-/// its verdict. A skipped check (not applicable here) is not exported.
-pub async fn preflight<F, E>(metrics: &Metrics, run: F) -> Result<Option<crate::gpu::Report>, E>
-where
-    F: std::future::Future<Output = Result<Option<crate::gpu::Report>, E>>,
-{
-    use crate::gpu::report::{Status, Verdict};
-    metrics.set_phase(Phase::Preflight);
-    let started = Instant::now();
-    let result = run.await;
-    let elapsed = started.elapsed();
-    match &result {
-        Ok(Some(report)) => {
-            for check in report.checks.iter().filter(|c| c.status != Status::Skip) {
-                let healthy = check.status != Status::Fail;
-                match &check.gpu {
-                    Some(gpu) => metrics.gpu_check(
-                        Some(gpu.index),
-                        gpu.uuid.as_deref().unwrap_or(""),
-                        &check.check,
-                        healthy,
-                    ),
-                    None => metrics.gpu_check(None, "", &check.check, healthy),
-                }
-            }
-            for gpu in &report.gpus {
-                if let Some(links) = gpu.nvlink_active {
-                    metrics.gpu_nvlink_active_links(
-                        gpu.index,
-                        gpu.uuid.as_deref().unwrap_or(""),
-                        links,
-                    );
-                }
-            }
-            metrics.gpu_preflight_finished(report.verdict != Verdict::Unhealthy, elapsed);
-        }
-        Ok(None) => {}
-        Err(_) => metrics.gpu_preflight_finished(false, elapsed),
-    }
-    result
-}
-
-/// A local rank reported its step through the checkpoint helper.
-pub fn worker_step(local_rank: u32, step: u64) {
-    if let Some(metrics) = super::installed() {
-        metrics.worker_step(local_rank, step);
-    }
-}
-
-/// The checkpoint barrier started on this node (`from_peer`: another node asked for it).
-pub fn checkpoint_started(from_peer: bool) {
-    if let Some(metrics) = super::installed() {
-        if from_peer {
-            metrics.checkpoint_requested(super::CheckpointTrigger::Peer);
-        }
-        metrics.set_phase(Phase::Checkpointing);
-        metrics.set_checkpoint_phase(super::CheckpointPhase::Agreeing);
-    }
-}
-
-/// The checkpoint barrier reached its verdict `elapsed` after it started here.
-pub fn checkpoint_ended(outcome: &crate::checkpoint::Outcome, elapsed: Duration) {
-    use crate::checkpoint::Outcome;
-    let Some(metrics) = super::installed() else {
-        return;
-    };
-    match outcome {
-        Outcome::Committed { step } => {
-            metrics.checkpoint_finished(super::CheckpointOutcome::Committed, elapsed, Some(*step));
-        }
-        Outcome::Aborted { .. } => {
-            metrics.checkpoint_finished(super::CheckpointOutcome::Aborted, elapsed, None);
-        }
-        // No barrier ran (the scripts lack the helper): not a checkpoint.
-        Outcome::Unsupported { .. } => metrics.set_checkpoint_phase(super::CheckpointPhase::Idle),
-    }
-}
-
-/// Node 0 started hosting the gang's rendezvous store.
-pub fn rendezvous_store_started(stats: std::sync::Arc<rendezvous::store::server::Stats>) {
-    if let Some(metrics) = super::installed() {
-        metrics.attach_store(StoreRole::Rendezvous, stats);
-    }
-}
-
-/// Node 0's rendezvous store accepted this agent's own connection: others can join, so the pod
-/// is ready (and its DNS record, where readiness gates it, can be published).
-pub fn rendezvous_store_accepting() {
-    if let Some(metrics) = super::installed() {
-        metrics.advance_readiness(super::Readiness::Ready);
-    }
-}
-
-/// `discovery::resolve` started looking up the rendezvous host.
-pub fn dns_started() {
-    if let Some(metrics) = super::installed() {
-        metrics.set_phase(Phase::Resolving);
-    }
-}
-
-/// One lookup failed; `kind` as `discovery` describes it.
-pub fn dns_failed(kind: &str) {
-    if let Some(metrics) = super::installed() {
-        metrics.dns_attempt(super::DnsResult::of_failure(kind));
-    }
-}
-
-/// The host resolved `elapsed` after the first lookup (`ok`), or the deadline passed.
-pub fn dns_finished(ok: bool, elapsed: Duration) {
-    if let Some(metrics) = super::installed() {
-        if ok {
-            metrics.dns_attempt(super::DnsResult::Ok);
-            metrics.set_phase(Phase::Rendezvous);
-        }
-        metrics.dns_resolution_finished(elapsed);
     }
 }
 
@@ -574,7 +550,10 @@ mod tests {
         )
         .unwrap();
         assert!(endpoint.local_addr().is_some());
-        let launch = instrument(Launch::new(config), &metrics, &endpoint, &shutdown);
+        let launch = Launch::new(config);
+        let (_events, parts) = events::Events::channel();
+        observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+        let launch = meter_rendezvous(launch, None, &metrics);
         let outcome = tokio::time::timeout(Duration::from_secs(20), launch.run(shutdown.clone()))
             .await
             .unwrap()
@@ -617,6 +596,98 @@ mod tests {
             v(r#"muster_store_connections_accepted_total{store="workers"}"#).is_some(),
             "{text}"
         );
+        shutdown.cancel();
+    }
+
+    #[test]
+    fn the_phase_follows_the_loop_and_what_the_parts_said() {
+        let none = PhaseInputs::default();
+        let starting = LaunchPhase::Starting;
+        let rdzv = LaunchPhase::Rendezvous { restart_count: 0 };
+        let running = LaunchPhase::Running { restart_count: 0 };
+        let stopping = LaunchPhase::Stopping { restart_count: 0 };
+        assert_eq!(agent_phase(&starting, none), Phase::Resolving);
+        let preflight = PhaseInputs {
+            preflight: true,
+            ..none
+        };
+        assert_eq!(agent_phase(&starting, preflight), Phase::Preflight);
+        let resolving = PhaseInputs {
+            resolving: true,
+            ..none
+        };
+        assert_eq!(agent_phase(&rdzv, none), Phase::Rendezvous);
+        assert_eq!(agent_phase(&rdzv, resolving), Phase::Resolving);
+        let checkpointing = PhaseInputs {
+            checkpointing: true,
+            ..none
+        };
+        assert_eq!(agent_phase(&running, none), Phase::Running);
+        assert_eq!(agent_phase(&running, checkpointing), Phase::Checkpointing);
+        // Stopping wins over whatever the parts still say.
+        assert_eq!(agent_phase(&stopping, checkpointing), Phase::Stopping);
+        assert_eq!(
+            agent_phase(&LaunchPhase::Finished { exit_code: 0 }, resolving),
+            Phase::Stopping
+        );
+    }
+
+    #[tokio::test]
+    async fn the_parts_events_are_recorded_without_calling_into_the_metrics() {
+        let metrics = Metrics::new();
+        let shutdown = CancellationToken::new();
+        let endpoint = start_endpoint(
+            Some("none".parse().unwrap()),
+            &metrics,
+            EndpointConfig::default(),
+            &shutdown,
+        )
+        .unwrap();
+        let mut config = Config::for_program("/bin/true", vec![], 1);
+        config.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
+        let launch = Launch::new(config);
+        let (events, parts) = events::Events::channel();
+        observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+        events.publish(events::Event::ResolvingStarted);
+        events.publish(events::Event::DnsAttempt(events::DnsResult::NxDomain));
+        events.publish(events::Event::DnsAttempt(events::DnsResult::Ok));
+        events.publish(events::Event::ResolvingFinished {
+            resolved: true,
+            elapsed: Duration::from_millis(1500),
+        });
+        events.publish(events::Event::WorkerStep {
+            local_rank: 1,
+            step: 42,
+        });
+        events.publish(events::Event::CheckpointStarted { from_peer: true });
+        events.publish(events::Event::CheckpointEnded {
+            result: CheckpointResult::Committed { step: 40 },
+            elapsed: Duration::from_secs(2),
+        });
+        events.publish(events::Event::RendezvousStoreAccepting);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let text = String::from_utf8(metrics.encode()).unwrap();
+        let v = |series: &str| value(&text, series);
+        assert_eq!(
+            v(r#"muster_dns_resolution_attempts_total{result="nxdomain"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            v(r#"muster_dns_resolution_attempts_total{result="ok"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v("muster_dns_resolution_duration_seconds_sum"), Some(1.5));
+        assert_eq!(v(r#"muster_worker_last_step{local_rank="1"}"#), Some(42.0));
+        assert_eq!(
+            v(r#"muster_checkpoint_requests_total{trigger="peer"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            v(r#"muster_checkpoints_total{outcome="committed"}"#),
+            Some(1.0)
+        );
+        assert_eq!(v("muster_last_checkpoint_step"), Some(40.0));
+        assert_eq!(metrics.readiness(), Readiness::Ready);
         shutdown.cancel();
     }
 

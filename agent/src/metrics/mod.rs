@@ -2,9 +2,13 @@
 //!
 //! # Theory of operation
 //! [`Metrics`] is a cheap-to-clone handle (one `Arc` inside) over a private
-//! [`prometheus::Registry`]. The rest of the agent calls small, intention-revealing methods on it
-//! (`set_phase`, `rendezvous_round_finished`, `worker_exited`, ...); each one is a handful of
-//! atomic operations or a lock held for a few instructions, so recording never slows supervision.
+//! [`prometheus::Registry`]. Nothing in the agent calls into it: the observer of [`agent`],
+//! started by the composition root ([`crate::app`]), follows the launch loop's phases and events
+//! and the typed events of the parts below it ([`crate::events`]) and records them through small,
+//! intention-revealing methods (`rendezvous_round_finished`, `worker_exited`, ...); each one is a
+//! handful of atomic operations or a lock held for a few instructions, so recording never slows
+//! supervision. A new metric is a field defined in [`Metrics::new`], a method that records it,
+//! and the line of that observer that calls the method for its event.
 //! Values that depend on the moment of the scrape (how long ago a rank reported its step, how much
 //! of the grace budget is left, the current phase as a state set) are kept as raw atomics and
 //! turned into metric families only when `/metrics` is gathered, inside the HTTP task ([`live`]).
@@ -29,6 +33,8 @@
 pub mod agent;
 pub mod auth;
 mod conns;
+mod gpu;
+mod host_loss;
 mod http;
 mod live;
 mod output;
@@ -49,19 +55,14 @@ use tokio::time::Instant;
 
 pub use auth::{CheckpointToken, TokenError};
 pub use http::{
-    serve_in_thread, AddrError, Endpoint, EndpointConfig, MetricsAddr, ServeError, Serving,
-    METRICS_CONTENT_TYPE,
+    serve_in_thread, Endpoint, EndpointConfig, ServeError, Serving, METRICS_CONTENT_TYPE,
 };
 pub use script::ScriptMetrics;
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 
 use live::Live;
 
-/// Where the endpoint listens unless `--metrics-addr` / `MUSTER_METRICS_ADDR` says otherwise: the
-/// port the platform's `prometheus.io/port` annotation names.
-pub const DEFAULT_METRICS_ADDR: &str = "0.0.0.0:8000";
-/// The environment variable that sets the metrics address (the flag wins).
-pub const METRICS_ADDR_ENV: &str = "MUSTER_METRICS_ADDR";
+pub use crate::launch::config::{AddrError, MetricsAddr, DEFAULT_METRICS_ADDR, METRICS_ADDR_ENV};
 /// The wire protocol muster's store speaks, for `muster_build_info`.
 pub const STORE_PROTOCOL: &str = "c10d-tcpstore-2.15";
 
@@ -149,44 +150,23 @@ impl Readiness {
     }
 }
 
-/// How a name-resolution attempt for the rendezvous host ended (`result` label).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DnsResult {
-    /// At least one address came back.
-    Ok,
-    /// The name does not exist (yet): the usual state before Kubernetes publishes the record.
-    NxDomain,
-    /// The resolver did not answer in time.
-    Timeout,
-    /// Any other failure (refused, malformed answer, I/O).
-    Error,
-}
+pub use crate::events::DnsResult;
+pub use crate::launch::RestartCause;
 
-impl DnsResult {
-    /// The result for a failure described the way `discovery` logs it ("NXDOMAIN", "no answer",
-    /// "timeout", "refused", or the resolver's message).
-    pub fn of_failure(kind: &str) -> DnsResult {
-        match kind {
-            "NXDOMAIN" | "no answer" => DnsResult::NxDomain,
-            "timeout" => DnsResult::Timeout,
-            _ => DnsResult::Error,
-        }
-    }
+const DNS_RESULTS: [DnsResult; 4] = [
+    DnsResult::Ok,
+    DnsResult::NxDomain,
+    DnsResult::Timeout,
+    DnsResult::Error,
+];
 
-    const ALL: [DnsResult; 4] = [
-        DnsResult::Ok,
-        DnsResult::NxDomain,
-        DnsResult::Timeout,
-        DnsResult::Error,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            DnsResult::Ok => "ok",
-            DnsResult::NxDomain => "nxdomain",
-            DnsResult::Timeout => "timeout",
-            DnsResult::Error => "error",
-        }
+/// The `result` label of a lookup of the rendezvous host.
+fn dns_result_label(result: DnsResult) -> &'static str {
+    match result {
+        DnsResult::Ok => "ok",
+        DnsResult::NxDomain => "nxdomain",
+        DnsResult::Timeout => "timeout",
+        DnsResult::Error => "error",
     }
 }
 
@@ -221,34 +201,20 @@ impl RoundOutcome {
     }
 }
 
-/// Why the local worker group was restarted (`cause` label of `muster_restarts_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RestartCause {
-    /// A local worker failed.
-    WorkerFailure,
-    /// Another node's worker failed or a peer died; the whole gang restarts together.
-    PeerFailure,
-    /// A node joined or left within `--nnodes MIN:MAX` (does not consume the restart budget).
-    MembershipChange,
-    /// A local rank hung (`--hang-timeout`): the agent stopped the attempt.
-    Hang,
-}
+const RESTART_CAUSES: [RestartCause; 4] = [
+    RestartCause::WorkerFailure,
+    RestartCause::PeerFailure,
+    RestartCause::MembershipChange,
+    RestartCause::Hang,
+];
 
-impl RestartCause {
-    const ALL: [RestartCause; 4] = [
-        RestartCause::WorkerFailure,
-        RestartCause::PeerFailure,
-        RestartCause::MembershipChange,
-        RestartCause::Hang,
-    ];
-
-    fn as_str(self) -> &'static str {
-        match self {
-            RestartCause::WorkerFailure => "worker_failure",
-            RestartCause::PeerFailure => "peer_failure",
-            RestartCause::MembershipChange => "membership_change",
-            RestartCause::Hang => "hang",
-        }
+/// The `cause` label of `muster_restarts_total`.
+fn restart_cause_label(cause: RestartCause) -> &'static str {
+    match cause {
+        RestartCause::WorkerFailure => "worker_failure",
+        RestartCause::PeerFailure => "peer_failure",
+        RestartCause::MembershipChange => "membership_change",
+        RestartCause::Hang => "hang",
     }
 }
 
@@ -422,8 +388,9 @@ struct Inner {
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
     output: Arc<output::OutputCollector>,
+    gpu: Arc<gpu::GpuCollector>,
+    host_loss: Arc<host_loss::HostLossCollector>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
-    restart_cause: Mutex<Option<RestartCause>>,
     readiness: AtomicU8,
     /// The training script's own metrics, merged into `/metrics` when attached.
     script: OnceLock<Arc<ScriptMetrics>>,
@@ -467,15 +434,6 @@ struct Inner {
     checkpoint_rejected: IntCounterVec,
     agent_ready: IntGauge,
     gang_running: IntGauge,
-}
-
-static INSTALLED: OnceLock<Metrics> = OnceLock::new();
-
-/// The registry the agent installed with [`Metrics::install`], if any (`None` in tests and in
-/// subcommands without an endpoint, where recording is simply skipped):
-/// `if let Some(m) = metrics::installed() { m.dns_attempt(DnsResult::NxDomain) }`.
-pub fn installed() -> Option<&'static Metrics> {
-    INSTALLED.get()
 }
 
 /// Definitions are compile-time constants; a failure here is a bug that the unit tests catch.
@@ -554,6 +512,10 @@ impl Metrics {
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
         let output = Arc::new(output::OutputCollector::new());
         defs.add(output::SharedOutputCollector(Arc::clone(&output)));
+        let gpu = Arc::new(gpu::GpuCollector::new());
+        defs.add(gpu::SharedGpuCollector(Arc::clone(&gpu)));
+        let host_loss = Arc::new(host_loss::HostLossCollector::new());
+        defs.add(host_loss::SharedHostLossCollector(Arc::clone(&host_loss)));
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -745,21 +707,26 @@ impl Metrics {
             live,
             store,
             output,
+            gpu,
+            host_loss,
             checkpoint_tx: Mutex::new(None),
-            restart_cause: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
             script: OnceLock::new(),
             registry: defs.registry,
             names: defs.names,
         };
-        for result in DnsResult::ALL {
-            inner.dns_attempts.with_label_values(&[result.as_str()]);
+        for result in DNS_RESULTS {
+            inner
+                .dns_attempts
+                .with_label_values(&[dns_result_label(result)]);
         }
         for outcome in RoundOutcome::ALL {
             inner.rdzv_rounds.with_label_values(&[outcome.as_str()]);
         }
-        for cause in RestartCause::ALL {
-            inner.restarts.with_label_values(&[cause.as_str()]);
+        for cause in RESTART_CAUSES {
+            inner
+                .restarts
+                .with_label_values(&[restart_cause_label(cause)]);
         }
         for trigger in CheckpointTrigger::ALL {
             inner
@@ -794,17 +761,11 @@ impl Metrics {
         }
     }
 
-    /// Makes this the process's registry, for the parts of the agent that are not handed a
-    /// `Metrics` (discovery, GPU checks, the checkpoint channel): they record through
-    /// [`installed`]. The first call wins; returns whether this one did.
-    pub fn install(&self) -> bool {
-        INSTALLED.set(self.clone()).is_ok()
-    }
-
     // ---- agent loop -------------------------------------------------------------------------
 
-    /// Enters `phase`; `muster_agent_phase{phase}` shows it from the next scrape on.
-    pub fn set_phase(&self, phase: Phase) {
+    /// Enters `phase`; `muster_agent_phase{phase}` shows it from the next scrape on. Private:
+    /// the observer in [`agent`] is the one writer of the phase.
+    fn set_phase(&self, phase: Phase) {
         self.inner.live.set_phase(phase);
     }
 
@@ -865,7 +826,7 @@ impl Metrics {
     pub fn dns_attempt(&self, result: DnsResult) {
         self.inner
             .dns_attempts
-            .with_label_values(&[result.as_str()])
+            .with_label_values(&[dns_result_label(result)])
             .inc();
     }
 
@@ -1033,28 +994,8 @@ impl Metrics {
     pub fn restarted(&self, cause: RestartCause) {
         self.inner
             .restarts
-            .with_label_values(&[cause.as_str()])
+            .with_label_values(&[restart_cause_label(cause)])
             .inc();
-    }
-
-    /// Says why the restart the launch loop is about to announce happens (the loop's own event
-    /// does not know: a gang restart after another node's failure looks like a local one). Taken
-    /// by [`take_restart_cause`](Self::take_restart_cause); the default is a local worker failure.
-    pub fn next_restart_cause(&self, cause: RestartCause) {
-        *self
-            .inner
-            .restart_cause
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(cause);
-    }
-
-    /// The cause set by [`next_restart_cause`](Self::next_restart_cause), once.
-    pub fn take_restart_cause(&self) -> Option<RestartCause> {
-        self.inner
-            .restart_cause
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
     }
 
     /// Restarts left in the budget.
@@ -1166,10 +1107,23 @@ impl Metrics {
         self.inner.output.attach(stats);
     }
 
+    // ---- GPU watch ----------------------------------------------------------------------------
+
+    /// Exports the GPU watch's per-GPU readings, NVLink error counters and XID counts
+    /// (`muster_gpu_*`), built from its latest look at every scrape.
+    pub fn attach_gpu_watch(&self, watch: crate::gpu::watch::Watch) {
+        self.inner.gpu.attach(watch);
+    }
+
     // ---- store --------------------------------------------------------------------------------
 
     /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
     /// store per attempt) keeps its counters monotonic.
+    /// Samples the multi-node rendezvous's record of store-host losses from now on.
+    pub fn attach_host_loss(&self, stats: Arc<rendezvous::rdzv::recovery::HostLossStats>) {
+        self.inner.host_loss.attach(stats);
+    }
+
     pub fn attach_store(&self, role: StoreRole, source: Arc<dyn StoreStatsSource>) {
         self.inner.store.attach(role, source);
     }

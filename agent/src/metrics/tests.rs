@@ -165,6 +165,157 @@ fn a_fresh_registry_exports_well_formed_text_with_the_known_label_sets_at_zero()
     assert!(samples.iter().all(|s| !s.name.starts_with("muster_store_")));
 }
 
+/// The GPU watch as the metrics see it on an 8-GPU node: every GPU read, GPU 3 throttled and
+/// with NVLink replays, XIDs on GPU 1.
+pub(super) fn gpu_watch_of_eight() -> crate::gpu::watch::Watch {
+    use crate::gpu::watch::{EventKind, GpuEvent, GpuId, GpuSample, NodeSample, NvLinkErrors};
+    let watch = crate::gpu::watch::Watch::new();
+    let gpus = (0..8)
+        .map(|i| GpuSample {
+            gpu: GpuId {
+                index: i,
+                uuid: Some(format!("GPU-{i}")),
+                pci_bus_id: Some(format!("00000000:{:02X}:00.0", 0x18 + i)),
+            },
+            lost: false,
+            utilization_ratio: Some(0.25 * f64::from(i % 4)),
+            memory_used_bytes: Some(u64::from(i) << 30),
+            memory_total_bytes: Some(80 << 30),
+            power_watts: Some(350.5),
+            temperature_celsius: Some(60 + i),
+            throttle_reasons: Some(if i == 3 { 0x40 | 0x1 } else { 0x1 }),
+            ecc_volatile_uncorrected: Some(u64::from(i == 2)),
+            row_remap_pending: Some(false),
+            recovery_action: Some(0),
+            nvlink: Some(NvLinkErrors {
+                replay: if i == 3 { 40 } else { 0 },
+                ..NvLinkErrors::default()
+            }),
+        })
+        .collect::<Vec<_>>();
+    for xid in [13, 13, 94] {
+        watch.record(GpuEvent {
+            gpu: gpus[1].gpu.clone(),
+            at: std::time::SystemTime::now(),
+            kind: EventKind::Xid(xid),
+        });
+    }
+    watch.publish(NodeSample {
+        at: Some(std::time::SystemTime::now()),
+        gpus,
+    });
+    watch
+}
+
+#[test]
+fn the_gpu_watch_is_exported_per_gpu_with_dcgm_labels() {
+    let metrics = Metrics::new();
+    assert!(
+        scrape(&metrics)
+            .iter()
+            .all(|s| !s.name.starts_with("muster_gpu_utilization")),
+        "no watch, no GPU series"
+    );
+    metrics.attach_gpu_watch(gpu_watch_of_eight());
+    let samples = scrape(&metrics);
+    let gpu = |i: &'static str| [("gpu", i)];
+    assert_eq!(
+        value(&samples, "muster_gpu_utilization_ratio", &gpu("2")),
+        Some(0.5)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_memory_used_bytes",
+            &[
+                ("gpu", "3"),
+                ("UUID", "GPU-3"),
+                ("pci_bus_id", "00000000:1B:00.0")
+            ]
+        ),
+        Some(3.0 * 1024.0 * 1024.0 * 1024.0)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_memory_total_bytes", &gpu("0")),
+        Some(85_899_345_920.0)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_power_watts", &gpu("7")),
+        Some(350.5)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_temperature_celsius", &gpu("7")),
+        Some(67.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_ecc_uncorrected_errors_total",
+            &gpu("2")
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&samples, "muster_gpu_row_remap_pending", &gpu("2")),
+        Some(0.0)
+    );
+    assert_eq!(value(&samples, "muster_gpu_lost", &gpu("2")), Some(0.0));
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_throttled",
+            &[("gpu", "3"), ("reason", "hw_thermal_slowdown")]
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_throttled",
+            &[("gpu", "4"), ("reason", "hw_thermal_slowdown")]
+        ),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_nvlink_errors_total",
+            &[("gpu", "3"), ("counter", "replay")]
+        ),
+        Some(40.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_xid_errors_total",
+            &[("gpu", "1"), ("xid", "13"), ("UUID", "GPU-1")]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(
+            &samples,
+            "muster_gpu_xid_errors_total",
+            &[("gpu", "1"), ("xid", "94")]
+        ),
+        Some(1.0)
+    );
+    assert!(
+        value(
+            &samples,
+            "muster_gpu_watch_last_sample_timestamp_seconds",
+            &[]
+        )
+        .unwrap()
+            > 1e9
+    );
+    let per_gpu = samples
+        .iter()
+        .filter(|s| s.name == "muster_gpu_utilization_ratio")
+        .count();
+    assert_eq!(per_gpu, 8);
+}
+
 #[test]
 fn every_muster_name_follows_the_conventions() {
     let metrics = Metrics::new();
@@ -786,7 +937,8 @@ async fn metrics_are_served_as_prometheus_text() {
     let samples = parse_exposition(&reply.body);
     assert_eq!(value(&samples, "muster_build_info", &[]), Some(1.0));
 
-    // HEAD: the GET's headers, no body, then (HTTP/1.0) a close.
+    // HEAD: the GET's headers, no body, then (HTTP/1.0) a close. hyper answers an HTTP/1.0
+    // request in HTTP/1.0.
     let mut stream = TcpStream::connect(addr).await.unwrap();
     stream
         .write_all(b"HEAD /metrics HTTP/1.0\r\n\r\n")
@@ -798,7 +950,7 @@ async fn metrics_are_served_as_prometheus_text() {
         .unwrap()
         .unwrap();
     let raw = String::from_utf8(raw).unwrap();
-    assert!(raw.starts_with("HTTP/1.1 200 OK\r\n"), "{raw}");
+    assert!(raw.starts_with("HTTP/1.0 200 OK\r\n"), "{raw}");
     assert!(raw.ends_with("\r\n\r\n"), "no body after the head: {raw}");
     assert!(!raw.contains("Content-Length: 0\r\n"), "{raw}");
 
@@ -1132,6 +1284,93 @@ async fn bare_line_ends_get_400_at_once() {
 }
 
 #[tokio::test]
+async fn what_hyper_would_take_or_answer_otherwise_is_refused_as_before() {
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let cases: [(&[u8], u16); 7] = [
+        (b"GET metrics HTTP/1.1\r\n\r\n", 400),
+        (b"OPTIONS * HTTP/1.1\r\n\r\n", 400),
+        (b"GET /  HTTP/1.1\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\n\r\n", 505),
+        (b"GET / HTTP/1.1\r\nno colon\r\n\r\n", 400),
+        (
+            b"GET / HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+            400,
+        ),
+        (b"GET /\xff HTTP/1.1\r\n\r\n", 400),
+    ];
+    for (request, want) in cases {
+        let reply = timeout(Duration::from_secs(2), send(addr, request))
+            .await
+            .expect("answered at once");
+        assert_eq!(reply.status, want, "{}", String::from_utf8_lossy(request));
+    }
+    // A good request, then a bad one in the same write: the first is answered, then the 400.
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"GET /healthz HTTP/1.1\r\n\r\nGET /healthz HTTP/1.1\n\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    assert_eq!(read_reply(&mut stream, &mut buf).await.unwrap().status, 200);
+    assert_eq!(read_reply(&mut stream, &mut buf).await.unwrap().status, 400);
+    assert!(closed_by_server(&mut stream).await);
+    // Answers hyper gives itself are counted like the others.
+    let samples = scrape(&metrics);
+    let count = |code: &str| {
+        value(
+            &samples,
+            "muster_http_requests_total",
+            &[("handler", "other"), ("code", code)],
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!((count("400"), count("505")), (7.0, 1.0));
+    shutdown.cancel();
+}
+
+#[tokio::test]
+async fn a_stalled_body_gets_408_and_a_quiet_keep_alive_connection_is_closed() {
+    let metrics = Metrics::new();
+    let config = EndpointConfig {
+        request_timeout: Duration::from_millis(300),
+        idle_timeout: Duration::from_millis(400),
+        ..EndpointConfig::default()
+    };
+    let (addr, shutdown) = start(&metrics, config);
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(b"POST /checkpoint HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")
+        .await
+        .unwrap();
+    let reply = read_reply(&mut stream, &mut Vec::new()).await.unwrap();
+    assert_eq!(reply.status, 408);
+    assert_eq!(reply.headers["connection"], "close");
+    assert!(closed_by_server(&mut stream).await);
+
+    // After a response, the keep-alive connection stays open for the idle timeout, then closes.
+    let mut kept = TcpStream::connect(addr).await.unwrap();
+    let mut buf = Vec::new();
+    kept.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut kept, &mut buf).await.unwrap().status, 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    kept.write_all(b"GET /healthz HTTP/1.1\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_reply(&mut kept, &mut buf).await.unwrap().status, 200);
+    let started = std::time::Instant::now();
+    assert!(closed_by_server(&mut kept).await);
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
+    shutdown.cancel();
+}
+
+#[tokio::test]
 async fn loopback_may_checkpoint_with_or_without_a_token() {
     let metrics = Metrics::new();
     let token_file = std::env::temp_dir().join(format!("muster-tok-{}", std::process::id()));
@@ -1379,7 +1618,7 @@ fn the_endpoint_thread_serves_while_the_caller_is_blocked() {
     std::io::Write::write_all(&mut stream, b"GET /readyz HTTP/1.0\r\n\r\n").unwrap();
     let mut reply = String::new();
     std::io::Read::read_to_string(&mut stream, &mut reply).unwrap();
-    assert!(reply.starts_with("HTTP/1.1 503 "), "{reply}");
+    assert!(reply.starts_with("HTTP/1.0 503 "), "{reply}");
 
     let taken = serve_in_thread(addr, metrics, EndpointConfig::default(), &shutdown).unwrap_err();
     assert!(matches!(taken, ServeError::Bind { .. }), "{taken}");
@@ -1390,14 +1629,4 @@ fn the_endpoint_thread_serves_while_the_caller_is_blocked() {
         std::net::TcpStream::connect(addr).is_err(),
         "closed after stop"
     );
-}
-
-#[test]
-fn the_installed_registry_is_the_first_one() {
-    // Other tests (a launch that installs its registry) may have installed one already.
-    let candidate = Metrics::new();
-    let won = candidate.install();
-    let installed = installed().expect("a registry is installed now");
-    assert!(!Metrics::new().install(), "later installs lose");
-    assert_eq!(Arc::ptr_eq(&installed.inner, &candidate.inner), won);
 }

@@ -6,8 +6,10 @@
 //!   through the checkpoint helper where memory reads are refused.
 //! - [`gang`]: the store key through which the node that detects a hang tells every other
 //!   node, which dumps its own ranks' stacks too.
-//! - [`monitor`]: the per-attempt task that ties them together, plugged into the launch loop as
-//!   its [`crate::launch::Watchdog`].
+//!
+//! The per-attempt task that ties them together, plugged into the launch loop as its
+//! [`crate::launch::Watchdog`], is [`crate::hang_watch`]: this module is below the launch and
+//! imports nothing of the agent's.
 //!
 //! The step reports come from the checkpoint helper's `should_save(step)` through the local
 //! channel ([`crate::checkpoint::local`]); a script that does not use the helper is not watched.
@@ -15,12 +17,9 @@
 pub mod cgroup;
 pub mod gang;
 pub mod hang;
-pub mod monitor;
 pub mod stacks;
 
 use std::time::Duration;
-
-pub use monitor::HangWatch;
 
 /// A hung rank, as the summary names it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -211,6 +211,8 @@ pub fn assign(
         .iter()
         .map(|&(_, i)| state.arrivals[i].reg.local_world_size)
         .sum();
+    let ranks: Vec<u32> = membership.members.iter().map(|&(r, _)| r).collect();
+    let member_ranks = super::recovery::compress_ranks(&ranks);
     let mut base = 0;
     membership
         .members
@@ -232,6 +234,7 @@ pub fn assign(
                 // Only node 0 watches the members; it fills this for itself. Sending the list
                 // to everyone would make a round O(n²) in bytes.
                 members: Vec::new(),
+                member_ranks: member_ranks.clone(),
             };
             base += a.reg.local_world_size;
             (a.slot, out)
@@ -433,6 +436,7 @@ pub fn decide_failure(
             by: Some(node_rank),
             reason: reason.clone(),
             exit_code: None,
+            recovered_from: current.recovered_from,
         };
         return (rec, reason);
     }
@@ -447,6 +451,7 @@ pub fn decide_failure(
         by: Some(node_rank),
         reason: reason.clone(),
         exit_code: Some(exit_code),
+        recovered_from: current.recovered_from,
     };
     (rec, reason)
 }
@@ -486,6 +491,7 @@ pub fn fatal_bump(
         by,
         reason,
         exit_code: Some(exit_code),
+        recovered_from: current.recovered_from,
     }
 }
 
@@ -498,6 +504,7 @@ pub fn membership_bump(current: &GenRecord, by: u32, reason: String) -> GenRecor
         by: Some(by),
         reason,
         exit_code: None,
+        recovered_from: current.recovered_from,
     }
 }
 
@@ -624,6 +631,93 @@ pub enum Link {
     Closed,
 }
 
+/// What a failed store operation is evidence of, as the agent that sent it sees it. Node 0 is
+/// judged by the others through their own store connections only, so this is all they know.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreFault {
+    /// The connection is open (or the host's kernel accepted a new one) but no answer came within
+    /// the operation timeout: the store host is alive, its process starved, paused or overloaded.
+    Slow,
+    /// Nothing answered and nothing refused (no SYN-ACK, host unreachable, a garbled reply):
+    /// the host may have vanished without a FIN or RST, or be cut off; only time tells.
+    Silent,
+    /// Refused, reset or closed: nothing listens at the store's address any more (the store's
+    /// process died; its kernel answers for it).
+    Gone,
+}
+
+/// How long the store may fail to answer before its host is lost, by the evidence of the last
+/// failure: gone → at once (after one confirming reconnect); silent → the heartbeat timeout;
+/// slow → [`STALL_FACTOR`] heartbeat timeouts, like a member whose connection is open.
+pub fn store_silence_allowed(fault: StoreFault, cfg: &Config) -> std::time::Duration {
+    match fault {
+        StoreFault::Gone => std::time::Duration::ZERO,
+        StoreFault::Silent => cfg.heartbeat_timeout,
+        StoreFault::Slow => cfg.heartbeat_timeout * STALL_FACTOR,
+    }
+}
+
+/// What to do after a failed store operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreVerdict {
+    /// Try again at the next tick: the host may still answer.
+    Retry,
+    /// Try again at once (a fresh connection): one refused or closed connection is confirmed
+    /// before the host is declared lost, so a connection the host dropped on purpose (over a
+    /// limit) does not stop a gang.
+    RetryNow,
+    /// The store host is lost.
+    Lost,
+}
+
+/// Whether the store host is lost, given the fault of this failure, the fault of the failure
+/// before it (`None` when the last operation succeeded) and how long the store has not answered
+/// (since the last success, by this agent's clock).
+pub fn decide_store_fault(
+    fault: StoreFault,
+    previous: Option<StoreFault>,
+    silent_for: std::time::Duration,
+    cfg: &Config,
+) -> (StoreVerdict, String) {
+    let silent = silent_for.as_secs_f64();
+    if fault == StoreFault::Gone {
+        if previous == Some(StoreFault::Gone) {
+            return (
+                StoreVerdict::Lost,
+                format!(
+                    "the store host refused or closed the connection, and again on a fresh one (no answer for {silent:.1}s): its process is gone"
+                ),
+            );
+        }
+        return (
+            StoreVerdict::RetryNow,
+            "the store host closed or refused the connection; reconnecting at once to confirm"
+                .into(),
+        );
+    }
+    let allowed = store_silence_allowed(fault, cfg);
+    let what = match fault {
+        StoreFault::Slow => "open but slow (operations time out)",
+        _ => "silent (no answer, no refusal)",
+    };
+    if silent_for >= allowed {
+        return (
+            StoreVerdict::Lost,
+            format!(
+                "no answer for {silent:.1}s, the store host {what}; limit {:.1}s",
+                allowed.as_secs_f64()
+            ),
+        );
+    }
+    (
+        StoreVerdict::Retry,
+        format!(
+            "store did not answer for {silent:.1}s, the host {what}; lost after {:.1}s",
+            allowed.as_secs_f64()
+        ),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -649,6 +743,7 @@ mod tests {
             local_world_size: 2,
             coordinator: false,
             gpu: serde_json::Value::Null,
+            memory: None,
         }
     }
 
@@ -983,5 +1078,61 @@ mod tests {
             .0
             .is_empty());
         assert_eq!(find_dead(t0 + c.heartbeat_timeout, &unknown, &c).0, vec![1]);
+    }
+
+    #[test]
+    fn a_slow_store_host_gets_the_stall_limit_a_silent_one_the_heartbeat_timeout() {
+        let c = cfg(1, 3);
+        let hb = c.heartbeat_timeout;
+        // One operation timed out on an open connection (the 2,048-agent case): not lost.
+        let (v, why) = decide_store_fault(StoreFault::Slow, None, hb, &c);
+        assert_eq!(v, StoreVerdict::Retry, "{why}");
+        assert!(why.contains("open but slow"), "{why}");
+        let (v, why) = decide_store_fault(
+            StoreFault::Slow,
+            Some(StoreFault::Slow),
+            hb * (STALL_FACTOR * 100 - 1) / 100,
+            &c,
+        );
+        assert_eq!(v, StoreVerdict::Retry, "{why}");
+        let (v, why) = decide_store_fault(
+            StoreFault::Slow,
+            Some(StoreFault::Slow),
+            hb * STALL_FACTOR,
+            &c,
+        );
+        assert_eq!(v, StoreVerdict::Lost, "{why}");
+        assert!(why.contains("limit 12.0s"), "{why}");
+        // Nothing answers and nothing refuses: the heartbeat timeout, as before.
+        let (v, _) = decide_store_fault(StoreFault::Silent, None, hb / 2, &c);
+        assert_eq!(v, StoreVerdict::Retry);
+        let (v, why) = decide_store_fault(StoreFault::Silent, Some(StoreFault::Slow), hb, &c);
+        assert_eq!(v, StoreVerdict::Lost, "{why}");
+        assert!(why.contains("silent"), "{why}");
+    }
+
+    #[test]
+    fn a_refused_or_closed_store_is_lost_at_once_after_one_confirming_reconnect() {
+        let c = cfg(1, 3);
+        let (v, why) = decide_store_fault(StoreFault::Gone, None, Duration::ZERO, &c);
+        assert_eq!(v, StoreVerdict::RetryNow, "{why}");
+        // Slow before, gone now: still confirmed once (the host may have dropped a stuck
+        // connection on purpose).
+        let (v, _) = decide_store_fault(
+            StoreFault::Gone,
+            Some(StoreFault::Slow),
+            c.heartbeat_timeout,
+            &c,
+        );
+        assert_eq!(v, StoreVerdict::RetryNow);
+        let (v, why) = decide_store_fault(
+            StoreFault::Gone,
+            Some(StoreFault::Gone),
+            Duration::from_millis(3),
+            &c,
+        );
+        assert_eq!(v, StoreVerdict::Lost, "{why}");
+        assert!(why.contains("its process is gone"), "{why}");
+        assert_eq!(store_silence_allowed(StoreFault::Gone, &c), Duration::ZERO);
     }
 }

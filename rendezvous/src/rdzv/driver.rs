@@ -18,9 +18,11 @@ use tracing::{debug, info, warn};
 
 use super::decide::{
     self, Abort, Arrival, Barrier, Beat, Link, Liveness, Report, RoundDecision, RoundState,
+    StoreFault, StoreVerdict,
 };
 use super::keys::Keys;
 use super::kv::{Kv, KvError};
+use super::recovery::{self, GangMemory};
 use super::{Answer, Assignment, BumpKind, Config, GenRecord, RdzvError, Registration};
 
 /// How often a waiting coordinator repeats its progress line.
@@ -31,7 +33,8 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(5);
 pub enum Event {
     /// The generation moved on (bumped by anyone, including this node's coordinator logic).
     Generation(GenRecord),
-    /// The store (node 0) stopped answering for the heartbeat timeout.
+    /// The store host (node 0) is lost: its connection refused or closed (at once), or no
+    /// answer for as long as the evidence allows ([`decide::decide_store_fault`]).
     StoreLost(String),
     /// Node 0 only: the round's exit barrier completed, so the generation succeeded and there is
     /// nothing left to judge. Not a reason to stop anything (`fired` is not cancelled).
@@ -78,6 +81,8 @@ pub struct Rendezvous<K: Kv> {
     /// Raw bytes of `gen` when the last round completed; a bump is a COMPARE_SET from these.
     gen_raw: Vec<u8>,
     record: GenRecord,
+    /// What this node would carry if the store host were lost now: the last round it joined.
+    memory: Option<GangMemory>,
 }
 
 impl<K: Kv> Rendezvous<K> {
@@ -92,7 +97,18 @@ impl<K: Kv> Rendezvous<K> {
             last_round: None,
             gen_raw: Vec::new(),
             record: GenRecord::first(),
+            memory: None,
         }
+    }
+
+    /// The gang as this node last joined it: what it carries to a replacement store host.
+    pub fn memory(&self) -> Option<&GangMemory> {
+        self.memory.as_ref()
+    }
+
+    /// Registers with `memory` (a survivor of a lost store host) until a round is joined.
+    pub fn carry(&mut self, memory: GangMemory) {
+        self.reg.memory = Some(memory);
     }
 
     pub fn config(&self) -> &Config {
@@ -112,6 +128,11 @@ impl<K: Kv> Rendezvous<K> {
         self.reg.coordinator
     }
 
+    /// This node's rank once known (claimed, or given in a round).
+    pub fn node_rank(&self) -> Option<u32> {
+        self.reg.node_rank
+    }
+
     /// Joins the current generation and returns this node's place in it. On node 0 this also
     /// runs the round: `master_port` is the port of the fresh worker store it serves for this
     /// round (MASTER_PORT); the others ignore it.
@@ -123,6 +144,8 @@ impl<K: Kv> Rendezvous<K> {
         };
         // An agent that got its rank by arrival keeps it in later rounds.
         self.reg.node_rank = Some(joined.assignment.node_rank);
+        // Carried to this store: it holds the gang's memory now.
+        self.reg.memory = None;
         Ok(joined)
     }
 
@@ -169,6 +192,7 @@ impl<K: Kv> Rendezvous<K> {
                 .map_err(lost)?;
             debug!(gen, slot, "registered");
             let answer_key = self.keys.assign(gen, slot);
+            let mut health = StoreHealth::new();
             loop {
                 let wait = self.cfg.keep_alive_interval.min(
                     deadline
@@ -191,8 +215,19 @@ impl<K: Kv> Rendezvous<K> {
                         }
                         continue;
                     }
-                    Err(KvError::Unavailable(e)) => return Err(RdzvError::StoreLost(e)),
+                    Err(e) => {
+                        match health.judge(&e, &self.cfg) {
+                            (StoreVerdict::Lost, why) => return Err(RdzvError::StoreLost(why)),
+                            (StoreVerdict::RetryNow, why) => debug!("{why}"),
+                            (StoreVerdict::Retry, why) => {
+                                warn!("{why}");
+                                sleep(self.cfg.keep_alive_interval).await;
+                            }
+                        }
+                        continue;
+                    }
                 }
+                health.ok();
                 let value = self.kv.get(&answer_key).await.map_err(lost)?;
                 match parse_json::<Answer>(&answer_key, &value)? {
                     Answer::Member(assignment) => {
@@ -258,13 +293,25 @@ impl<K: Kv> Rendezvous<K> {
         a: &Assignment,
     ) {
         self.last_round = Some((gen, answered));
+        self.memory = Some(GangMemory::of_round(&self.cfg.run_id, &rec, a, None));
         self.gen_raw = raw;
         self.record = rec;
         debug!(gen, node_rank = a.node_rank, "joined");
     }
 
-    /// Node 0's side: open the round, read registrations as they come, decide, answer.
+    /// Node 0's side: rounds until one completes. A round opens again at a new generation
+    /// when survivors of a lost store host bring a memory this store adopts.
     async fn coordinate(&mut self, master_port: u16) -> Result<Joined, RdzvError> {
+        loop {
+            if let Some(joined) = self.coordinate_round(master_port).await? {
+                return Ok(joined);
+            }
+        }
+    }
+
+    /// One round: open it, read registrations as they come, decide, answer. `None` when the
+    /// store moved to the gang's remembered generation instead.
+    async fn coordinate_round(&mut self, master_port: u16) -> Result<Option<Joined>, RdzvError> {
         let (raw, rec) = self.current_gen().await?;
         check_fatal(&rec)?;
         let gen = rec.gen;
@@ -340,6 +387,13 @@ impl<K: Kv> Rendezvous<K> {
                         ),
                     }
                 }
+                if state.arrivals.iter().any(|a| a.reg.memory.is_some())
+                    && self.carry_memories(&raw, &rec, &mut state).await?
+                {
+                    // Every slot of this round is answered "superseded" by the next one.
+                    self.last_round = Some((gen, 0));
+                    return Ok(None);
+                }
             }
             let now = Instant::now();
             let (decision, reason) = decide::decide_round(now, &state, &self.cfg);
@@ -393,10 +447,10 @@ impl<K: Kv> Rendezvous<K> {
                     };
                     assignment.members = decide::members(&state, &m);
                     self.remember_round(gen, seen, raw, rec.clone(), &assignment);
-                    return Ok(Joined {
+                    return Ok(Some(Joined {
                         assignment,
                         record: rec,
-                    });
+                    }));
                 }
                 RoundDecision::Timeout(message) => {
                     warn!("{reason}");
@@ -429,6 +483,57 @@ impl<K: Kv> Rendezvous<K> {
             self.keys.assign(gen, slot),
             serde_json::to_vec(answer).map_err(internal)?,
         ))
+    }
+
+    /// Node 0: what the survivors of a lost store host brought ([`recovery::decide_memories`]).
+    /// Stale ones are turned away and leave the round; returns true when the store moved to
+    /// the gang's own generation, so the round must open again there.
+    async fn carry_memories(
+        &mut self,
+        raw: &[u8],
+        rec: &GenRecord,
+        state: &mut RoundState,
+    ) -> Result<bool, RdzvError> {
+        let memories: Vec<(usize, Option<u32>, &GangMemory)> = state
+            .arrivals
+            .iter()
+            .enumerate()
+            .filter_map(|(i, a)| a.reg.memory.as_ref().map(|m| (i, a.reg.node_rank, m)))
+            .collect();
+        let (decision, reason) = recovery::decide_memories(rec, &memories, &self.cfg);
+        if !decision.rejected.is_empty() {
+            let mut pairs = Vec::with_capacity(decision.rejected.len());
+            for (i, why) in &decision.rejected {
+                warn!("turning away {}: {why}", state.arrivals[*i].reg.host);
+                let answer = Answer::Rejected {
+                    reason: why.clone(),
+                };
+                pairs.push(self.answer(state.gen, state.arrivals[*i].slot, &answer)?);
+            }
+            self.kv.multi_set(&pairs).await.map_err(lost)?;
+            let turned_away: Vec<usize> = decision.rejected.iter().map(|(i, _)| *i).collect();
+            let mut index = 0;
+            state.arrivals.retain(|_| {
+                let keep = !turned_away.contains(&index);
+                index += 1;
+                keep
+            });
+        }
+        let Some(next) = decision.adopt else {
+            return Ok(false);
+        };
+        let won = bump(&mut self.kv, &self.keys, raw, &next).await?;
+        if won == next {
+            warn!("{reason}");
+            if let Some(memory) = &decision.memory {
+                let body = serde_json::to_vec(memory).map_err(internal)?;
+                self.kv
+                    .set(&self.keys.memory(), &body)
+                    .await
+                    .map_err(lost)?;
+            }
+        }
+        Ok(true)
     }
 
     /// Wakes agents still waiting on an old round's slots: their round will never complete.
@@ -507,6 +612,7 @@ impl<K: Kv> Rendezvous<K> {
         }
         let deadline = Instant::now() + self.cfg.exit_barrier_timeout;
         let key = self.keys.done_all(gen);
+        let mut health = StoreHealth::new();
         let outcome = loop {
             // One long WAIT per keep-alive interval rather than short polls: thousands of agents
             // waiting here would otherwise keep the store host busy with WAIT/CANCEL pairs just
@@ -519,6 +625,7 @@ impl<K: Kv> Rendezvous<K> {
             match waited {
                 Ok(()) => break BarrierOutcome::Done,
                 Err(KvError::WaitTimeout) => {
+                    health.ok();
                     if interrupt.is_cancelled() {
                         // The watcher fired. The counter, not the order in which this node
                         // happens to see things, says whether the barrier completed.
@@ -537,7 +644,14 @@ impl<K: Kv> Rendezvous<K> {
                         break BarrierOutcome::TimedOut;
                     }
                 }
-                Err(KvError::Unavailable(e)) => return Err(RdzvError::StoreLost(e)),
+                Err(e) => match health.judge(&e, &self.cfg) {
+                    (StoreVerdict::Lost, why) => return Err(RdzvError::StoreLost(why)),
+                    (StoreVerdict::RetryNow, why) => debug!("{why}"),
+                    (StoreVerdict::Retry, why) => {
+                        warn!("exit barrier: {why}");
+                        sleep(self.cfg.keep_alive_interval).await;
+                    }
+                },
             }
         };
         if self.reg.coordinator {
@@ -669,7 +783,7 @@ impl<K: Kv> Watcher<K> {
             })
             .collect();
         let mut conns = vec![Conn::default(); beats.len()];
-        let mut last_ok = Instant::now();
+        let mut health = StoreHealth::new();
         let mut seq: u64 = 0;
         let mut seen_slots = self.answered;
         loop {
@@ -696,25 +810,21 @@ impl<K: Kv> Watcher<K> {
             .await;
             match tick {
                 Ok(Some(event)) => return event,
-                Ok(None) => last_ok = Instant::now(),
-                Err(e) => {
-                    let silent = Instant::now().saturating_duration_since(last_ok);
-                    warn!(
-                        "store did not answer ({e}); silent for {:.1}s",
-                        silent.as_secs_f64()
-                    );
-                    if silent >= self.cfg.heartbeat_timeout {
-                        return Event::StoreLost(format!(
-                            "no answer for {:.1}s (heartbeat timeout {:.1}s): {e}",
-                            silent.as_secs_f64(),
-                            self.cfg.heartbeat_timeout.as_secs_f64()
-                        ));
+                Ok(None) => health.ok(),
+                Err(e) => match health.judge(&e, &self.cfg) {
+                    (StoreVerdict::Lost, why) => return Event::StoreLost(why),
+                    (StoreVerdict::RetryNow, why) => {
+                        debug!("{why}");
+                        continue;
                     }
-                }
+                    (StoreVerdict::Retry, why) => warn!("{why}"),
+                },
             }
             tokio::select! {
                 () = stop.cancelled() => return Event::Stopped,
                 () = sleep(self.cfg.keep_alive_interval) => {}
+                // A dead store host closes our idle connection: look now, not at the next tick.
+                () = self.kv.closed() => debug!("the store connection closed; checking at once"),
             }
         }
     }
@@ -769,10 +879,38 @@ impl<K: Kv> Watcher<K> {
                 .map(|i| self.keys.slot(self.gen, i))
                 .collect();
             let values = self.kv.multi_get(&keys).await?;
-            let newcomers: Vec<Registration> = values
-                .iter()
-                .take_while(|v| !v.is_empty())
-                .filter_map(|v| serde_json::from_slice(v).ok())
+            let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
+            let first = *seen_slots + 1;
+            let registered: Vec<(u64, Registration)> = (first..)
+                .zip(values.iter().take_while(|v| !v.is_empty()))
+                .filter_map(|(slot, v)| Some((slot, serde_json::from_slice(v).ok()?)))
+                .collect();
+            // Survivors of a lost store host first: a stale one is turned away without costing
+            // the running gang a re-form; one remembering a newer generation than this store's
+            // means the gang must re-form here to adopt it.
+            let mut turned_away: Vec<(u64, String)> = Vec::new();
+            if registered.iter().any(|(_, r)| r.memory.is_some()) {
+                let current: GenRecord =
+                    serde_json::from_slice(&self.gen_raw).unwrap_or_else(|_| GenRecord::first());
+                let memories: Vec<(usize, Option<u32>, &GangMemory)> = registered
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, (_, r))| r.memory.as_ref().map(|m| (i, r.node_rank, m)))
+                    .collect();
+                let (decision, why) = recovery::decide_memories(&current, &memories, &self.cfg);
+                if decision.adopt.is_some() {
+                    return self.end_generation(why).await;
+                }
+                turned_away = decision
+                    .rejected
+                    .into_iter()
+                    .map(|(i, reason)| (registered[i].0, reason))
+                    .collect();
+            }
+            let newcomers: Vec<Registration> = registered
+                .into_iter()
+                .filter(|(slot, _)| !turned_away.iter().any(|(t, _)| t == slot))
+                .map(|(_, r)| r)
                 .collect();
             let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
             let (restart, reason) = decide::decide_newcomers(&members, &newcomers, &self.cfg);
@@ -780,13 +918,23 @@ impl<K: Kv> Watcher<K> {
                 return self.end_generation(reason).await;
             }
             // Spares stay registered; tell them once and stop re-reading them.
-            let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
             if readable > 0 {
                 info!("{reason}");
                 let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
-                let pairs: Vec<(Vec<u8>, Vec<u8>)> = (*seen_slots + 1..=*seen_slots + readable)
-                    .map(|i| (self.keys.assign(self.gen, i), spare.clone()))
-                    .collect();
+                let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+                for slot in first..first + readable {
+                    let body = match turned_away.iter().find(|(t, _)| *t == slot) {
+                        Some((_, why)) => {
+                            warn!("turning away slot {slot}: {why}");
+                            serde_json::to_vec(&Answer::Rejected {
+                                reason: why.clone(),
+                            })
+                            .unwrap_or_default()
+                        }
+                        None => spare.clone(),
+                    };
+                    pairs.push((self.keys.assign(self.gen, slot), body));
+                }
                 self.kv.multi_set(&pairs).await?;
                 *seen_slots += readable;
             }
@@ -842,14 +990,20 @@ impl<K: Kv> Watcher<K> {
             }
         };
         let next = decide::membership_bump(&current, self.node_rank, reason.clone());
-        match bump(&mut self.kv, &self.keys, &self.gen_raw, &next).await {
+        let key = self.keys.gen();
+        let body = match serde_json::to_vec(&next) {
+            Ok(body) => body,
+            Err(e) => return Ok(Some(Event::StoreLost(internal(e).to_string()))),
+        };
+        // Store failures go back to the tick, which judges them like any other.
+        let now = self.kv.compare_set(&key, &self.gen_raw, &body).await?;
+        match parse_json::<GenRecord>(&key, &now) {
             Ok(rec) => {
                 if rec == next {
                     warn!("{reason}; starting round {}", next.gen);
                 }
                 Ok(Some(Event::Generation(rec)))
             }
-            Err(RdzvError::StoreLost(e)) => Err(KvError::Unavailable(e)),
             Err(e) => Ok(Some(Event::StoreLost(e.to_string()))),
         }
     }
@@ -874,8 +1028,44 @@ fn parse_json<T: serde::de::DeserializeOwned>(key: &[u8], value: &[u8]) -> Resul
 
 fn lost(e: KvError) -> RdzvError {
     match e {
-        KvError::Unavailable(detail) => RdzvError::StoreLost(detail),
+        KvError::Slow(detail) | KvError::Silent(detail) | KvError::Gone(detail) => {
+            RdzvError::StoreLost(detail)
+        }
         KvError::WaitTimeout => RdzvError::StoreLost("a store operation timed out".into()),
+    }
+}
+
+/// How long the store has not answered, and what the last failure said about its host: the
+/// input of [`decide::decide_store_fault`], kept across operations by one waiting loop.
+struct StoreHealth {
+    last_ok: Instant,
+    last_fault: Option<StoreFault>,
+}
+
+impl StoreHealth {
+    fn new() -> Self {
+        Self {
+            last_ok: Instant::now(),
+            last_fault: None,
+        }
+    }
+
+    fn ok(&mut self) {
+        self.last_ok = Instant::now();
+        self.last_fault = None;
+    }
+
+    /// The verdict on one failed operation, and its reason (naming the failure).
+    fn judge(&mut self, e: &KvError, cfg: &Config) -> (StoreVerdict, String) {
+        let Some(fault) = e.fault() else {
+            // A WAIT that ran out of time got its answer: the store is there.
+            self.ok();
+            return (StoreVerdict::Retry, "wait timed out".into());
+        };
+        let silent = Instant::now().saturating_duration_since(self.last_ok);
+        let (verdict, reason) = decide::decide_store_fault(fault, self.last_fault, silent, cfg);
+        self.last_fault = Some(fault);
+        (verdict, format!("{reason} ({e})"))
     }
 }
 
@@ -911,6 +1101,7 @@ mod tests {
                 local_world_size: lws,
                 coordinator: rank == Some(0),
                 gpu: serde_json::Value::Null,
+                memory: None,
             },
         )
     }
@@ -1142,7 +1333,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn losing_the_store_is_reported_within_the_heartbeat_timeout() {
+    async fn losing_the_store_host_is_reported_at_once_when_its_connection_closes() {
         let kv = MemKv::default();
         let c = cfg(2, 2);
         let mut formed = form_nodes(&kv, &c, 2).await;
@@ -1152,8 +1343,114 @@ mod tests {
         let lost_at = Instant::now();
         kv.take_down();
         let ev = w.await.expect("task");
-        assert!(matches!(ev, Event::StoreLost(_)), "{ev:?}");
-        assert!(Instant::now() - lost_at <= c.heartbeat_timeout + c.keep_alive_interval * 2);
+        let Event::StoreLost(why) = ev else {
+            panic!("{ev:?}")
+        };
+        assert!(why.contains("its process is gone"), "{why}");
+        assert!(
+            Instant::now() - lost_at <= Duration::from_secs(1),
+            "a closed store connection is a lost host at once, not at the next tick"
+        );
+    }
+
+    /// A store host that is alive but starved: every operation hangs for the operation timeout
+    /// and fails as slow until `until`, then the store answers again.
+    struct Starved {
+        inner: MemKv,
+        until: Instant,
+        op_timeout: Duration,
+    }
+
+    impl Starved {
+        async fn gate(&self) -> Result<(), KvError> {
+            if Instant::now() < self.until {
+                sleep(self.op_timeout).await;
+                return Err(KvError::Slow(
+                    "the store did not answer within the timeout".into(),
+                ));
+            }
+            Ok(())
+        }
+    }
+
+    impl Kv for Starved {
+        async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+            self.gate().await?;
+            self.inner.get(key).await
+        }
+        async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+            self.gate().await?;
+            self.inner.set(key, value).await
+        }
+        async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
+            self.gate().await?;
+            self.inner.add(key, delta).await
+        }
+        async fn compare_set(
+            &mut self,
+            key: &[u8],
+            expected: &[u8],
+            desired: &[u8],
+        ) -> Result<Vec<u8>, KvError> {
+            self.gate().await?;
+            self.inner.compare_set(key, expected, desired).await
+        }
+        async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
+            self.gate().await?;
+            self.inner.multi_get(keys).await
+        }
+        async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+            self.gate().await?;
+            self.inner.multi_set(pairs).await
+        }
+        async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
+            self.gate().await?;
+            self.inner.wait(keys, timeout).await
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_store_host_is_not_lost_at_the_heartbeat_timeout_but_at_the_stall_limit() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let mut formed = form_nodes(&kv, &c, 2).await;
+        let (r1, j1) = formed.pop().expect("node 1");
+        // Starved for three heartbeat timeouts (the 2,048-agent case), then answering again.
+        let starved = Starved {
+            inner: kv.connect(),
+            until: Instant::now() + c.heartbeat_timeout * 3,
+            op_timeout: c.heartbeat_timeout,
+        };
+        let stop = CancellationToken::new();
+        let w = tokio::spawn(
+            r1.watcher(starved, &j1.assignment)
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        tokio::time::sleep(c.heartbeat_timeout * 3 + c.keep_alive_interval * 4).await;
+        assert!(!w.is_finished(), "slow is not lost: {:?}", w.await);
+        stop.cancel();
+        assert_eq!(w.await.expect("task"), Event::Stopped);
+        // Starved for good: lost at the stall limit, and the reason says why.
+        let starved = Starved {
+            inner: kv.connect(),
+            until: Instant::now() + Duration::from_secs(3600),
+            op_timeout: c.heartbeat_timeout,
+        };
+        let started = Instant::now();
+        let w = tokio::spawn(
+            r1.watcher(starved, &j1.assignment)
+                .run(CancellationToken::new(), CancellationToken::new()),
+        );
+        let Event::StoreLost(why) = w.await.expect("task") else {
+            panic!("a store host slow past the stall limit is lost")
+        };
+        let took = Instant::now() - started;
+        let limit = c.heartbeat_timeout * decide::STALL_FACTOR;
+        assert!(why.contains("open but slow"), "{why}");
+        assert!(
+            took >= limit && took <= limit + c.heartbeat_timeout + c.keep_alive_interval,
+            "{took:?}"
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -1482,5 +1779,113 @@ mod tests {
             took + c.keep_alive_interval * 2 >= limit && took <= limit + c.keep_alive_interval * 2,
             "{took:?}"
         );
+    }
+
+    /// Nodes 0..3 form, a worker failure uses a restart (generation 1), then node 0 and its
+    /// store are gone: the survivors, each with what it remembers.
+    async fn survivors_of_a_lost_store(c: &Config) -> Vec<(u32, GangMemory)> {
+        let old = MemKv::default();
+        let formed = form_nodes(&old, c, 3).await;
+        let mut agents: Vec<_> = formed.into_iter().map(|(a, _)| a).collect();
+        agents[1]
+            .report_failure(3, "local rank 0 exited with 3")
+            .await
+            .expect("bump");
+        let formed = form(&old, agents).await;
+        formed
+            .into_iter()
+            .skip(1)
+            .map(|(a, j)| {
+                assert_eq!(
+                    (j.assignment.generation, j.assignment.restart_count),
+                    (1, 1)
+                );
+                let m = a.memory().cloned().expect("a member remembers");
+                (j.assignment.node_rank, m)
+            })
+            .collect()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_replacement_node_0_adopts_the_survivors_generation_and_restart_count() {
+        let c = cfg(3, 3);
+        let survivors = survivors_of_a_lost_store(&c).await;
+        assert_eq!(survivors[0].1.members, vec![0, 1, 2]);
+        // The replacement's store is empty; it starts with the same flags as the first node 0.
+        let fresh = MemKv::default();
+        let mut agents = vec![agent(&fresh, &c, Some(0), 1)];
+        for (rank, memory) in survivors {
+            let mut a = agent(&fresh, &c, Some(rank), 1);
+            a.carry(memory);
+            agents.push(a);
+        }
+        let formed = form(&fresh, agents).await;
+        for (a, j) in &formed {
+            assert_eq!(
+                (j.assignment.generation, j.assignment.restart_count),
+                (2, 1),
+                "the generation moves on and the restart budget is not reset"
+            );
+            assert_eq!(j.assignment.world_size, 3);
+            assert!(
+                a.reg.memory.is_none(),
+                "carried: the new store holds it now"
+            );
+        }
+        let rec = gen_record(&fresh);
+        assert_eq!(
+            (rec.gen, rec.kind, rec.recovered_from),
+            (2, BumpKind::Membership, Some(1))
+        );
+        assert!(rec.reason.contains("node 0 was replaced"), "{}", rec.reason);
+        let kept: GangMemory = serde_json::from_slice(
+            &fresh
+                .raw_get(&Keys::new("job").memory())
+                .expect("memory key"),
+        )
+        .expect("memory");
+        assert_eq!((kept.generation, kept.restarts), (1, 1));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_survivor_remembering_an_older_generation_cannot_join_the_recovered_gang() {
+        let mut c = cfg(2, 3);
+        c.last_call_timeout = Duration::from_secs(1);
+        let mut survivors = survivors_of_a_lost_store(&c).await;
+        let (rank2, _) = survivors.pop().expect("node 2");
+        let (rank1, memory1) = survivors.pop().expect("node 1");
+        let mut stale = memory1.clone();
+        stale.generation = 0;
+        stale.restarts = 0;
+        let fresh = MemKv::default();
+        let mut n1 = agent(&fresh, &c, Some(rank1), 1);
+        n1.carry(memory1);
+        let mut formed = form(&fresh, vec![agent(&fresh, &c, Some(0), 1), n1]).await;
+        assert!(formed.iter().all(|(_, j)| j.assignment.generation == 2));
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let stop = CancellationToken::new();
+        let w0 = spawn_watcher(&r0, &fresh, &j0, &stop);
+        let w1 = spawn_watcher(&r1, &fresh, &j1, &stop);
+        let mut n2 = agent(&fresh, &c, Some(rank2), 1);
+        n2.carry(stale);
+        let err = n2.next_round(0).await.expect_err("stale");
+        let RdzvError::Rejected(why) = err else {
+            panic!("{err:?}")
+        };
+        assert!(
+            why.contains(
+                "node 2 is stale: its last generation was 0, the gang's memory is of generation 1"
+            ),
+            "{why}"
+        );
+        tokio::time::sleep(c.heartbeat_timeout).await;
+        assert!(
+            !w0.is_finished() && !w1.is_finished(),
+            "turning a stale survivor away costs the running gang nothing"
+        );
+        assert_eq!(gen_record(&fresh).gen, 2);
+        stop.cancel();
+        let _ = (w0.await, w1.await);
     }
 }

@@ -12,6 +12,7 @@
 //! | `g<G>/acks` | ADD counter | joiners that read a terminal answer (timeout), so node 0 can leave |
 //! | `g<G>/done`, `g<G>/done_all` | ADD counter (+1 per report, +[`super::decide::ABORT`] per abort); `1` | exit barrier: reports, and aborts that end the generation early |
 //! | `g<G>/left` | ADD counter | members that passed the exit barrier, so node 0 leaves last |
+//! | `memory` | JSON [`super::recovery::GangMemory`] | SET by a replacement node 0 that adopted the survivors' memory |
 
 /// Builds the wire keys of one run.
 #[derive(Debug, Clone)]
@@ -28,6 +29,10 @@ impl Keys {
 
     pub fn gen(&self) -> Vec<u8> {
         format!("{}gen", self.prefix).into_bytes()
+    }
+
+    pub fn memory(&self) -> Vec<u8> {
+        format!("{}memory", self.prefix).into_bytes()
     }
 
     pub fn heartbeat(&self, agent_id: &str) -> Vec<u8> {

@@ -5,15 +5,37 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-/// A failed store operation, reduced to what the rendezvous acts on.
+use super::decide::StoreFault;
+
+/// A failed store operation, reduced to what the rendezvous acts on. The three ways the store
+/// can fail to answer are told apart because they are different evidence about its host (see
+/// [`StoreFault`] and [`super::decide::decide_store_fault`]).
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum KvError {
     /// WAIT ran out of time (not a failure of the store).
     #[error("wait timed out")]
     WaitTimeout,
-    /// The store did not answer (connection refused, reset, read timeout).
+    /// No answer within the operation timeout on an open connection: alive but slow.
     #[error("{0}")]
-    Unavailable(String),
+    Slow(String),
+    /// No answer and no refusal (connect timed out, host unreachable, a garbled reply).
+    #[error("{0}")]
+    Silent(String),
+    /// Refused, reset or closed: nothing listens at the store's address.
+    #[error("{0}")]
+    Gone(String),
+}
+
+impl KvError {
+    /// What this failure says about the store host; `None` for a WAIT that ran out of time.
+    pub fn fault(&self) -> Option<StoreFault> {
+        match self {
+            KvError::WaitTimeout => None,
+            KvError::Slow(_) => Some(StoreFault::Slow),
+            KvError::Silent(_) => Some(StoreFault::Silent),
+            KvError::Gone(_) => Some(StoreFault::Gone),
+        }
+    }
 }
 
 /// The store operations of the rendezvous. Keys are raw wire keys.
@@ -49,6 +71,12 @@ pub trait Kv: Send {
     /// `None` when not connected or not a socket.
     fn local_addr(&self) -> Option<SocketAddr> {
         None
+    }
+    /// Resolves when the store host closes or resets the current (idle) connection, so a watcher
+    /// sleeping between heartbeats learns of a dead store host at once rather than at its next
+    /// tick. Never resolves when there is no connection or no way to tell.
+    fn closed(&self) -> impl Future<Output = ()> + Send {
+        std::future::pending()
     }
 }
 
@@ -122,7 +150,7 @@ pub mod mem {
             self.shared.ops.fetch_add(1, Ordering::Relaxed);
             self.mine.fetch_add(1, Ordering::Relaxed);
             if self.shared.down.load(Ordering::Relaxed) {
-                return Err(KvError::Unavailable("connection refused".into()));
+                return Err(KvError::Gone("connection refused".into()));
             }
             Ok(self
                 .shared
@@ -214,6 +242,16 @@ pub mod mem {
             self.addr
         }
 
+        async fn closed(&self) {
+            loop {
+                let notified = self.shared.changed.notified();
+                if self.shared.down.load(Ordering::Relaxed) {
+                    return;
+                }
+                notified.await;
+            }
+        }
+
         async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
             let deadline = tokio::time::Instant::now() + timeout;
             loop {
@@ -223,7 +261,7 @@ pub mod mem {
                     return Ok(());
                 }
                 if self.shared.down.load(Ordering::Relaxed) {
-                    return Err(KvError::Unavailable("connection reset".into()));
+                    return Err(KvError::Gone("connection reset".into()));
                 }
                 if tokio::time::timeout_at(deadline, notified).await.is_err() {
                     drop(self.enter()?);

@@ -43,6 +43,7 @@ pub mod driver;
 pub mod identity;
 pub mod keys;
 pub mod kv;
+pub mod recovery;
 pub mod store_kv;
 
 use std::time::Duration;
@@ -206,6 +207,10 @@ pub struct Registration {
     /// that code (see [`decide::fatal_registration`]).
     #[serde(default)]
     pub gpu: serde_json::Value,
+    /// Set by a survivor of a lost store host until it joins a round of the new store: what the
+    /// gang's old store held ([`recovery::decide_memories`] says what node 0 does with it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<recovery::GangMemory>,
 }
 
 /// One member's place in a completed round: what the launch step needs to start workers.
@@ -228,6 +233,10 @@ pub struct Assignment {
     /// follows their heartbeats); empty, and not sent, for the others.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub members: Vec<(u32, String)>,
+    /// Every member's node rank, as inclusive ranges (one pair for a contiguous gang): what a
+    /// survivor of a lost store host remembers of the membership.
+    #[serde(default)]
+    pub member_ranks: Vec<(u32, u32)>,
 }
 
 /// The coordinator's answer to one slot.
@@ -275,6 +284,10 @@ pub struct GenRecord {
     /// For [`BumpKind::Fatal`]: the exit code every agent leaves with.
     #[serde(default)]
     pub exit_code: Option<u8>,
+    /// Set once this store adopted a lost store's memory: the generation that was adopted.
+    /// Carried by every later bump, so a survivor remembering an older one is known stale.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recovered_from: Option<u64>,
 }
 
 impl GenRecord {
@@ -286,6 +299,7 @@ impl GenRecord {
             by: None,
             reason: "first round".into(),
             exit_code: None,
+            recovered_from: None,
         }
     }
 }

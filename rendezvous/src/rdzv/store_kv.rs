@@ -3,10 +3,15 @@
 //! "the store host is gone" (every reconnect fails for the heartbeat timeout) from one slow read.
 //! An operation whose future was dropped half-way (a caller that stopped waiting, see the exit
 //! barrier) leaves the connection in the same unknown state, so it is dropped the same way.
+//!
+//! Failures are sorted by what they say about the store host ([`fault_of`]): a timed-out
+//! operation on an open connection is a slow host, a refused, reset or closed connection a gone
+//! one. A reconnect is one attempt, never a retry loop, so a refusal surfaces at once.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use super::decide::StoreFault;
 use super::kv::{Kv, KvError};
 use crate::store::client::{Client, ClientError};
 
@@ -52,16 +57,16 @@ impl StoreKv {
             self.busy = false;
         }
         if self.client.is_none() {
-            let mut c = Client::connect(self.addr, self.op_timeout)
+            let mut c = Client::connect_once(self.addr, self.op_timeout)
                 .await
-                .map_err(|e| KvError::Unavailable(e.to_string()))?;
+                .map_err(|e| kv_error(&e))?;
             c.set_timeout(self.op_timeout);
             self.client = Some(c);
         }
         self.busy = true;
         self.client
             .as_mut()
-            .ok_or_else(|| KvError::Unavailable("not connected".into()))
+            .ok_or_else(|| KvError::Silent("not connected".into()))
     }
 
     /// Ends an operation started with [`Self::client`].
@@ -75,9 +80,39 @@ impl StoreKv {
             ClientError::WaitTimeout { .. } => KvError::WaitTimeout,
             other => {
                 self.client = None;
-                KvError::Unavailable(other.to_string())
+                kv_error(&other)
             }
         }
+    }
+}
+
+/// What a failed client operation says about the store host.
+pub fn fault_of(e: &ClientError) -> StoreFault {
+    use std::io::ErrorKind;
+    match e {
+        ClientError::Timeout { .. } | ClientError::WaitTimeout { .. } => StoreFault::Slow,
+        ClientError::Closed { .. } => StoreFault::Gone,
+        ClientError::Connect { source, .. } | ClientError::Io { source, .. } => {
+            match source.kind() {
+                ErrorKind::ConnectionRefused
+                | ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::BrokenPipe
+                | ErrorKind::UnexpectedEof => StoreFault::Gone,
+                // No SYN-ACK, no route (a vanished pod's IP): nothing said "no".
+                _ => StoreFault::Silent,
+            }
+        }
+        ClientError::Protocol { .. } => StoreFault::Silent,
+    }
+}
+
+fn kv_error(e: &ClientError) -> KvError {
+    let detail = e.to_string();
+    match fault_of(e) {
+        StoreFault::Slow => KvError::Slow(detail),
+        StoreFault::Silent => KvError::Silent(detail),
+        StoreFault::Gone => KvError::Gone(detail),
     }
 }
 
@@ -138,6 +173,14 @@ impl Kv for StoreKv {
 
     fn local_addr(&self) -> Option<SocketAddr> {
         self.client.as_ref().and_then(Client::local_addr)
+    }
+
+    async fn closed(&self) {
+        match &self.client {
+            // A connection with an operation cut short may hold its late reply: not idle.
+            Some(c) if !self.busy => c.closed().await,
+            _ => std::future::pending().await,
+        }
     }
 }
 
@@ -219,6 +262,7 @@ mod tests {
                     local_world_size: 2,
                     coordinator: rank == 0,
                     gpu: serde_json::Value::Null,
+                    memory: None,
                 };
                 Rendezvous::new(kv, cfg, reg).next_round(5555).await
             }));
@@ -266,5 +310,36 @@ mod tests {
             "the dropped connection is closed on the server"
         );
         served.stop().await;
+    }
+
+    #[tokio::test]
+    async fn a_stopped_store_is_gone_at_once_and_a_mute_one_is_slow() {
+        let served = Served::start().await;
+        let addr = served.addr;
+        let mut kv = connect(addr).await;
+        kv.set(b"k", b"v").await.expect("set");
+        served.stop().await;
+        // The idle connection tells of the close without a request.
+        tokio::time::timeout(Duration::from_secs(5), kv.closed())
+            .await
+            .expect("closed() resolves when the server goes");
+        let started = tokio::time::Instant::now();
+        let first = kv.get(b"k").await.expect_err("server gone");
+        assert_eq!(first.fault(), Some(StoreFault::Gone), "{first}");
+        // The reconnect is one attempt: refused at once, not retried for the op timeout.
+        let second = kv.get(b"k").await.expect_err("nothing listens");
+        assert_eq!(second.fault(), Some(StoreFault::Gone), "{second}");
+        assert!(started.elapsed() < Duration::from_secs(1));
+
+        // A host whose kernel accepts but whose process never answers: slow, not gone.
+        let mute = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let err =
+            Client::connect_once(mute.local_addr().expect("addr"), Duration::from_millis(200))
+                .await
+                .err()
+                .expect("no handshake");
+        assert_eq!(fault_of(&err), StoreFault::Slow, "{err}");
     }
 }

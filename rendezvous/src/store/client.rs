@@ -97,6 +97,39 @@ impl Client {
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(MAX_CONNECT_BACKOFF);
         };
+        Self::handshake(stream, addr, deadline).await
+    }
+
+    /// One connection attempt, no retry: a refused connection fails at once. For a client that
+    /// had a connection and must tell "the server is gone" from "the server is slow" quickly.
+    pub async fn connect_once(addr: SocketAddr, timeout: Duration) -> Result<Client, ClientError> {
+        let deadline = Instant::now() + timeout;
+        let stream = match timeout_at(deadline, TcpStream::connect(addr)).await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(source)) => {
+                return Err(ClientError::Connect {
+                    addr,
+                    timeout,
+                    source,
+                })
+            }
+            Err(_) => {
+                return Err(ClientError::Connect {
+                    addr,
+                    timeout,
+                    source: std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"),
+                })
+            }
+        };
+        Self::handshake(stream, addr, deadline).await
+    }
+
+    /// VALIDATE + PING on a fresh stream, within `deadline`.
+    async fn handshake(
+        stream: TcpStream,
+        addr: SocketAddr,
+        deadline: Instant,
+    ) -> Result<Client, ClientError> {
         // Store traffic is small request/reply messages: Nagle only adds latency.
         stream.set_nodelay(true).map_err(|source| ClientError::Io {
             addr,
@@ -125,6 +158,18 @@ impl Client {
     /// This end's address: what the server sees as the peer.
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.stream.local_addr().ok()
+    }
+
+    /// Resolves when the server closed or reset this connection. Meant for an idle connection,
+    /// between requests: then the only thing that can make it readable is EOF or an error.
+    /// Bytes nobody asked for (a reply to a request that was given up on) are not a close: the
+    /// next request finds them; this then never resolves.
+    pub async fn closed(&self) {
+        let mut byte = [0u8; 1];
+        match self.stream.peek(&mut byte).await {
+            Ok(0) | Err(_) => {}
+            Ok(_) => std::future::pending().await,
+        }
     }
 
     /// Bounds every later read.

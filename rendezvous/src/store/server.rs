@@ -21,20 +21,20 @@
 //! has no reply, followed by a GET from another connection reads the new value. Several loops,
 //! or a multi-thread runtime's LIFO slot, can serve the GET first.
 //!
-//! Listening follows libuv (`UvTcpServer::makeWithPort`): dual-stack `[::]` where possible,
-//! backlog = `somaxconn`, TCP_NODELAY on every accepted socket. Peers are only ever formatted
-//! numerically: no name lookup happens on the accept or request path (reverse DNS there stalls
+//! Listening follows libuv (`UvTcpServer::makeWithPort`, through [`crate::host::bind_listener`]):
+//! dual-stack `[::]` where possible, backlog = `somaxconn`, TCP_NODELAY on every accepted socket.
+//! Peers are only ever formatted numerically: no name lookup happens on the accept or request path (reverse DNS there stalls
 //! for seconds in pods; see shared/reference/performance.md §2.1).
 
 use std::collections::{HashMap, HashSet};
-use std::net::{Ipv6Addr, SocketAddr};
+use std::net::SocketAddr;
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
-use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
+use socket2::{SockRef, TcpKeepalive};
 use tokio::io::AsyncReadExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{futures::Notified, Notify};
@@ -87,9 +87,6 @@ const IDLE_BUFFER: usize = 1024;
 /// Receive buffer grown to while requests stream in; libuv reads in 4 KiB chunks, we take a
 /// little more so a batch of pipelined requests is usually one read.
 const READ_CHUNK: usize = 16 * 1024;
-
-/// Backlog when `/proc/sys/net/core/somaxconn` cannot be read.
-const FALLBACK_BACKLOG: i32 = 4096;
 
 /// How long the accept loop pauses after an accept error (EMFILE, ENFILE, ...) before trying
 /// again, so a descriptor shortage does not become a busy loop.
@@ -270,7 +267,9 @@ impl Server {
     // an async signature makes "called outside a runtime" a compile error instead of a panic.
     #[allow(clippy::unused_async)]
     pub async fn bind(addr: SocketAddr, config: Config) -> Result<Server, ServerError> {
-        let listener = bind_listener(addr).map_err(|source| ServerError::Bind { addr, source })?;
+        let listener = crate::host::bind_listener(addr)
+            .and_then(TcpListener::from_std)
+            .map_err(|source| ServerError::Bind { addr, source })?;
         let local_addr = listener
             .local_addr()
             .map_err(|source| ServerError::Bind { addr, source })?;
@@ -388,27 +387,19 @@ impl ServerThread {
         let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
         let stop = CancellationToken::new();
         let token = stop.clone();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(ServerError::Thread)?;
-        std::thread::Builder::new()
-            .name(format!("store-{}", addr.port()))
-            .spawn(move || {
-                runtime.block_on(async move {
-                    match Server::bind(addr, config).await {
-                        Ok(server) => {
-                            let _ = listening_tx.send(Ok((server.local_addr(), server.stats())));
-                            if let Err(err) = server.run(token).await {
-                                warn!(%addr, "store stopped: {err}");
-                            }
-                        }
-                        Err(err) => drop(listening_tx.send(Err(err))),
+        crate::host::spawn_runtime_thread(format!("store-{}", addr.port()), move || async move {
+            match Server::bind(addr, config).await {
+                Ok(server) => {
+                    let _ = listening_tx.send(Ok((server.local_addr(), server.stats())));
+                    if let Err(err) = server.run(token).await {
+                        warn!(%addr, "store stopped: {err}");
                     }
-                });
-                let _ = stopped_tx.send(());
-            })
-            .map_err(ServerError::Thread)?;
+                }
+                Err(err) => drop(listening_tx.send(Err(err))),
+            }
+            let _ = stopped_tx.send(());
+        })
+        .map_err(ServerError::Thread)?;
         let (local_addr, stats) = listening.await.map_err(|_| ServerError::ThreadLost)??;
         Ok(ServerThread {
             local_addr,
@@ -454,42 +445,6 @@ fn set_keepalive(stream: &TcpStream, idle: Duration, peer: SocketAddr) {
     if let Err(err) = SockRef::from(stream).set_tcp_keepalive(&keepalive) {
         debug!(%peer, error = %err, "cannot set TCP keep-alive");
     }
-}
-
-fn somaxconn() -> i32 {
-    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(FALLBACK_BACKLOG)
-}
-
-fn bind_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.ip().is_unspecified() {
-        // Dual stack, as libuv: IPv4 peers then appear as ::ffff:a.b.c.d.
-        let v6 = SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), addr.port());
-        match new_socket(v6, true) {
-            Ok(socket) => socket,
-            Err(err) if addr.is_ipv6() => return Err(err),
-            Err(_) => new_socket(addr, false)?,
-        }
-    } else {
-        new_socket(addr, false)?
-    };
-    TcpListener::from_std(socket.into())
-}
-
-fn new_socket(addr: SocketAddr, dual_stack: bool) -> std::io::Result<Socket> {
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    if dual_stack {
-        socket.set_only_v6(false)?;
-    }
-    // A restarted store must be able to take its port back while old connections sit in
-    // TIME_WAIT.
-    socket.set_reuse_address(true)?;
-    socket.set_nonblocking(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(somaxconn())?;
-    Ok(socket)
 }
 
 /// Why a connection ended, for the log.

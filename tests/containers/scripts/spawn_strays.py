@@ -22,7 +22,13 @@ from pathlib import Path
 out = Path(os.environ["OUT_DIR"])
 token = os.environ["TOKEN"]
 attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-SLEEP = "import signal, sys, time\nif 'newsession' in sys.argv[1]: signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(1000)"
+# Each helper marks itself up (OUT_DIR/up-<its mark>) only once its signal disposition is set: a
+# helper still starting Python when the attempt is stopped would die of a SIGTERM it means to
+# ignore, and the test would count one SIGKILL too few.
+SLEEP = ("import os, signal, sys, time\n"
+         "if 'newsession' in sys.argv[1]: signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+         "open(os.path.join(os.environ['OUT_DIR'], 'up-' + sys.argv[1]), 'w').close()\n"
+         "time.sleep(1000)")
 
 
 def helper(kind):
@@ -42,15 +48,9 @@ if middle == 0:
     os._exit(0)
 os.waitpid(middle, 0)
 
-# Report once every helper runs (the exec'd command lines are visible).
+# Report once every helper runs with its signal disposition set.
 def started():
-    found = 0
-    for pid in os.listdir("/proc"):
-        try:
-            found += f"strays-{token}-a{attempt}-".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            pass
-    return found >= 3
+    return sum(1 for f in out.glob(f"up-strays-{token}-a{attempt}-*")) >= 3
 
 deadline = time.monotonic() + 30
 while not started() and time.monotonic() < deadline:

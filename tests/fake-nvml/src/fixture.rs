@@ -23,6 +23,24 @@ pub struct Node {
     pub nvml_version: String,
     pub cuda_driver_version: i32,
     pub devices: Vec<Device>,
+    /// What happens during the run, in time order or not.
+    #[serde(default)]
+    pub timeline: Vec<Step>,
+}
+
+/// One scripted moment: `at_s` seconds after the process first called `nvmlInit_v2`, device
+/// `device` raises `xid` (delivered once by `nvmlEventSetWait_v2` to a set it is registered
+/// with) and/or takes `set` (deep-merged into its fixture entry, the way `device_overrides`
+/// is: counters that rise, a GPU that becomes `lost`, a remap that becomes pending).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Step {
+    pub at_s: f64,
+    pub device: usize,
+    #[serde(default)]
+    pub xid: Option<u64>,
+    #[serde(default)]
+    pub set: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -40,6 +58,11 @@ pub struct Device {
     pub architecture: u32,
     pub compute_capability: [i32; 2],
     pub memory_total_bytes: u64,
+    /// Memory in use besides the listed processes' (a running job's ranks).
+    pub memory_used_bytes: u64,
+    /// `nvmlDeviceGetUtilizationRates`: percent of time a kernel ran / memory was accessed.
+    pub utilization_gpu_percent: u32,
+    pub utilization_memory_percent: u32,
     pub numa_node: u32,
     /// Ideal CPUs for this GPU as a Linux cpulist ("0-51,104-155").
     pub cpu_affinity: String,
@@ -183,9 +206,49 @@ pub struct Process {
 
 /// Reads a fixture file, resolving `base` chains and overrides, and checks it against [`Node`].
 pub fn load(path: &Path) -> Result<Node, String> {
+    load_with_devices(path).map(|(node, _)| node)
+}
+
+/// [`load`], plus every device's merged JSON entry: the starting point a timeline `set` merges
+/// into before the device is read again.
+pub fn load_with_devices(path: &Path) -> Result<(Node, Vec<Value>), String> {
     let value = load_value(path, 0)?;
     let value = expand_devices(value)?;
-    serde_json::from_value(value).map_err(|e| format!("{}: {e}", path.display()))
+    let raw = value
+        .get("devices")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default();
+    let node: Node =
+        serde_json::from_value(value).map_err(|e| format!("{}: {e}", path.display()))?;
+    if let Some(step) = node
+        .timeline
+        .iter()
+        .find(|s| s.device >= node.devices.len())
+    {
+        return Err(format!(
+            "{}: timeline step at {} s names device {}, which does not exist",
+            path.display(),
+            step.at_s,
+            step.device
+        ));
+    }
+    // A `set` must give a device the fixture format accepts.
+    for step in &node.timeline {
+        if let Some(patch) = &step.set {
+            apply(&raw[step.device], patch).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+    }
+    Ok((node, raw))
+}
+
+/// `device` with `patch` deep-merged into it, read as a [`Device`].
+pub fn apply(device: &Value, patch: &Value) -> Result<(Value, Device), String> {
+    let mut merged = device.clone();
+    merge(&mut merged, patch);
+    let typed = serde_json::from_value(merged.clone())
+        .map_err(|e| format!("timeline `set` {patch}: {e}"))?;
+    Ok((merged, typed))
 }
 
 fn load_value(path: &Path, depth: u32) -> Result<Value, String> {
@@ -314,8 +377,11 @@ mod tests {
     fn every_committed_fixture_loads() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/nvml");
         let mut seen = 0;
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
+        let paths = std::fs::read_dir(&dir)
+            .unwrap()
+            .chain(std::fs::read_dir(dir.join("watch")).unwrap())
+            .map(|e| e.unwrap().path());
+        for path in paths {
             if path.extension().and_then(|e| e.to_str()) == Some("json") {
                 let node = load(&path).unwrap_or_else(|e| panic!("{e}"));
                 assert!(

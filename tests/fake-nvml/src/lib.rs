@@ -32,9 +32,10 @@ use std::sync::Mutex;
 use nvml_wrapper_sys::bindings::{
     nvmlDevice_t, nvmlEnableState_t, nvmlEventData_t, nvmlEventSet_t, nvmlFieldValue_t,
     nvmlGpuFabricInfo_t, nvmlMemory_v2_t, nvmlPciInfo_t, nvmlProcessInfo_t, nvmlReturn_t,
+    nvmlUtilization_t,
 };
 
-use fixture::{Device, Node};
+use fixture::{Device, Node, Step};
 
 /// The environment variable naming the fixture file.
 pub const FIXTURE_ENV: &str = "MUSTER_FAKE_NVML_FIXTURE";
@@ -74,6 +75,16 @@ const VALUE_TYPE_UNSIGNED_LONG_LONG: u32 = 3;
 
 struct State {
     node: Node,
+    /// When this process first initialised the library: the clock of the fixture's timeline.
+    started: std::time::Instant,
+    /// Each device's merged fixture entry, which a timeline `set` merges into.
+    raw_devices: Vec<serde_json::Value>,
+    /// Timeline steps not yet due, earliest first.
+    pending: std::collections::VecDeque<Step>,
+    /// XIDs that happened and are not yet delivered: (device, xid).
+    xids: std::collections::VecDeque<(usize, u64)>,
+    /// Event types each device is registered for (`nvmlDeviceRegisterEvents`).
+    registered: std::collections::HashMap<usize, u64>,
     /// When a process list was first read: the clock of `listed_for_s`.
     lists_read_since: Option<std::time::Instant>,
     /// Reads so far, per (device, link, counter name).
@@ -91,11 +102,37 @@ fn with_state(f: impl FnOnce(&mut State) -> nvmlReturn_t) -> nvmlReturn_t {
             Err(poisoned) => poisoned.into_inner(),
         };
         match guard.as_mut() {
-            Some(state) => f(state),
+            Some(state) => {
+                advance(state);
+                f(state)
+            }
             None => ERROR_UNINITIALIZED,
         }
     }))
     .unwrap_or(ERROR_UNKNOWN)
+}
+
+/// Applies every timeline step that is due: `set` changes the device, `xid` queues an event.
+fn advance(state: &mut State) {
+    let elapsed = state.started.elapsed().as_secs_f64();
+    while state.pending.front().is_some_and(|s| s.at_s <= elapsed) {
+        let Some(step) = state.pending.pop_front() else {
+            break;
+        };
+        if let Some(patch) = &step.set {
+            match fixture::apply(&state.raw_devices[step.device], patch) {
+                Ok((raw, device)) => {
+                    state.raw_devices[step.device] = raw;
+                    state.node.devices[step.device] = device;
+                }
+                // Checked when the fixture was loaded; unreachable unless that check changes.
+                Err(e) => eprintln!("fake-nvml: {e}"),
+            }
+        }
+        if let Some(xid) = step.xid {
+            state.xids.push_back((step.device, xid));
+        }
+    }
 }
 
 /// Resolves a handle and applies the device's failure modes (`lost`, `reset_required`, `fail`)
@@ -220,9 +257,11 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
             eprintln!("fake-nvml: {FIXTURE_ENV} is not set");
             return ERROR_UNKNOWN;
         };
-        match fixture::load(std::path::Path::new(&path)) {
-            Ok(node) => {
+        match fixture::load_with_devices(std::path::Path::new(&path)) {
+            Ok((node, raw_devices)) => {
                 let n = node.devices.len();
+                let mut pending: Vec<Step> = node.timeline.clone();
+                pending.sort_by(|a, b| a.at_s.total_cmp(&b.at_s));
                 let mut guard = match STATE.lock() {
                     Ok(g) => g,
                     Err(poisoned) => poisoned.into_inner(),
@@ -232,6 +271,11 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
                 if guard.is_none() {
                     *guard = Some(State {
                         node,
+                        started: std::time::Instant::now(),
+                        raw_devices,
+                        pending: pending.into(),
+                        xids: std::collections::VecDeque::new(),
+                        registered: std::collections::HashMap::new(),
                         lists_read_since: None,
                         counter_reads: std::collections::HashMap::new(),
                         fabric_reads: vec![0; n],
@@ -426,7 +470,8 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryInfo_v2(
             return ERROR_INVALID_ARGUMENT;
         }
         let total = dev(s, i).memory_total_bytes;
-        let used = listed(s, i).map(|p| p.used_memory_bytes).sum::<u64>();
+        let used =
+            dev(s, i).memory_used_bytes + listed(s, i).map(|p| p.used_memory_bytes).sum::<u64>();
         (*out).total = total;
         (*out).reserved = 0;
         (*out).used = used.min(total);
@@ -670,6 +715,23 @@ pub unsafe extern "C" fn nvmlDeviceGetTemperatureThreshold(
             1 => put(out, g.slowdown_c),
             _ => ERROR_NOT_SUPPORTED,
         }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
+    d: nvmlDevice_t,
+    out: *mut nvmlUtilization_t,
+) -> nvmlReturn_t {
+    with_device("nvmlDeviceGetUtilizationRates", d, |s, i| {
+        let g = dev(s, i);
+        put(
+            out,
+            nvmlUtilization_t {
+                gpu: g.utilization_gpu_percent,
+                memory: g.utilization_memory_percent,
+            },
+        )
     })
 }
 
@@ -1095,9 +1157,15 @@ pub unsafe extern "C" fn nvmlDeviceGetMemoryAffinity(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Events: exported so nvml-wrapper's `EventSet` can be created and dropped (its Drop calls
-// `nvmlEventSetFree` through an `.expect()`); no event is ever delivered.
+// Events: a set's registrations are kept per device; the fixture's timeline XIDs are delivered
+// once each, by the first `nvmlEventSetWait_v2` after they are due, to a device registered for
+// XID events (real NVML delivers only events that happen after the registration).
 // ---------------------------------------------------------------------------------------------
+
+/// `nvmlEventTypeXidCriticalError`.
+const EVENT_XID: u64 = 0x8;
+/// `nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypeXidCriticalError`.
+const SUPPORTED_EVENTS: u64 = 0x1 | 0x2 | EVENT_XID;
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlEventSetCreate(out: *mut nvmlEventSet_t) -> nvmlReturn_t {
@@ -1114,31 +1182,78 @@ pub unsafe extern "C" fn nvmlDeviceGetSupportedEventTypes(
     d: nvmlDevice_t,
     out: *mut c_ulonglong,
 ) -> nvmlReturn_t {
-    // nvmlEventTypeSingleBitEccError 0x1 | DoubleBitEccError 0x2 | XidCriticalError 0x8.
-    with_device("nvmlDeviceGetSupportedEventTypes", d, |_, _| put(out, 0xb))
+    with_device("nvmlDeviceGetSupportedEventTypes", d, |_, _| {
+        put(out, SUPPORTED_EVENTS)
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceRegisterEvents(
     d: nvmlDevice_t,
-    _types: c_ulonglong,
+    types: c_ulonglong,
     _set: nvmlEventSet_t,
 ) -> nvmlReturn_t {
-    with_device("nvmlDeviceRegisterEvents", d, |_, _| SUCCESS)
+    with_device("nvmlDeviceRegisterEvents", d, |s, i| {
+        if types & !SUPPORTED_EVENTS != 0 {
+            return ERROR_NOT_SUPPORTED;
+        }
+        *s.registered.entry(i).or_insert(0) |= types;
+        SUCCESS
+    })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn nvmlEventSetWait_v2(
     _set: nvmlEventSet_t,
-    _data: *mut nvmlEventData_t,
+    data: *mut nvmlEventData_t,
     timeout_ms: c_uint,
 ) -> nvmlReturn_t {
-    // Real NVML blocks up to the timeout when nothing happened; a short sleep keeps a polling
-    // caller from spinning.
-    std::thread::sleep(std::time::Duration::from_millis(u64::from(
-        timeout_ms.min(100),
-    )));
-    ERROR_TIMEOUT
+    if data.is_null() {
+        return ERROR_INVALID_ARGUMENT;
+    }
+    let deadline =
+        std::time::Instant::now() + std::time::Duration::from_millis(u64::from(timeout_ms));
+    loop {
+        // Blocks like real NVML: until an event is due or the timeout passes, sleeping without
+        // the state lock so every other call goes on meanwhile.
+        let mut next_due: Option<f64> = None;
+        let rc = with_state(|s| {
+            let deliverable = s.xids.iter().position(|(device, _)| {
+                s.registered
+                    .get(device)
+                    .is_some_and(|types| types & EVENT_XID != 0)
+            });
+            if let Some((device, xid)) = deliverable.and_then(|k| s.xids.remove(k)) {
+                let event = &mut *data;
+                event.device = (HANDLE_BASE + device) as nvmlDevice_t;
+                event.eventType = EVENT_XID;
+                event.eventData = xid;
+                event.gpuInstanceId = u32::MAX;
+                event.computeInstanceId = u32::MAX;
+                return SUCCESS;
+            }
+            next_due = s
+                .pending
+                .front()
+                .map(|step| step.at_s - s.started.elapsed().as_secs_f64());
+            ERROR_TIMEOUT
+        });
+        if rc != ERROR_TIMEOUT {
+            return rc;
+        }
+        let now = std::time::Instant::now();
+        if now >= deadline {
+            return ERROR_TIMEOUT;
+        }
+        let until_due = next_due.map_or(std::time::Duration::MAX, |s| {
+            std::time::Duration::from_secs_f64(s.max(0.0))
+        });
+        std::thread::sleep(
+            (deadline - now)
+                .min(until_due)
+                .max(std::time::Duration::from_millis(1)),
+        );
+    }
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //!
 //! Which rank is the cause: in a synchronous job every rank stops together — the hung one where
 //! it is stuck, the others in their next collective, waiting for it. So the node that detects
-//! the stall first tells every node ([`super::gang`]); each dumps its ranks and looks among
+//! the stall first tells every node ([`crate::watch::gang`]); each dumps its ranks and looks among
 //! its stalled ranks for one that is not inside `torch.distributed` ([`hang::pick_culprit`]).
 //! The node that finds one fails its attempt naming it; a node whose stalled ranks all wait in
 //! collectives waits for the gang to re-form. When no node finds a culprit (every rank waits in
@@ -18,12 +18,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-use super::gang::{self, Notice};
-use super::hang::{self, Policy, RankView, Section, Stall, Waiting};
-use super::stacks::{self, Faulthandler, ProcessStacks};
-use super::Hang;
 use crate::checkpoint::local::{ProgressView, RankWatch};
 use crate::launch::{BoxFuture, Watchdog, WatchedAttempt};
+use crate::watch::gang::{self, Notice};
+use crate::watch::hang::{self, Policy, RankView, Section, Stall, Waiting};
+use crate::watch::stacks::{self, Faulthandler, ProcessStacks};
+use crate::watch::Hang;
 
 /// The longest the watch sleeps before it looks at the reports again.
 const POLL: Duration = Duration::from_secs(1);

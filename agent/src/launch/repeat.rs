@@ -1,5 +1,5 @@
-//! Stop signals: what counts as a *second* one, and SIGTERM/SIGINT → cancellation for the simple
-//! subcommands.
+//! Stop signals: what counts as a *second* one (for the launch's handlers, the dry run's and the
+//! subcommands').
 //!
 //! A second stop signal means "stop now" (the impatient Ctrl-C) only when it arrives
 //! [`REPEAT_WINDOW`] or more after the first. One request often reaches a process twice within
@@ -9,10 +9,7 @@
 
 use std::time::Duration;
 
-use tokio::signal::unix::{signal, SignalKind};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 /// How long after the first stop signal a later one still counts as the same request. One second
 /// is far longer than any relay takes (a few milliseconds, even on a loaded machine), and shorter
@@ -61,31 +58,6 @@ impl StopSignals {
     pub fn first(&self) -> Option<Instant> {
         self.first
     }
-}
-
-/// Cancels `token` on the first SIGTERM or SIGINT; an insistent second one (see [`Repeat`]) ends
-/// the process at once with 128+N, for a stop that hangs. Handlers are installed before this
-/// returns, so no signal can slip through between the call and the first await.
-pub fn cancel_on_termination(token: CancellationToken) -> std::io::Result<JoinHandle<()>> {
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
-    Ok(tokio::spawn(async move {
-        let mut seen = StopSignals::default();
-        loop {
-            let sig = tokio::select! {
-                _ = term.recv() => libc::SIGTERM,
-                _ = int.recv() => libc::SIGINT,
-            };
-            match seen.arrived(Instant::now()) {
-                Repeat::First => token.cancel(),
-                Repeat::Duplicate => {}
-                Repeat::Insistent => {
-                    tracing::warn!("signal {sig} again while stopping: exiting now");
-                    std::process::exit(i32::from(crate::exit_code::for_signal(sig)));
-                }
-            }
-        }
-    }))
 }
 
 #[cfg(test)]

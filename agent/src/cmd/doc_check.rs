@@ -1,13 +1,15 @@
-//! `muster --help` and the docs say the same thing: every launch flag is documented in
-//! `docs/launch.md`, every `--flag` that page names is one `muster --help` lists (or one listed
-//! below with the reason it is not), and every exit code of the README's table is in `--help`.
+//! `muster --help` and the docs say the same thing: every launch flag (and every flag of
+//! `muster dry-run --help`, [`DRY_RUN_FLAGS`]) is documented in `docs/launch.md`, every `--flag`
+//! that page names is one of those (or one listed below with the reason it is not), and every
+//! exit code of the README's table is in `--help`.
 //!
-//! Keeping it green: a new launch flag goes into [`FLAGS`](super::lowargs::FLAGS) (which is
+//! Keeping it green: a new launch flag goes into [`FLAGS`](crate::cli::lowargs::FLAGS) (which is
 //! `--help`) and anywhere in `docs/launch.md` as `--its-name`. A `--token` on that page that is not
 //! a launch flag (another tool's option, a torchrun flag muster rejects) goes into
 //! [`NOT_LAUNCH_FLAGS`] with its reason.
 
-use super::lowargs::{help_text, FLAGS};
+use crate::cli::lowargs::{help_text, FLAGS};
+use crate::cmd::dry_run::fault::DRY_RUN_FLAGS;
 
 const LAUNCH_MD: &str = include_str!("../../../docs/launch.md");
 const README_MD: &str = include_str!("../../../README.md");
@@ -129,11 +131,26 @@ fn every_launch_flag_is_in_docs_launch_md() {
 }
 
 #[test]
+fn every_dry_run_flag_is_in_docs_launch_md() {
+    let documented = launch_md_flags();
+    let missing: Vec<&str> = DRY_RUN_FLAGS
+        .iter()
+        .map(|f| f.name)
+        .filter(|name| !documented.iter().any(|d| d == name))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "flags in `muster dry-run --help` that docs/launch.md never names: {missing:?}"
+    );
+}
+
+#[test]
 fn every_flag_docs_launch_md_names_is_in_help() {
     let help = help_text();
     let mut unknown: Vec<String> = launch_md_flags()
         .into_iter()
         .filter(|name| !FLAGS.iter().any(|f| f.name == name))
+        .filter(|name| !DRY_RUN_FLAGS.iter().any(|f| f.name == name))
         .filter(|name| !NOT_LAUNCH_FLAGS.iter().any(|(n, _)| n == name))
         .collect();
     unknown.sort();

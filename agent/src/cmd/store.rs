@@ -7,12 +7,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use rendezvous::store::server::{Config, Server, DEFAULT_MAX_CONNECTIONS};
 use tokio_util::sync::CancellationToken;
 
 use crate::exit_code::{self, Exit};
-use crate::logging;
 
 /// Run a standalone store speaking PyTorch's c10d TCPStore protocol (torch 2.15).
 #[derive(Debug, Parser)]
@@ -37,37 +36,8 @@ struct StoreArgs {
     /// Bytes of keys, values, queues and waiters the store may hold (each entry also charged
     /// 64 bytes of overhead); a request that would pass it closes its client's connection.
     /// A number of bytes, or with a KiB, MiB or GiB suffix.
-    #[arg(long, default_value = "1GiB", value_parser = parse_byte_size, env = "MUSTER_STORE_MAX_STORE_BYTES", value_name = "BYTES")]
+    #[arg(long, default_value = "1GiB", value_parser = crate::cli::hiargs::parse_byte_size, env = "MUSTER_STORE_MAX_STORE_BYTES", value_name = "BYTES")]
     max_store_bytes: usize,
-}
-
-/// `1073741824`, `1024MiB`, `1GiB`: a plain number of bytes or a binary-unit suffix (also the
-/// agent's `--max-store-bytes`).
-pub(crate) fn parse_byte_size(text: &str) -> Result<usize, String> {
-    let text = text.trim();
-    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
-        Some(at) => text.split_at(at),
-        None => (text, ""),
-    };
-    let shift = match unit.trim() {
-        "" | "B" => 0,
-        "KiB" => 10,
-        "MiB" => 20,
-        "GiB" => 30,
-        "TiB" => 40,
-        other => {
-            return Err(format!(
-                "unknown unit {other:?} (use a number of bytes or KiB, MiB, GiB, TiB)"
-            ))
-        }
-    };
-    let number: usize = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size (e.g. 1073741824 or 1GiB)"))?;
-    number
-        .checked_mul(1 << shift)
-        .filter(|&bytes| bytes > 0)
-        .ok_or_else(|| format!("{text:?} is zero or too large"))
 }
 
 /// The longest busy poll accepted: 10 ms, 100 times the default. A wake-up costs tens of
@@ -90,27 +60,20 @@ fn parse_busy_poll(text: &str) -> Result<u64, String> {
 }
 
 /// Long enough to cover a client's turn-around on a VM (reading the reply, sending the next
-/// request: ~30-40 µs measured on the 2-vCPU CI machine), short enough to be noise in CPU
-/// accounting (100 µs per burst is 0.01 % of a core at 1 burst/s).
+/// request; measured in docs/store.md § Performance), short enough to be noise in CPU accounting
+/// (100 µs per burst is 0.01 % of a core at 1 burst/s).
 const DEFAULT_BUSY_POLL_US: u64 = 100;
 
-pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
-    // argv[0] is "muster", argv[1] "store": clap reads "store" as the program name, and its
-    // usage line says `muster store` only when the binary name is set explicitly.
-    let parsed = StoreArgs::command()
-        .bin_name("muster store")
-        .try_get_matches_from(args.into_iter().skip(1))
-        .and_then(|matches| StoreArgs::from_arg_matches(&matches));
-    let args = match parsed {
-        Ok(args) => args,
-        Err(err) if !err.use_stderr() => {
-            // --help / --version
-            print!("{err}");
-            return Ok(exit_code::SUCCESS);
-        }
-        Err(err) => return Err(Exit::config(clap_message(&err)).into()),
+/// `muster store ...` (`args[0]` is the binary, `args[1]` is `store`).
+pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
+    let Some(args) = super::parse_subcommand::<StoreArgs>("muster store", args)? else {
+        return Ok(exit_code::SUCCESS);
     };
-    logging::init(logging::LogFormat::Text);
+    crate::logs::init_tracing(
+        crate::logs::LogFormat::Text,
+        crate::logs::Diagnostics::Stderr,
+        "info",
+    );
     // One thread, like libuv's event loop: requests are served in arrival order across
     // connections, and the busy poll needs the thread that owns the I/O driver.
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -118,14 +81,6 @@ pub fn run(args: Vec<OsString>) -> anyhow::Result<u8> {
         .build()
         .context("cannot start the async runtime")?;
     runtime.block_on(serve(args))
-}
-
-/// clap's message without its own `error: ` (the one place that prints errors adds
-/// `muster: error: `), on one line per clap line as clap wrote it.
-fn clap_message(err: &clap::Error) -> String {
-    let text = err.to_string();
-    let text = text.trim_end();
-    text.strip_prefix("error: ").unwrap_or(text).to_owned()
 }
 
 async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
@@ -142,8 +97,8 @@ async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
     .await
     .map_err(|err| Exit::config(err.to_string()))?;
     let shutdown = CancellationToken::new();
-    let signals = crate::signals::cancel_on_termination(shutdown.clone())
-        .context("cannot install signal handlers")?;
+    let signals =
+        super::cancel_on_termination(shutdown.clone()).context("cannot install signal handlers")?;
     // One line, flushed at once: scripts and tests read the chosen port from it.
     println!("muster store listening on {}", server.local_addr());
     std::io::stdout()
@@ -156,14 +111,22 @@ async fn serve(args: StoreArgs) -> anyhow::Result<u8> {
 
 #[cfg(test)]
 mod tests {
+    use clap::CommandFactory as _;
+
     use super::*;
+    use crate::cli::hiargs::parse_byte_size;
 
     fn parse(args: &[&str]) -> Result<StoreArgs, String> {
-        StoreArgs::command()
-            .bin_name("muster store")
-            .try_get_matches_from(std::iter::once("store").chain(args.iter().copied()))
-            .and_then(|m| StoreArgs::from_arg_matches(&m))
-            .map_err(|e| clap_message(&e))
+        let argv: Vec<OsString> = ["muster", "store"]
+            .iter()
+            .chain(args)
+            .map(OsString::from)
+            .collect();
+        match crate::cmd::parse_subcommand::<StoreArgs>("muster store", &argv) {
+            Ok(Some(args)) => Ok(args),
+            Ok(None) => Err("help".to_owned()),
+            Err(e) => Err(e.message),
+        }
     }
 
     #[test]

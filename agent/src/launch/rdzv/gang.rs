@@ -1,5 +1,5 @@
-//! The multi-node driver: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch
-//! loop's seam ([`crate::launch::Rendezvous`]).
+//! Many nodes: plugs muster's gang rendezvous ([`rendezvous::rdzv`]) into the launch loop's
+//! seam ([`super::Rendezvous`]).
 //!
 //! On the first round it works out who this node is (node rank from `--node-rank`, the Job
 //! index or the host name's ordinal), resolves and reaches the endpoint ([`crate::discovery`]),
@@ -8,12 +8,20 @@
 //! While workers run, a watcher heartbeats and watches the generation; when the gang must
 //! re-form, the group is stopped and every node re-joins. After the group: success → exit
 //! barrier; failure → bump the generation (a counted restart, or the fatal end everyone shares).
+//!
+//! When node 0, the store host, is lost, a survivor stops its workers like for any re-form,
+//! forgets the old store and reaches the endpoint again (resolving its name anew) until the join
+//! timeout, carrying what the gang's store held ([`rdzv::recovery`]); a replacement node 0
+//! adopts it and the gang re-forms at the next generation. Only when no node 0 comes back in
+//! time does the survivor exit 205.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::time::Duration;
 
+use rendezvous::rdzv::recovery::{self, GangMemory, HostLossStats, HostWait};
 use rendezvous::rdzv::{
-    self, identity, BarrierOutcome, BumpKind, Event, RdzvError, Registration, StoreKv,
+    self, identity, BarrierOutcome, BumpKind, Event as WatchEvent, RdzvError, Registration, StoreKv,
 };
 use rendezvous::store::server::{self, ServerThread};
 use tokio::task::JoinHandle;
@@ -22,25 +30,21 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::discovery;
+use crate::events::{Event, Events};
 use crate::exit_code;
 use crate::launch::{
     AfterGroup, BoxFuture, Config, GroupOutcome, HostedStore, LaunchError, RankAssignment, Round,
     StopRequest,
 };
 
-/// Whether this launch needs the multi-node rendezvous.
-pub fn is_multi_node(config: &Config) -> bool {
-    !config.standalone && config.nnodes.max > 1
-}
-
 struct Running {
     assignment: rdzv::Assignment,
     stop: CancellationToken,
     fired: CancellationToken,
-    task: JoinHandle<Event>,
+    task: JoinHandle<WatchEvent>,
 }
 
-/// [`crate::launch::Rendezvous`] for many nodes.
+/// [`super::Rendezvous`] for many nodes.
 pub struct GangRendezvous {
     cfg: rdzv::Config,
     endpoint: discovery::Endpoint,
@@ -59,6 +63,19 @@ pub struct GangRendezvous {
     gpu_verdict: serde_json::Value,
     /// `--max-store-bytes`, for both stores this node may host.
     max_store_bytes: usize,
+    /// Where discovery and the hosted store are reported.
+    events: Events,
+    /// Set while this survivor waits for a replacement store host.
+    recovering: Option<Recovery>,
+    /// What this node went through losing store hosts; read by metrics.
+    host_loss: Arc<HostLossStats>,
+}
+
+/// A survivor between the loss of the store host and its next round.
+struct Recovery {
+    lost_at: Instant,
+    /// What it carries to the replacement (none when it never joined a round).
+    memory: Option<GangMemory>,
 }
 
 impl GangRendezvous {
@@ -102,7 +119,7 @@ impl GangRendezvous {
         let flag = config.node_rank_given.then(|| config.node_rank.to_string());
         let index = std::env::var("JOB_COMPLETION_INDEX").ok();
         let (claimed_rank, rank_source) =
-            identity::node_rank(flag.as_deref(), index.as_deref(), &hostname())
+            identity::node_rank(flag.as_deref(), index.as_deref(), &crate::host::name())
                 .map_err(|e| cfg_err(&e))?;
         if let Some(rank) = claimed_rank.filter(|r| *r >= config.nnodes.max) {
             return Err(LaunchError::Config(format!(
@@ -124,7 +141,23 @@ impl GangRendezvous {
             running: None,
             gpu_verdict: serde_json::Value::Null,
             max_store_bytes: config.max_store_bytes,
+            events: Events::default(),
+            recovering: None,
+            host_loss: Arc::default(),
         })
+    }
+
+    /// Reports DNS lookups and the hosted rendezvous store to `events`.
+    #[must_use]
+    pub fn with_events(mut self, events: Events) -> Self {
+        self.events = events;
+        self
+    }
+
+    /// Read-only: how often this node lost the store host, whether it waits for a replacement
+    /// now, and how long it has been without a gang (sampled by metrics).
+    pub fn host_loss(&self) -> Arc<HostLossStats> {
+        Arc::clone(&self.host_loss)
     }
 
     /// Whether this node knows, before any lookup, that it hosts the rendezvous store (its rank
@@ -142,9 +175,8 @@ impl GangRendezvous {
         self.gpu_verdict = verdict;
     }
 
-    /// Discovery, and on node 0 the rendezvous store. Returns the joined rendezvous.
-    async fn start(&mut self) -> Result<(), LaunchError> {
-        let deadline = Instant::now() + self.cfg.join_timeout;
+    /// Discovery, and on node 0 the rendezvous store, until `deadline`.
+    async fn start(&mut self, deadline: Instant) -> Result<(), LaunchError> {
         let advertised =
             discovery::advertised_addr(self.local_addr.as_deref(), self.allow_loopback)
                 .await
@@ -154,9 +186,9 @@ impl GangRendezvous {
         let is_host = if let Some(rank) = self.claimed_rank {
             rank == 0
         } else {
-            let ips = discovery::resolve(&self.endpoint.host, deadline)
+            let ips = discovery::resolve(&self.endpoint.host, deadline, &self.events)
                 .await
-                .map_err(|e| timeout_error(&e))?;
+                .map_err(LaunchError::DiscoveryTimeout)?;
             let mine = discovery::interface_addrs();
             let hosts = ips
                 .iter()
@@ -174,7 +206,14 @@ impl GangRendezvous {
         );
         let op_timeout = self.cfg.heartbeat_timeout;
         let hosted = if is_host {
-            match self.host_store(advertised, op_timeout).await {
+            // Node 0's own store runs in this process: a slow answer there is this host's load
+            // (2,048 agents on 2 CPUs), never a lost host, so its operations are bounded by the
+            // round's own deadline instead of the heartbeat timeout.
+            let own_timeout = self
+                .cfg
+                .join_timeout
+                .max(self.cfg.heartbeat_timeout * rdzv::decide::STALL_FACTOR);
+            match self.host_store(advertised, own_timeout).await {
                 Ok(kv) => Some(kv),
                 // Without a rank the host guess came from addresses; like torchrun, fall back
                 // to being a client when another agent already holds the port.
@@ -190,48 +229,127 @@ impl GangRendezvous {
         let is_host = hosted.is_some();
         let kv = if let Some(kv) = hosted {
             kv
+        } else if self.recovering.is_some() {
+            // The lost host's addresses are worthless: resolve again, and again.
+            discovery::reach(&self.endpoint, deadline, op_timeout, &self.events)
+                .await
+                .map_err(LaunchError::DiscoveryTimeout)?
         } else {
             let ips = match endpoint_ips {
                 Some(ips) => ips,
-                None => discovery::resolve(&self.endpoint.host, deadline)
+                None => discovery::resolve(&self.endpoint.host, deadline, &self.events)
                     .await
-                    .map_err(|e| timeout_error(&e))?,
+                    .map_err(LaunchError::DiscoveryTimeout)?,
             };
             discovery::connect(&self.endpoint, &ips, deadline, op_timeout)
                 .await
-                .map_err(|e| timeout_error(&e))?
+                .map_err(LaunchError::DiscoveryTimeout)?
         };
         let reg = Registration {
             agent_id: format!(
                 "{}-{}-{:08x}",
-                hostname(),
+                crate::host::name(),
                 std::process::id(),
                 rand::random::<u32>()
             ),
             node_rank: if is_host { Some(0) } else { self.claimed_rank },
             addr: advertised.to_string(),
-            host: hostname(),
+            host: crate::host::name(),
             local_world_size: self.local_world_size,
             coordinator: is_host,
             gpu: self.gpu_verdict.clone(),
+            memory: None,
         };
         self.advertised = Some(advertised);
-        self.rdzv = Some(rdzv::Rendezvous::new(kv, self.cfg.clone(), reg));
+        let mut rdzv = rdzv::Rendezvous::new(kv, self.cfg.clone(), reg);
+        if let Some(memory) = self.recovering.as_ref().and_then(|r| r.memory.clone()) {
+            rdzv.carry(memory);
+        }
+        self.rdzv = Some(rdzv);
         Ok(())
     }
 
     async fn round(&mut self) -> Result<Round, LaunchError> {
+        loop {
+            match self.try_round().await {
+                Ok(round) => return Ok(round),
+                Err(RoundError::HostLost(why)) => self.host_lost(why)?,
+                Err(RoundError::Launch(e)) => return Err(e),
+            }
+        }
+    }
+
+    /// The store host is lost: a survivor forgets the old store and waits for a replacement
+    /// (the next round reaches the endpoint again); node 0, or a survivor past the join
+    /// timeout since the loss, ends with 205.
+    fn host_lost(&mut self, why: String) -> Result<(), LaunchError> {
+        let gone = LaunchError::StoreHostLost;
+        if self.hosted.is_some() {
+            return Err(gone(why));
+        }
+        let now = Instant::now();
+        if let Some(r) = &self.recovering {
+            // Lost again while coming back: the clock runs from the first loss.
+            let (verdict, reason) =
+                recovery::decide_host_wait(r.lost_at, now, &self.endpoint.to_string(), &self.cfg);
+            if verdict == HostWait::GiveUp {
+                self.host_loss.gave_up();
+                return Err(gone(format!("{reason}; last: {why}")));
+            }
+            warn!("the store host answered and was lost again ({why}); still waiting");
+        } else {
+            let memory = self.rdzv.as_ref().and_then(|r| r.memory().cloned());
+            // Come back as the same node (a rank given by arrival included): its rank is part
+            // of what the gang remembers.
+            if self.claimed_rank.is_none() {
+                self.claimed_rank = self.rdzv.as_ref().and_then(rdzv::Rendezvous::node_rank);
+            }
+            warn!(
+                "lost the store host (node 0) at {}: {why}; workers stopped; waiting up to {:.1}s for a replacement node 0 (generation {}, {} restart(s) used, carried)",
+                self.endpoint,
+                self.cfg.join_timeout.as_secs_f64(),
+                memory.as_ref().map_or_else(|| "none".to_owned(), |m| m.generation.to_string()),
+                memory.as_ref().map_or(0, |m| m.restarts)
+            );
+            self.host_loss.lost(now);
+            self.recovering = Some(Recovery {
+                lost_at: now,
+                memory,
+            });
+        }
+        self.rdzv = None;
+        Ok(())
+    }
+
+    async fn try_round(&mut self) -> Result<Round, RoundError> {
         if self.rdzv.is_none() {
-            self.start().await?;
+            let deadline = match &self.recovering {
+                Some(r) => r.lost_at + self.cfg.join_timeout,
+                None => Instant::now() + self.cfg.join_timeout,
+            };
+            if let Err(e) = self.start(deadline).await {
+                if let Some(r) = &self.recovering {
+                    let (_, reason) = recovery::decide_host_wait(
+                        r.lost_at,
+                        Instant::now(),
+                        &self.endpoint.to_string(),
+                        &self.cfg,
+                    );
+                    self.host_loss.gave_up();
+                    return Err(RoundError::Launch(LaunchError::StoreHostLost(format!(
+                        "{reason}; last: {e}"
+                    ))));
+                }
+                return Err(RoundError::Launch(e));
+            }
         }
         let advertised = self
             .advertised
             .unwrap_or(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
         let Some(rdzv) = self.rdzv.as_mut() else {
-            return Err(LaunchError::Coded {
-                code: exit_code::INTERNAL_ERROR,
-                message: "rendezvous not started".into(),
-            });
+            return Err(RoundError::Launch(LaunchError::Internal(
+                "rendezvous not started",
+            )));
         };
         let store = if rdzv.is_coordinator() {
             Some(
@@ -252,10 +370,23 @@ impl GangRendezvous {
                 if let Some(s) = store {
                     s.shutdown().await;
                 }
-                return Err(rdzv_error(&e));
+                return Err(match e {
+                    RdzvError::StoreLost(why) => RoundError::HostLost(why),
+                    e => RoundError::Launch(LaunchError::Rendezvous(e)),
+                });
             }
         };
         let a = joined.assignment;
+        if let Some(r) = self.recovering.take() {
+            let without = r.lost_at.elapsed();
+            info!(
+                "rejoined the gang at generation {} after {:.1}s without a gang (restarts used {})",
+                a.generation,
+                without.as_secs_f64(),
+                a.restart_count
+            );
+            self.host_loss.rejoined(without);
+        }
         info!(
             "round {}: node {} is group rank {} of {}, global {} of {} (restarts used {})",
             a.generation,
@@ -266,14 +397,15 @@ impl GangRendezvous {
             a.world_size,
             a.restart_count
         );
-        let watch_kv = rdzv
-            .kv()
-            .reconnect()
-            .await
-            .map_err(|e| LaunchError::Coded {
-                code: exit_code::STORE_HOST_LOST,
-                message: format!("lost the store host (node 0): {e}"),
-            })?;
+        let watch_kv = match rdzv.kv().reconnect().await {
+            Ok(kv) => kv,
+            Err(e) => {
+                if let Some(s) = store {
+                    s.shutdown().await;
+                }
+                return Err(RoundError::HostLost(e.to_string()));
+            }
+        };
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
         let mut watcher = rdzv.watcher(watch_kv, &a);
@@ -321,10 +453,19 @@ impl GangRendezvous {
         if !running.fired.is_cancelled() {
             match outcome {
                 GroupOutcome::Succeeded => {
-                    let barrier = rdzv
-                        .exit_barrier(&running.assignment, &running.fired)
-                        .await
-                        .map_err(|e| rdzv_error(&e))?;
+                    let barrier = match rdzv.exit_barrier(&running.assignment, &running.fired).await
+                    {
+                        Ok(b) => b,
+                        Err(RdzvError::StoreLost(why)) => {
+                            // Not every node reported before the host went: the generation did
+                            // not complete, so the gang re-forms (as for a node lost then).
+                            running.stop.cancel();
+                            let _ = running.task.await;
+                            self.host_lost(why)?;
+                            return Ok(AfterGroup::Restart);
+                        }
+                        Err(e) => return Err(LaunchError::Rendezvous(e)),
+                    };
                     if barrier != BarrierOutcome::Interrupted {
                         running.stop.cancel();
                         let _ = running.task.await;
@@ -343,10 +484,15 @@ impl GangRendezvous {
                             f.rank, f.local_rank, f.status
                         ),
                     };
-                    let rec = rdzv
-                        .report_failure(code, &what)
-                        .await
-                        .map_err(|e| rdzv_error(&e))?;
+                    let rec = match rdzv.report_failure(code, &what).await {
+                        Ok(rec) => rec,
+                        // Most likely the failure *is* the loss: node 0's ranks died with it.
+                        Err(RdzvError::StoreLost(why)) => {
+                            self.host_lost(format!("{why} (reporting: {what})"))?;
+                            return Ok(AfterGroup::Restart);
+                        }
+                        Err(e) => return Err(LaunchError::Rendezvous(e)),
+                    };
                     return Ok(match rec.kind {
                         BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
                         _ => AfterGroup::Restart,
@@ -361,19 +507,19 @@ impl GangRendezvous {
         }
         // The gang re-forms: see why.
         match running.task.await {
-            Ok(Event::Generation(rec)) if rec.kind == BumpKind::Fatal => {
+            Ok(WatchEvent::Generation(rec)) if rec.kind == BumpKind::Fatal => {
                 warn!("the job failed on another node: {}", rec.reason);
                 Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(1)))
             }
-            Ok(Event::Generation(rec)) => {
+            Ok(WatchEvent::Generation(rec)) => {
                 warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
                 Ok(AfterGroup::Restart)
             }
-            Ok(Event::StoreLost(why)) => Err(LaunchError::Coded {
-                code: exit_code::STORE_HOST_LOST,
-                message: format!("lost the store host (node 0): {why}"),
-            }),
-            Ok(Event::Stopped | Event::Completed) | Err(_) => {
+            Ok(WatchEvent::StoreLost(why)) => {
+                self.host_lost(why)?;
+                Ok(AfterGroup::Restart)
+            }
+            Ok(WatchEvent::Stopped | WatchEvent::Completed) | Err(_) => {
                 Ok(AfterGroup::Finish(outcome.exit_code()))
             }
         }
@@ -407,7 +553,9 @@ impl GangRendezvous {
             LaunchError::Config(format!("cannot host the rendezvous store on {addr}: {e}"))
         })?;
         let local = server.local_addr();
-        crate::metrics::agent::rendezvous_store_started(server.stats());
+        self.events.publish(Event::RendezvousStoreHosted {
+            stats: server.stats(),
+        });
         self.hosted = Some(server);
         let ip = if local.ip().is_unspecified() {
             advertised
@@ -421,7 +569,7 @@ impl GangRendezvous {
         )
         .await
         .map_err(|e| LaunchError::Config(format!("own rendezvous store: {e}")))?;
-        crate::metrics::agent::rendezvous_store_accepting();
+        self.events.publish(Event::RendezvousStoreAccepting);
         Ok(kv)
     }
 }
@@ -434,7 +582,7 @@ impl Drop for GangRendezvous {
     }
 }
 
-impl crate::launch::Rendezvous for GangRendezvous {
+impl super::Rendezvous for GangRendezvous {
     fn next_round<'a>(
         &'a mut self,
         _config: &'a Config,
@@ -463,24 +611,16 @@ impl crate::launch::Rendezvous for GangRendezvous {
     }
 }
 
-fn rdzv_error(e: &RdzvError) -> LaunchError {
-    let code = match e {
-        RdzvError::Timeout(_) => exit_code::RENDEZVOUS_TIMEOUT,
-        RdzvError::StoreLost(_) => exit_code::STORE_HOST_LOST,
-        RdzvError::Rejected(_) => exit_code::CONFIG_ERROR,
-        RdzvError::Fatal { exit_code, .. } => *exit_code,
-        RdzvError::Malformed { .. } | RdzvError::Encode(_) => exit_code::INTERNAL_ERROR,
-    };
-    LaunchError::Coded {
-        code,
-        message: e.to_string(),
-    }
+/// Why a round could not be had.
+enum RoundError {
+    /// The store host went while joining: a survivor waits for a replacement.
+    HostLost(String),
+    Launch(LaunchError),
 }
 
-fn timeout_error(e: &discovery::DiscoveryError) -> LaunchError {
-    LaunchError::Coded {
-        code: exit_code::RENDEZVOUS_TIMEOUT,
-        message: format!("rendezvous timed out: {e}"),
+impl From<LaunchError> for RoundError {
+    fn from(e: LaunchError) -> Self {
+        RoundError::Launch(e)
     }
 }
 
@@ -494,14 +634,6 @@ fn test_barrier_observe_delay() -> Duration {
         .and_then(|v| v.trim().parse::<f64>().ok())
         .filter(|s| s.is_finite() && *s >= 0.0)
         .map_or(Duration::ZERO, Duration::from_secs_f64)
-}
-
-/// The full host name (identity and messages).
-pub fn hostname() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 /// `count` global ranks from `first`, read as written: `rank 4`, `ranks 4, 5`, `ranks 4–7`

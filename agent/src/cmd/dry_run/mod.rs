@@ -10,15 +10,20 @@
 //!   which passes every stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) on to every agent once,
 //!   however it was sent (to the group, or to the dry run's pid alone, as an IDE's stop button,
 //!   `timeout -s INT` or a supervisor does). Copies of one signal within
-//!   [`crate::signals::REPEAT_WINDOW`] are one request; a later one is passed on again (the
+//!   [`crate::launch::signals::REPEAT_WINDOW`] are one request; a later one is passed on again (the
 //!   agents then SIGKILL their ranks), and agents still running [`KILL_BACKSTOP`] after it are
 //!   SIGKILLed.
 //! - Each agent dies with the dry run (`PR_SET_PDEATHSIG`), and its ranks die with it, so a
 //!   SIGKILLed dry run leaves nothing running.
 //! - After a stop signal N the exit code is 128+N, unless every agent still exited 0 (a clean
 //!   drain) or an agent reported one of muster's own outcomes (200 and above, e.g. a checkpoint).
+//!
+//! With `--fault` (see [`crate::cmd::dry_run::fault`]) it rehearses failures: it signals an agent or a worker
+//! when due, starts a killed node's replacement after `--replace-after`, and prints a timeline
+//! ([`crate::cmd::dry_run::timeline`]) at the end. A node a fault killed for good does not make the job's code.
 
 use std::ffi::OsString;
+use std::fmt::Write as _;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -30,11 +35,15 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+pub mod fault;
+pub mod timeline;
+
 use crate::cli::{self, Parsed};
 use crate::exit_code::{self, Exit};
 use crate::launch::config::{Config, LogFormat};
+use crate::launch::signals::{Repeat, StopSignals};
 use crate::logs::{self, Console, LogSink};
-use crate::signals::{Repeat, StopSignals};
+use fault::Rehearsal;
 
 /// How long agents get to end after an insistent second stop signal (they SIGKILL their ranks at
 /// once, then exit) before the dry run SIGKILLs them.
@@ -68,20 +77,22 @@ impl Plan {
 
 pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // args: muster dry-run [options] script [args]
-    let rest: Vec<OsString> = args.iter().skip(2).cloned().collect();
-    let config = match cli::parse(&rest) {
-        Ok(Parsed::Launch(c)) => *c,
-        Ok(Parsed::Help | Parsed::Version) => {
-            println!(
-                "Usage: muster dry-run --nnodes N --nproc-per-node M [muster options] script.py [args]\n\
-                 Runs N agents as local processes on loopback: the multi-node flow without a cluster.\n\
-                 SIGINT/SIGTERM stop every agent and rank (a second one, a second or more later: at once);\n\
-                 a killed dry run takes its agents and ranks with it."
-            );
+    let after: Vec<OsString> = args.iter().skip(2).cloned().collect();
+    // `--fault` and `--replace-after` are the dry run's; the rest goes to every agent.
+    let (faults, rest) = fault::split(&after).map_err(|e| Exit::config(e.to_string()))?;
+    let config = match cli::parse(&rest)? {
+        Parsed::Launch(c) => *c,
+        Parsed::Help | Parsed::Version => {
+            println!("{}", help_text());
             return Ok(exit_code::SUCCESS);
         }
-        Err(e) => return Err(Exit::config(e.0).into()),
     };
+    faults
+        .check(
+            config.nnodes.max,
+            config.nnodes.max.saturating_mul(config.nproc_per_node),
+        )
+        .map_err(|e| Exit::config(e.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -89,12 +100,37 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // The agents are spawned from this (the main) thread, which lives as long as they do:
     // PR_SET_PDEATHSIG follows the thread that forked them.
     runtime.block_on(async {
+        // Dropped on the way out, which writes what is still queued.
         let writer = logs::start().context("cannot start the log writer")?;
-        cli::init_tracing(config.logs.format, writer.sink());
-        let result = drive(&rest, &Plan::of(&config), &writer.sink()).await;
-        writer.finish();
-        result
+        logs::init_tracing(
+            config.logs.format,
+            logs::Diagnostics::Console(writer.sink()),
+            crate::app::LAUNCH_LOG_FILTER,
+        );
+        drive(&rest, &Plan::of(&config), &writer.sink(), &faults).await
     })
+}
+
+/// `muster dry-run --help`.
+fn help_text() -> String {
+    let mut text = String::from(
+        "Usage: muster dry-run --nnodes N --nproc-per-node M [dry-run options] [muster options] script.py [args]\n\
+         Runs N agents as local processes on loopback: the multi-node flow without a cluster.\n\
+         SIGINT/SIGTERM stop every agent and rank (a second one, a second or more later: at once);\n\
+         a killed dry run takes its agents and ranks with it.\n\nDry-run options:\n",
+    );
+    for flag in fault::DRY_RUN_FLAGS {
+        let _ = writeln!(
+            text,
+            "  --{} {}\n      {}",
+            flag.name, flag.value_name, flag.help
+        );
+    }
+    text.push_str(
+        "With a fault the dry run prints a timeline at the end (faults, gang stopped, re-formed,\n\
+         resumed, from which committed step) and exits with the job's code. Docs: docs/multinode.md",
+    );
+    text
 }
 
 fn free_port() -> anyhow::Result<u16> {
@@ -153,7 +189,82 @@ fn agent_command(
     cmd
 }
 
-async fn drive(rest: &[OsString], plan: &Plan, sink: &LogSink) -> anyhow::Result<u8> {
+/// What every agent of the run shares: how to start one, where its output and exit go.
+struct Spawner<'a> {
+    me: std::path::PathBuf,
+    port: u16,
+    run_id: String,
+    plan: &'a Plan,
+    rest: &'a [OsString],
+    sink: &'a LogSink,
+    /// Agent lines for the timeline, stamped when read (only when rehearsing faults).
+    lines: Option<mpsc::UnboundedSender<(Instant, String)>>,
+    /// `(node, incarnation, exit code)`: a replaced node's old agent is a past incarnation.
+    exits: mpsc::UnboundedSender<(usize, u32, u8)>,
+}
+
+impl Spawner<'_> {
+    /// Starts node `node`'s agent (its `incarnation`-th); its output is pumped into `pumps`.
+    fn spawn(
+        &self,
+        node: u32,
+        incarnation: u32,
+        pumps: &mut tokio::task::JoinSet<()>,
+    ) -> std::io::Result<Option<Pid>> {
+        let mut child = agent_command(
+            &self.me,
+            node,
+            self.port,
+            &self.run_id,
+            self.plan,
+            self.rest,
+        )
+        .spawn()?;
+        let format = self.plan.format;
+        if let Some(out) = child.stdout.take() {
+            let lines = self.lines.clone();
+            pumps.spawn(pump(
+                out,
+                self.sink.clone(),
+                Console::Stdout,
+                node,
+                format,
+                lines,
+            ));
+        }
+        if let Some(err) = child.stderr.take() {
+            let lines = self.lines.clone();
+            pumps.spawn(pump(
+                err,
+                self.sink.clone(),
+                Console::Stderr,
+                node,
+                format,
+                lines,
+            ));
+        }
+        let pid = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .map(Pid::from_raw);
+        let tx = self.exits.clone();
+        tokio::spawn(async move {
+            let code = match child.wait().await {
+                Ok(status) => exit_code_of(status),
+                Err(_) => exit_code::INTERNAL_ERROR,
+            };
+            let _ = tx.send((node as usize, incarnation, code));
+        });
+        Ok(pid)
+    }
+}
+
+async fn drive(
+    rest: &[OsString],
+    plan: &Plan,
+    sink: &LogSink,
+    faults: &fault::Options,
+) -> anyhow::Result<u8> {
     let me = std::env::current_exe().context("cannot find the muster binary")?;
     let port = free_port()?;
     let run_id = format!("dryrun-{}", std::process::id());
@@ -179,42 +290,34 @@ async fn drive(rest: &[OsString], plan: &Plan, sink: &LogSink) -> anyhow::Result
         "muster dry-run: {} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
         agents(plan.nnodes as usize)
     );
-    let (exit_tx, mut exits) = mpsc::unbounded_channel::<(usize, u8)>();
+    let started = Instant::now();
+    let mut rehearsal =
+        (!faults.is_empty()).then(|| Rehearsal::new(faults, plan.nnodes, started, plan.format));
+    let (lines_tx, mut lines) = mpsc::unbounded_channel::<(Instant, String)>();
+    let (exit_tx, mut exits) = mpsc::unbounded_channel::<(usize, u32, u8)>();
+    let spawner = Spawner {
+        me,
+        port,
+        run_id,
+        plan,
+        rest,
+        sink,
+        lines: rehearsal.is_some().then_some(lines_tx),
+        exits: exit_tx,
+    };
     let mut pids: Vec<Option<Pid>> = Vec::new();
     let mut pumps = tokio::task::JoinSet::new();
     for node in 0..plan.nnodes {
-        let spawned = agent_command(&me, node, port, &run_id, plan, rest).spawn();
-        let mut child = match spawned {
-            Ok(child) => child,
+        match spawner.spawn(node, 0, &mut pumps) {
+            Ok(pid) => pids.push(pid),
             Err(e) => {
                 // The ones already started must not run on without the rest of the gang.
                 signal_all(&pids, Signal::SIGKILL);
                 return Err(anyhow::Error::new(e).context("cannot start an agent"));
             }
-        };
-        if let Some(out) = child.stdout.take() {
-            pumps.spawn(pump(out, sink.clone(), Console::Stdout, node, plan.format));
         }
-        if let Some(err) = child.stderr.take() {
-            pumps.spawn(pump(err, sink.clone(), Console::Stderr, node, plan.format));
-        }
-        pids.push(
-            child
-                .id()
-                .and_then(|p| i32::try_from(p).ok())
-                .map(Pid::from_raw),
-        );
-        let index = pids.len() - 1;
-        let tx = exit_tx.clone();
-        tokio::spawn(async move {
-            let code = match child.wait().await {
-                Ok(status) => exit_code_of(status),
-                Err(_) => exit_code::INTERNAL_ERROR,
-            };
-            let _ = tx.send((index, code));
-        });
     }
-    drop(exit_tx);
+    let mut incarnations: Vec<u32> = vec![0; pids.len()];
 
     let mut codes: Vec<Option<u8>> = vec![None; pids.len()];
     let mut seen = StopSignals::default();
@@ -223,10 +326,20 @@ async fn drive(rest: &[OsString], plan: &Plan, sink: &LogSink) -> anyhow::Result
     let backstop = tokio::time::sleep(KILL_BACKSTOP);
     tokio::pin!(backstop);
     let mut backstop_armed = false;
-    while codes.iter().any(Option::is_none) {
+    let mut ticks = tokio::time::interval(fault::SAMPLE_INTERVAL);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while codes.iter().any(Option::is_none)
+        || rehearsal
+            .as_ref()
+            .is_some_and(Rehearsal::replacement_pending)
+    {
         tokio::select! {
             exit = exits.recv() => {
-                let Some((index, code)) = exit else { break };
+                let Some((index, incarnation, code)) = exit else { break };
+                // A replaced agent's exit is history, not its node's outcome.
+                if incarnations.get(index) != Some(&incarnation) {
+                    continue;
+                }
                 if let Some(slot) = codes.get_mut(index) {
                     *slot = Some(code);
                 }
@@ -234,11 +347,47 @@ async fn drive(rest: &[OsString], plan: &Plan, sink: &LogSink) -> anyhow::Result
                 if let Some(pid) = pids.get_mut(index) {
                     *pid = None;
                 }
+                if let (Some(r), Ok(node)) = (rehearsal.as_mut(), u32::try_from(index)) {
+                    r.agent_exited(Instant::now(), node, code);
+                }
+            }
+            Some((at, line)) = lines.recv(), if rehearsal.is_some() => {
+                if let Some(r) = rehearsal.as_mut() {
+                    r.line(at, &line);
+                }
+            }
+            _ = ticks.tick(), if rehearsal.is_some() => {
+                let Some(r) = rehearsal.as_mut() else { continue };
+                for node in r.tick(Instant::now(), &pids) {
+                    let index = node as usize;
+                    let incarnation = incarnations.get(index).map_or(0, |i| i + 1);
+                    match spawner.spawn(node, incarnation, &mut pumps) {
+                        Ok(pid) => {
+                            if let (Some(p), Some(c), Some(i)) = (
+                                pids.get_mut(index),
+                                codes.get_mut(index),
+                                incarnations.get_mut(index),
+                            ) {
+                                *p = pid;
+                                *c = None;
+                                *i = incarnation;
+                            }
+                            tracing::info!("muster dry-run: started node {node}'s replacement agent");
+                            r.replaced(Instant::now(), node, pid);
+                        }
+                        Err(e) => tracing::error!(
+                            "muster dry-run: cannot start node {node}'s replacement agent: {e}"
+                        ),
+                    }
+                }
             }
             Some(sig) = sig_rx.recv() => match seen.arrived(Instant::now()) {
                 Repeat::First => {
                     tracing::info!("muster dry-run: {sig} received: stopping every agent");
                     stopped_by = Some(sig);
+                    if let Some(r) = rehearsal.as_mut() {
+                        r.stop();
+                    }
                     signal_all(&pids, sig);
                 }
                 Repeat::Duplicate => {}
@@ -263,14 +412,39 @@ async fn drive(rest: &[OsString], plan: &Plan, sink: &LogSink) -> anyhow::Result
         }
     }
     // The pipes close when the agents (and their ranks) are gone.
+    drop(spawner);
     while pumps.join_next().await.is_some() {}
     let codes: Vec<u8> = codes
         .into_iter()
         .map(|c| c.unwrap_or(exit_code::INTERNAL_ERROR))
         .collect();
-    let job = stopped_code(job_code(&codes), stopped_by);
+    let counted = rehearsal
+        .as_ref()
+        .map_or_else(|| codes.clone(), |r| r.counted_codes(&codes));
+    let job = stopped_code(job_code(&counted), stopped_by);
     tracing::info!("muster dry-run: agents exited with {codes:?}; job exit code {job}");
+    if let Some(mut r) = rehearsal {
+        // The agents' last lines (a commit, an abort) are in the channel still.
+        while let Ok((at, line)) = lines.try_recv() {
+            r.line(at, &line);
+        }
+        print_timeline(&r.finish(Instant::now(), job));
+    }
     Ok(job)
+}
+
+/// Writes the timeline as the dry run's own log lines (text, or JSON records with the entry's
+/// `kind` and time as fields).
+fn print_timeline(timeline: &crate::cmd::dry_run::timeline::Timeline) {
+    tracing::info!("muster dry-run: timeline (seconds since the agents started):");
+    for (seconds, entry) in timeline.entries() {
+        tracing::info!(
+            t_seconds = (seconds * 10.0).round() / 10.0,
+            kind = entry.kind(),
+            "muster dry-run: {}",
+            crate::cmd::dry_run::timeline::render(seconds, entry)
+        );
+    }
 }
 
 /// Sends `sig` to every agent still running.
@@ -329,8 +503,14 @@ pub fn tag_line(line: &str, node: u32, format: LogFormat) -> String {
     format!("[node {node}] {line}")
 }
 
-async fn pump<R>(from: R, sink: LogSink, console: Console, node: u32, format: LogFormat)
-where
+async fn pump<R>(
+    from: R,
+    sink: LogSink,
+    console: Console,
+    node: u32,
+    format: LogFormat,
+    timeline: Option<mpsc::UnboundedSender<(Instant, String)>>,
+) where
     R: AsyncRead + Unpin,
 {
     let mut reader = BufReader::new(from);
@@ -343,6 +523,9 @@ where
         }
         let text = String::from_utf8_lossy(&raw);
         let line = text.trim_end_matches(['\n', '\r']);
+        if let Some(tx) = &timeline {
+            let _ = tx.send((Instant::now(), line.to_owned()));
+        }
         let mut out = tag_line(line, node, format);
         out.push('\n');
         sink.write(console, out.into_bytes()).await;
@@ -395,6 +578,17 @@ mod tests {
             tag_line(r#"{"ts":"t"}"#, 0, LogFormat::Text),
             r#"[node 0] {"ts":"t"}"#
         );
+    }
+
+    #[test]
+    fn the_help_names_every_dry_run_flag() {
+        let help = help_text();
+        for flag in fault::DRY_RUN_FLAGS {
+            assert!(
+                help.contains(&format!("--{} {}", flag.name, flag.value_name)),
+                "{help}"
+            );
+        }
     }
 
     #[test]

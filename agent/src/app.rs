@@ -1,0 +1,214 @@
+//! The composition root of a launch: the one place that builds the parts of `muster [OPTIONS]
+//! script.py` and plugs them into each other — the console writer and diagnostics, the metrics
+//! endpoint and its observer, the GPU pre-flight, the gang rendezvous, the checkpoint barrier,
+//! the workers' environment — then runs the launch loop ([`crate::launch`]) to its end.
+//!
+//! Nothing below this module knows about the others' consumers: the parts publish typed events
+//! ([`crate::events`], [`crate::launch::observe`]) and expose read-only state, and this is where
+//! the metrics are attached to them. Every error leaves through `?` with its type; the one
+//! mapping to an exit code is [`crate::cmd`]'s.
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::{self, controller::Preemption};
+use crate::events::{Event, Events, PreflightResult};
+use crate::exit_code::Exit;
+use crate::gpu::gate::{self, GpuCheck};
+use crate::launch::config::Config;
+use crate::launch::rdzv::{self, GangRendezvous, Rendezvous};
+use crate::launch::Launch;
+use crate::logs;
+use crate::metrics::{self, Metrics, Readiness};
+
+/// What the agent shows of its own diagnostics unless `MUSTER_LOG` says otherwise: the workers'
+/// store logs every start and stop at info, which is noise in a launch.
+pub const LAUNCH_LOG_FILTER: &str = "info,rendezvous=warn,py_spy=warn,remoteprocess=warn";
+
+/// Runs one launch on the agent's runtime; the exit code of the job, or the error that stopped
+/// the agent.
+pub async fn launch(config: Config) -> anyhow::Result<u8> {
+    // Dropped on every way out, which writes what is still queued.
+    let writer = logs::start().context("cannot start the log writer")?;
+    logs::init_tracing(
+        config.logs.format,
+        logs::Diagnostics::Console(writer.sink()),
+        LAUNCH_LOG_FILTER,
+    );
+    for warning in &config.warnings {
+        tracing::warn!("{warning}");
+    }
+    let shutdown = CancellationToken::new();
+    let metrics = Metrics::new();
+    metrics.attach_worker_output(writer.sink().stats());
+    // Read once, at start: a Secret that cannot be read is a configuration error, not a job
+    // that silently refuses its controller later.
+    let checkpoint_token = match config.checkpoint_token_file.as_deref() {
+        None => None,
+        Some(path) => Some(
+            metrics::CheckpointToken::from_file(path).map_err(|e| Exit::config(e.to_string()))?,
+        ),
+    };
+    let endpoint_config = metrics::EndpointConfig {
+        checkpoint_token,
+        ..metrics::EndpointConfig::default()
+    };
+    let endpoint =
+        metrics::agent::start_endpoint(config.metrics_addr, &metrics, endpoint_config, &shutdown)
+            .map_err(|e| Exit::config(e.to_string()))?;
+    let (events, parts) = Events::channel();
+    let mut launch = Launch::new(config).with_log_sink(writer.sink());
+    metrics::agent::observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+
+    let multi_node = rdzv::is_multi_node(launch.config());
+    let gpu_check = launch.config().gpu_check;
+    // In a fixed-size gang an unhealthy node joins anyway, flagged, so that node 0 ends the job
+    // for everyone at once (204, naming it); with spare capacity (MIN < MAX) it leaves instead.
+    let fixed_gang = multi_node && launch.config().nnodes.min == launch.config().nnodes.max;
+    let (gpu, gpu_fatal) = preflight(gpu_check, fixed_gang, &events).await?;
+
+    // Node 0 is ready once its rendezvous store accepts connections (the gang rendezvous says
+    // so through its events); every other agent once its setup below is done. Never later: see
+    // `metrics::Readiness`.
+    let mut hosts_rendezvous = false;
+    let mut gang: Option<Box<dyn Rendezvous>> = None;
+    if multi_node {
+        let mut r = GangRendezvous::new(launch.config(), false)?.with_events(events.clone());
+        hosts_rendezvous = r.hosts_store_first();
+        r.set_gpu_verdict(match gpu.as_ref() {
+            Some(report) if gpu_fatal => {
+                tracing::error!(
+                    "GPU pre-flight failed on {}; joining only to stop the gang",
+                    report.summary().message()
+                );
+                gate::fatal_registration_value(report)
+            }
+            other => gate::registration_value(other),
+        });
+        metrics.attach_host_loss(r.host_loss());
+        gang = Some(Box::new(r));
+    }
+    for (key, value) in gate::device_order_env(gpu_check != GpuCheck::Off, &|k| std::env::var_os(k))
+    {
+        launch = launch.with_worker_env(key, value);
+    }
+    if launch.config().numa_binding {
+        let rank_cpus = gate::numa_binding(launch.config().nproc_per_node)
+            .map_err(|e| Exit::config(format!("--numa-binding: {e}")))?;
+        launch = launch.with_rank_cpus(rank_cpus);
+    }
+    let preemption = Preemption::start(
+        launch.config(),
+        launch.observer(),
+        shutdown.clone(),
+        events.clone(),
+    )
+    // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
+    .map_err(|e| Exit::config(format!("cannot set up the checkpoint barrier: {e}")))?;
+    launch = launch
+        .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
+        .on_terminate(preemption.terminate_hook());
+    launch = watch_hangs(launch, &preemption);
+    if let Some(dir) = preemption.writable_base().and_then(|base| {
+        crate::scratch::workers_tmpdir(
+            base,
+            std::env::var_os("TMPDIR"),
+            &crate::scratch::is_writable,
+        )
+    }) {
+        tracing::info!(
+            "/tmp is not writable: the workers get TMPDIR={} (PyTorch needs a temporary directory)",
+            dir.display()
+        );
+        launch = launch.with_worker_env("TMPDIR", dir);
+    }
+    let python_path = preemption.python_path();
+    if python_path.is_none() {
+        tracing::warn!(
+            "no writable directory for muster's files (tried {}): `import muster_checkpoint` works only where the script ships the helper (without it SIGTERM is forwarded to the workers) and workers get no TORCHELASTIC_ERROR_FILE; {}",
+            crate::scratch::describe_candidates(launch.config().tmp_dir.as_deref()),
+            crate::scratch::FIX
+        );
+    }
+    let script_metrics =
+        metrics::script::attach(endpoint.local_addr(), &metrics, preemption.writable_base());
+    if let Some(script) = &script_metrics {
+        let inherited = python_path
+            .or_else(|| std::env::var_os("PYTHONPATH"))
+            .unwrap_or_default();
+        launch = script.plug_into(launch, &inherited);
+    } else if let Some(path) = python_path {
+        launch = launch.with_worker_env("PYTHONPATH", path);
+    }
+    // The GPU watch runs whatever `--gpu-check` says: without a driver it ends at once, and a
+    // GPU that was already bad at the start is not a fault of the run.
+    let gpu_watch = (!launch.config().gpu_watch_interval.is_zero()).then(|| {
+        crate::gpu::watch::Watch::start(crate::gpu::watch::Options {
+            interval: launch.config().gpu_watch_interval,
+            library: crate::gpu::nvml::library_override(),
+        })
+    });
+    if let Some(watch) = &gpu_watch {
+        metrics.attach_gpu_watch(watch.clone());
+        launch = launch.with_gpu_watch(watch.clone());
+    }
+    let launch = metrics::agent::meter_rendezvous(launch, gang, &metrics);
+    metrics.advance_readiness(if hosts_rendezvous {
+        Readiness::HostingStore
+    } else {
+        Readiness::Ready
+    });
+    let run = launch.run(shutdown.clone());
+    let result = metrics::agent::serve_checkpoint_requests(&metrics, run, |reason| {
+        preemption.trigger(reason)
+    })
+    .await;
+    drop(endpoint);
+    if let Some(watch) = &gpu_watch {
+        watch.stop();
+    }
+    if let Some(script) = &script_metrics {
+        script.remove_files();
+    }
+    Ok(preemption.exit_code(result?.exit_code))
+}
+
+/// The GPU pre-flight as `--gpu-check` says, told to `events`: the report (`None` when off) and
+/// whether it is a fatal one that a fixed-size gang joins with (see
+/// [`gate::fatal_registration_value`]).
+async fn preflight(
+    mode: GpuCheck,
+    fixed_gang: bool,
+    events: &Events,
+) -> Result<(Option<crate::gpu::Report>, bool), Exit> {
+    events.publish(Event::PreflightStarted);
+    let started = tokio::time::Instant::now();
+    let result = if fixed_gang {
+        gate::for_gang(mode).await
+    } else {
+        gate::for_launch(mode).await.map(|report| (report, false))
+    };
+    events.publish(Event::PreflightFinished {
+        result: match &result {
+            Ok((Some(report), _)) => PreflightResult::Checked(std::sync::Arc::new(report.clone())),
+            Ok((None, _)) => PreflightResult::Skipped,
+            Err(_) => PreflightResult::Failed,
+        },
+        elapsed: started.elapsed(),
+    });
+    result
+}
+
+/// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
+/// helper's `faulthandler` fallback writes (the helper's own private directory).
+fn watch_hangs(launch: Launch, preemption: &Preemption) -> Launch {
+    let policy = launch.config().hang;
+    let mut launch = launch.with_watchdog(std::sync::Arc::new(crate::hang_watch::HangWatch::new(
+        policy,
+        preemption.progress_view(),
+    )));
+    if let Some(dir) = preemption.helper_dir() {
+        launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
+    }
+    launch
+}

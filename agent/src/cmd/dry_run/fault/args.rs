@@ -1,0 +1,210 @@
+//! The dry run's own flags among the agents' flags: `--fault` and `--replace-after` are taken out
+//! of the launch options (before the training script, as every launch option), and everything
+//! else is passed to each agent unchanged. The launch form's flag table says which options take
+//! a value, so `--rdzv-conf x --fault ...` and the script's own `--fault` are both read right.
+
+use std::ffi::OsString;
+
+use super::spec::{self, SpecError};
+use super::Options;
+use crate::cli::lowargs::{Kind as FlagKind, FLAGS};
+
+/// A flag of `muster dry-run` itself, for its `--help` and the docs check.
+#[derive(Debug)]
+pub struct DryRunFlag {
+    /// The dash spelling without `--` (the underscore twin is accepted too, as everywhere).
+    pub name: &'static str,
+    pub value_name: &'static str,
+    pub help: &'static str,
+}
+
+/// The flags only `muster dry-run` has.
+pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
+    DryRunFlag {
+        name: "fault",
+        value_name: "KIND:TARGET@SECS",
+        help:
+            "Inject a failure (repeatable): kill:NODE (SIGKILL that agent), term:NODE (SIGTERM it: \
+               the checkpoint barrier), kill-rank:RANK (SIGKILL that worker); SECS count from the \
+               first worker output after every worker of the first generation joined its process \
+               group",
+    },
+    DryRunFlag {
+        name: "replace-after",
+        value_name: "SECS",
+        help: "Start a killed agent's replacement (same flags) SECS after the kill; without it a \
+               killed node stays lost",
+    },
+];
+
+/// Which of our flags `arg` is, and its inline value (`--fault=kill:0@3`).
+fn ours(arg: &str) -> Option<(&'static str, Option<&str>)> {
+    let body = arg.strip_prefix("--")?;
+    let (name, inline) = match body.split_once('=') {
+        Some((n, v)) => (n, Some(v)),
+        None => (body, None),
+    };
+    let name = name.replace('_', "-");
+    DRY_RUN_FLAGS
+        .iter()
+        .find(|f| f.name == name)
+        .map(|f| (f.name, inline))
+}
+
+/// Whether the launch option `arg` (`--rdzv-conf`, `-r`) takes the next argument as its value.
+fn takes_next(arg: &str) -> bool {
+    if let Some(body) = arg.strip_prefix("--") {
+        if body.contains('=') {
+            return false;
+        }
+        let name = body.replace('_', "-");
+        FLAGS
+            .iter()
+            .any(|f| f.name == name && f.kind == FlagKind::Value)
+    } else {
+        // `-r 3` takes the next one; `-r3` and `-m` do not.
+        let mut chars = arg.chars().skip(1);
+        match (chars.next(), chars.next()) {
+            (Some(c), None) => FLAGS
+                .iter()
+                .any(|f| f.short == Some(c) && f.kind == FlagKind::Value),
+            _ => false,
+        }
+    }
+}
+
+/// Splits `args` (what follows `dry-run`) into the dry run's options and the agents' arguments.
+pub fn split(args: &[OsString]) -> Result<(Options, Vec<OsString>), SpecError> {
+    let mut options = Options::default();
+    let mut rest = Vec::with_capacity(args.len());
+    let mut i = 0;
+    while let Some(arg) = args.get(i) {
+        let text = arg.to_str().unwrap_or_default();
+        if let Some((flag, inline)) = ours(text) {
+            let value = if let Some(v) = inline {
+                v.to_owned()
+            } else {
+                i += 1;
+                args.get(i)
+                    .and_then(|v| v.to_str())
+                    .map(str::to_owned)
+                    .ok_or(SpecError::MissingValue {
+                        flag: if flag == "fault" {
+                            "--fault"
+                        } else {
+                            "--replace-after"
+                        },
+                    })?
+            };
+            if flag == "fault" {
+                options.faults.push(spec::parse(&value)?);
+            } else {
+                options.replace_after =
+                    Some(spec::parse_seconds(&value).ok_or(SpecError::ReplaceAfter(value))?);
+            }
+            i += 1;
+            continue;
+        }
+        // `--` or the script: everything from here on is the agents' (and the script's).
+        if text == "--" || !text.starts_with('-') || text == "-" {
+            rest.extend(args[i..].iter().cloned());
+            break;
+        }
+        rest.push(arg.clone());
+        if takes_next(text) {
+            if let Some(value) = args.get(i + 1) {
+                rest.push(value.clone());
+                i += 1;
+            }
+        }
+        i += 1;
+    }
+    Ok((options, rest))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn os(args: &[&str]) -> Vec<OsString> {
+        args.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn our_flags_come_out_and_the_rest_stays_in_order() {
+        let (opts, rest) = split(&os(&[
+            "--nnodes",
+            "3",
+            "--fault",
+            "kill:0@15",
+            "--rdzv-conf",
+            "--fault",
+            "--replace_after=3",
+            "--fault=term:1@2",
+            "-r",
+            "3",
+            "train.py",
+            "--fault",
+            "kill:1@1",
+        ]))
+        .unwrap();
+        assert_eq!(
+            opts.faults
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>(),
+            ["kill:0@15", "term:1@2"]
+        );
+        assert_eq!(opts.replace_after, Some(Duration::from_secs(3)));
+        // `--rdzv-conf --fault` is the value `--fault` of --rdzv-conf (cli reports it), and what
+        // follows the script is the script's.
+        assert_eq!(
+            rest,
+            os(&[
+                "--nnodes",
+                "3",
+                "--rdzv-conf",
+                "--fault",
+                "-r",
+                "3",
+                "train.py",
+                "--fault",
+                "kill:1@1"
+            ])
+        );
+    }
+
+    #[test]
+    fn after_a_double_dash_nothing_is_ours() {
+        let (opts, rest) = split(&os(&["-m", "--", "--fault", "kill:0@1"])).unwrap();
+        assert!(opts.is_empty());
+        assert_eq!(rest, os(&["-m", "--", "--fault", "kill:0@1"]));
+    }
+
+    #[test]
+    fn bad_values_are_errors_naming_the_flag() {
+        assert_eq!(
+            split(&os(&["--fault"])).unwrap_err().to_string(),
+            "--fault needs a value"
+        );
+        assert_eq!(
+            split(&os(&["--replace-after", "soon", "x.py"]))
+                .unwrap_err()
+                .to_string(),
+            "--replace-after `soon`: expected a number of seconds (0 or more)"
+        );
+        assert!(matches!(
+            split(&os(&["--fault", "boom", "x.py"])),
+            Err(SpecError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn every_dry_run_flag_is_not_a_launch_flag() {
+        for f in DRY_RUN_FLAGS {
+            assert!(!FLAGS.iter().any(|l| l.name == f.name), "--{}", f.name);
+        }
+    }
+}

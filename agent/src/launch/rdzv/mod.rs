@@ -1,0 +1,60 @@
+//! The "obtain the assignment" step of every attempt: the [`Rendezvous`] seam of the launch
+//! loop and its two implementations, side by side: [`local`] for one node (this agent hosts a
+//! fresh store per attempt) and [`gang`] for many (muster's gang rendezvous over node 0's
+//! store, with discovery of the endpoint).
+
+pub mod gang;
+mod local;
+
+use std::future::Future;
+use std::pin::Pin;
+
+pub use gang::GangRendezvous;
+pub use local::LocalRendezvous;
+
+use super::{Config, GroupOutcome, LaunchError, Round, StopRequest};
+
+/// Whether this launch needs the multi-node rendezvous.
+pub fn is_multi_node(config: &Config) -> bool {
+    !config.standalone && config.nnodes.max > 1
+}
+
+/// A boxed future, for the object-safe [`Rendezvous`] trait.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The "obtain assignment" step of every attempt.
+pub trait Rendezvous: Send {
+    /// Joins round `restart_count` and returns the assignment. Should give up promptly when
+    /// `stop` is requested.
+    fn next_round<'a>(
+        &'a mut self,
+        config: &'a Config,
+        restart_count: u32,
+        stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Round, LaunchError>>;
+
+    /// Resolves when the group must stop because the gang re-forms (another node failed, died
+    /// or joined). Must be cancel-safe: it is dropped when the group ends first.
+    fn watch(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::pending())
+    }
+
+    /// Decides what follows an attempt; `None` keeps the local policy (restart while
+    /// `--max-restarts` lasts). The multi-node rendezvous restarts every node together here.
+    fn after_group<'a>(
+        &'a mut self,
+        _outcome: &'a GroupOutcome,
+        _stop: &'a StopRequest,
+    ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
+        Box::pin(async { Ok(None) })
+    }
+}
+
+/// What the rendezvous decided after an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AfterGroup {
+    /// Start another attempt (the rendezvous counts restarts itself).
+    Restart,
+    /// End the launch with this exit code.
+    Finish(u8),
+}
