@@ -18,13 +18,27 @@ agents agree on a target step T that every rank can still reach and push it to e
 each rank saves at T and `saved` reports it and waits until the agents have counted every rank
 of the job, then returns. Outside muster (or with an old muster) every call is a cheap no-op.
 
+The step reports also feed muster's hang detection (--hang-timeout): a rank that stops reporting
+steps for too long is hung, its stacks are dumped and the gang restarts. Long work between steps
+that the script does on purpose (an evaluation pass, its own periodic save) goes inside a section,
+which has its own limit (--section-timeout, 1 h by default):
+
+    with ckpt.section("eval"):
+        evaluate(model)
+
+Where the agent cannot read a rank's memory to dump its stacks (py-spy), it falls back to
+`faulthandler`, which this helper registers on SIGUSR2 when the agent names a directory for it
+(MUSTER_STACKS_DIR) and the script has no handler of its own on that signal.
+
 Messages are newline-terminated ASCII words:
   worker -> agent: "hello <local_rank> <rank> <pid>", "step <n>", "saved <gen> <step> <id>",
-                   "missed <gen> <step>", "failed <gen> <reason>"
+                   "missed <gen> <step>", "failed <gen> <reason>", "section <name>",
+                   "endsection", "faulthandler <signum> <path>"
   agent -> worker: "save <gen> <target_step> <deadline_unix_s>",
                    "commit <gen> <exit|continue>", "abort <gen> <reason>"
 """
 
+import contextlib
 import os
 import socket
 import time
@@ -32,6 +46,7 @@ import time
 __all__ = ["Checkpointer", "SOCKET_ENV"]
 
 SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
+STACKS_DIR_ENV = "MUSTER_STACKS_DIR"
 
 # How long `saved` waits for the agent's verdict when the agent gave no deadline.
 _DEFAULT_VERDICT_WAIT_S = 600.0
@@ -120,6 +135,17 @@ class Checkpointer:
             if not self._wait_readable(min(remaining, 1.0)):
                 continue
 
+    @contextlib.contextmanager
+    def section(self, name):
+        """Marks long work between steps (evaluation, the script's own save) as intended: the
+        hang watch gives it --section-timeout instead of the step limit."""
+        text = str(name).replace("\n", " ").strip()[:100] or "section"
+        self._send("section %s" % text)
+        try:
+            yield self
+        finally:
+            self._send("endsection")
+
     def failed(self, reason):
         """Tells the agent this rank could not save (the gang aborts this checkpoint)."""
         if self._sock is not None and self._request is not None:
@@ -143,6 +169,27 @@ class Checkpointer:
             "hello %s %s %d"
             % (os.environ.get("LOCAL_RANK", "0"), os.environ.get("RANK", "0"), os.getpid())
         )
+        self._register_faulthandler()
+
+    def _register_faulthandler(self):
+        """The agent's fallback for dumping this rank's stacks (see the module's doc)."""
+        directory = os.environ.get(STACKS_DIR_ENV, "")
+        if not directory:
+            return
+        try:
+            import faulthandler
+            import signal
+
+            signum = signal.SIGUSR2
+            if signal.getsignal(signum) not in (signal.SIG_DFL, None):
+                return
+            path = os.path.join(directory, "stacks-%d.txt" % os.getpid())
+            # Kept open for the process's life: faulthandler writes to its descriptor.
+            self._stacks_file = open(path, "a")
+            faulthandler.register(signum, file=self._stacks_file, all_threads=True, chain=False)
+        except (OSError, ValueError, RuntimeError, AttributeError):
+            return
+        self._send("faulthandler %d %s" % (int(signum), path))
 
     def _send(self, line):
         if self._sock is None:

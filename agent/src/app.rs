@@ -23,7 +23,7 @@ use crate::metrics::{self, Metrics, Readiness};
 
 /// What the agent shows of its own diagnostics unless `MUSTER_LOG` says otherwise: the workers'
 /// store logs every start and stop at info, which is noise in a launch.
-pub const LAUNCH_LOG_FILTER: &str = "info,rendezvous=warn";
+pub const LAUNCH_LOG_FILTER: &str = "info,rendezvous=warn,py_spy=warn,remoteprocess=warn";
 
 /// Runs one launch on the agent's runtime; the exit code of the job, or the error that stopped
 /// the agent.
@@ -108,6 +108,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     launch = launch
         .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .on_terminate(preemption.terminate_hook());
+    launch = watch_hangs(launch, &preemption);
     if let Some(dir) = preemption.writable_base().and_then(|base| {
         crate::scratch::workers_tmpdir(
             base,
@@ -196,4 +197,18 @@ async fn preflight(
         elapsed: started.elapsed(),
     });
     result
+}
+
+/// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
+/// helper's `faulthandler` fallback writes (the helper's own private directory).
+fn watch_hangs(launch: Launch, preemption: &Preemption) -> Launch {
+    let policy = launch.config().hang;
+    let mut launch = launch.with_watchdog(std::sync::Arc::new(crate::hang_watch::HangWatch::new(
+        policy,
+        preemption.progress_view(),
+    )));
+    if let Some(dir) = preemption.helper_dir() {
+        launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
+    }
+    launch
 }

@@ -17,6 +17,7 @@
 //! | 204 | unhealthy GPU (pre-flight failed on this node or on a peer) |
 //! | 205 | the store host (node 0) was lost and no replacement came back within the join timeout |
 //! | 206 | internal agent error |
+//! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
 //! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
 
 /// Everything succeeded.
@@ -42,6 +43,10 @@ pub const UNHEALTHY_GPU: u8 = 204;
 pub const STORE_HOST_LOST: u8 = 205;
 /// A bug or an unexpected OS failure in the agent itself.
 pub const INTERNAL_ERROR: u8 = 206;
+/// A rank hung (no step within `--hang-timeout`, or a section past `--section-timeout`) and the
+/// restart budget was spent: a code of its own, so a failure policy can tell a hang (often a bad
+/// node or link) from a crash.
+pub const HUNG: u8 = 207;
 /// The gang's network pre-flight named a slow node or link under `--network-check require`:
 /// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
 /// with it while the others train on).
@@ -105,6 +110,7 @@ mod tests {
             UNHEALTHY_GPU,
             STORE_HOST_LOST,
             INTERNAL_ERROR,
+            HUNG,
             NETWORK_CHECK_FAILED,
         ];
         for (i, a) in reserved.iter().enumerate() {

@@ -27,6 +27,10 @@
 //!   documented codes), [`scratch`] (where muster's own files go on a possibly read-only root
 //!   filesystem), [`host`] (the host name), [`sys`] (the only other `unsafe`: process-group and
 //!   parent-death setup between fork and exec).
+//! - Run-time watch: [`hang_watch`] (a part of the launch, like [`checkpoint`]: the per-attempt
+//!   watchdog over the helper's step reports) on top of [`watch`] (a foundation: the pure hang
+//!   decisions, reading ranks' Python stacks with py-spy or faulthandler, the gang-wide notice key,
+//!   OOM kills from the memory cgroup).
 #![deny(unsafe_code)]
 
 pub mod app;
@@ -37,6 +41,7 @@ pub mod discovery;
 pub mod events;
 pub mod exit_code;
 pub mod gpu;
+pub mod hang_watch;
 pub mod host;
 pub mod launch;
 pub mod logs;
@@ -44,5 +49,6 @@ pub mod metrics;
 pub mod netcheck;
 pub mod scratch;
 pub mod sys;
+pub mod watch;
 
 pub use cmd::main;

@@ -22,7 +22,7 @@ EVENTS = {
     "root_cause": ({"attempts": int, "failed_at": str, "pid": int, "exit_code": (int, NULLABLE),
                     "signal": (str, NULLABLE), "agent_exit_code": int, "error": (str, NULLABLE),
                     "rank": int, "local_rank": int},
-                   {"error_file": str}),
+                   {"error_file": str, "exception_line": str, "hang": dict, "oom_killed": dict}),
     "error": ({"agent_exit_code": int}, {}),
 }
 

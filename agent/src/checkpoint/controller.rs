@@ -84,6 +84,7 @@ pub struct Preemption {
     /// The directory holding the helper; `None`: nowhere was writable, the workers go without it.
     helper_dir: Option<ScratchDir>,
     socket: String,
+    view: super::local::ProgressView,
     triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
     outcome: Arc<Mutex<Option<Outcome>>>,
     preempted_exit_code: u8,
@@ -116,6 +117,7 @@ impl Preemption {
         let channel = LocalChannel::bind(&shutdown)?;
         channel.report_steps(events.clone());
         let socket = channel.address().to_owned();
+        let view = channel.view();
         let (triggers, trigger_rx) = mpsc::unbounded_channel();
         let outcome = Arc::new(Mutex::new(None));
         let grace = config.grace_period.unwrap_or(config.shutdown_timeout);
@@ -131,6 +133,7 @@ impl Preemption {
         Ok(Preemption {
             helper_dir,
             socket,
+            view,
             triggers,
             outcome,
             preempted_exit_code: config.preempted_exit_code,
@@ -141,6 +144,11 @@ impl Preemption {
     /// The address to export as `MUSTER_CHECKPOINT_SOCKET` (`@name`, an abstract socket).
     pub fn socket(&self) -> &str {
         &self.socket
+    }
+
+    /// What the workers report through the helper, read-only (for the hang watch).
+    pub fn progress_view(&self) -> super::local::ProgressView {
+        self.view.clone()
     }
 
     /// The directory holding `muster_checkpoint.py`, if one could be written.

@@ -70,8 +70,32 @@ pub struct RankProgress {
     pub step_period: Option<Duration>,
 }
 
+/// What the hang watch reads of one local rank besides its [`RankProgress`]
+/// ([`crate::watch`]): the messages `section`, `endsection` and `faulthandler` of the helper.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankWatch {
+    pub local_rank: u32,
+    /// RANK, as the helper said hello (`None`: an old helper).
+    pub rank: Option<u32>,
+    /// The helper's process (the Python interpreter, also when the worker is a wrapper).
+    pub pid: Option<u32>,
+    pub connected_at: Instant,
+    pub step: Option<u64>,
+    /// Distinct steps reported.
+    pub steps_seen: u64,
+    /// The last step report or section change.
+    pub last_progress: Option<Instant>,
+    /// The slowest smoothed step period seen.
+    pub slowest_period: Option<Duration>,
+    /// The open section and when it opened.
+    pub section: Option<(String, Instant)>,
+    /// The signal and file the helper registered `faulthandler` on.
+    pub faulthandler: Option<(i32, std::path::PathBuf)>,
+}
+
 struct Link {
     progress: RankProgress,
+    watch: RankWatch,
     outbox: mpsc::UnboundedSender<String>,
 }
 
@@ -161,6 +185,13 @@ impl LocalChannel {
         all
     }
 
+    /// A read-only view of the connected ranks' reports, for the hang watch.
+    pub fn view(&self) -> ProgressView {
+        ProgressView {
+            links: Arc::clone(&self.links),
+        }
+    }
+
     /// Sends one line to every connected worker.
     pub fn broadcast(&self, line: &str) {
         for link in lock(&self.links).by_rank.values() {
@@ -178,6 +209,25 @@ impl LocalChannel {
     /// workers connect afresh).
     pub fn forget_all(&self) {
         lock(&self.links).by_rank.clear();
+    }
+}
+
+/// What the workers reported, read-only and cheap to clone (the hang watch holds one).
+#[derive(Clone)]
+pub struct ProgressView {
+    links: Arc<Mutex<Links>>,
+}
+
+impl ProgressView {
+    /// Every connected rank's reports, by local rank.
+    pub fn ranks(&self) -> Vec<RankWatch> {
+        let mut all: Vec<RankWatch> = lock(&self.links)
+            .by_rank
+            .values()
+            .map(|l| l.watch.clone())
+            .collect();
+        all.sort_by_key(|w| w.local_rank);
+        all
     }
 }
 
@@ -347,6 +397,7 @@ fn handle_line(
     match words.first().copied() {
         Some("hello") => {
             let rank = u32::try_from(number(1)?).map_err(|_| format!("bad rank in {line:?}"))?;
+            let word = |i: usize| words.get(i).and_then(|w| w.parse::<u32>().ok());
             *local_rank = Some(rank);
             lock(links).by_rank.insert(
                 rank,
@@ -357,9 +408,53 @@ fn handle_line(
                         reported_at: None,
                         step_period: None,
                     },
+                    watch: RankWatch {
+                        local_rank: rank,
+                        rank: word(2),
+                        pid: word(3),
+                        connected_at: Instant::now(),
+                        step: None,
+                        steps_seen: 0,
+                        last_progress: None,
+                        slowest_period: None,
+                        section: None,
+                        faulthandler: None,
+                    },
                     outbox: outbox.clone(),
                 },
             );
+        }
+        Some(kind @ ("section" | "endsection" | "faulthandler")) => {
+            let rank = local_rank.ok_or("message before hello")?;
+            let now = Instant::now();
+            let mut links = lock(links);
+            let Some(link) = links.by_rank.get_mut(&rank) else {
+                return Ok(());
+            };
+            let w = &mut link.watch;
+            match kind {
+                "section" => {
+                    let name = words.get(1..).map(|w| w.join(" ")).unwrap_or_default();
+                    w.section = Some((name, now));
+                    w.last_progress = Some(now);
+                }
+                "endsection" => {
+                    w.section = None;
+                    w.last_progress = Some(now);
+                }
+                _ => {
+                    let signal =
+                        i32::try_from(number(1)?).map_err(|_| format!("bad signal in {line:?}"))?;
+                    // The path is the rest of the line (it may hold spaces).
+                    let path = line
+                        .trim()
+                        .splitn(3, ' ')
+                        .nth(2)
+                        .filter(|p| !p.is_empty())
+                        .ok_or_else(|| format!("malformed message {line:?}"))?;
+                    w.faulthandler = Some((signal, std::path::PathBuf::from(path)));
+                }
+            }
         }
         Some("step") => {
             let step = number(1)?;
@@ -382,8 +477,18 @@ fn handle_line(
                         p.step_period = Some(Duration::from_secs_f64(smoothed));
                     }
                 }
+                if p.step != Some(step) {
+                    link.watch.steps_seen += 1;
+                }
                 p.step = Some(step);
                 p.reported_at = Some(now);
+                let w = &mut link.watch;
+                w.step = Some(step);
+                w.last_progress = Some(now);
+                w.slowest_period = match (w.slowest_period, p.step_period) {
+                    (Some(old), Some(new)) => Some(old.max(new)),
+                    (old, new) => old.or(new),
+                };
                 links.steps.publish(Event::WorkerStep {
                     local_rank: rank,
                     step,

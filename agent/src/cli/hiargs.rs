@@ -483,6 +483,15 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             .parse::<u8>()
             .map_err(|_| bad(raw, "preempted-exit-code", "expected an exit code 0-255"))?,
     };
+    let hang = crate::watch::hang::Policy {
+        timeout: match get(low, "hang-timeout") {
+            None => crate::watch::hang::HangTimeout::Auto,
+            Some(raw) => crate::watch::hang::HangTimeout::parse(&raw.value)
+                .map_err(|why| bad(raw, "hang-timeout", why))?,
+        },
+        section_timeout: parse_duration(low, "section-timeout")?
+            .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
+    };
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
 
     let redirects = match get(low, "redirects") {
@@ -593,6 +602,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             }
         },
         network_check,
+        hang,
     })
 }
 

@@ -118,6 +118,8 @@ pub const FLAGS: &[FlagDef] = &[
     switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
     value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
     value("gpu-watch-interval", "SECS", "While the ranks run, look at every GPU this often (utilization, memory, power, temperature, ECC, row remaps, NVLink errors, throttling) and listen for XID events; a fatal XID stops the node with exit 204 (0: no watch; without an NVIDIA driver there is none) (default 10)"),
+    value("hang-timeout", "SECS|auto|0", "A rank that reports no step (through the checkpoint helper's should_save) for this long is hung: every rank's stacks are dumped on every node and the gang restarts (cause hang; after --max-restarts, exit 207). auto: max(600 s, 20 x the slowest step period) once a rank reported 5 steps; 0: off (default auto)"),
+    value("section-timeout", "SECS", "Limit for long work the script marks between steps (`with ckpt.section(\"eval\"):`) instead of the hang limit (default 3600)"),
     value("network-check", "off|warn|require", "Gang network pre-flight after each rendezvous round: the agents measure round-trip time and throughput among themselves and name a node or link far slower than the gang's median; warn logs it, require ends the round with exit 208 (with --nnodes MIN:MAX the named node leaves instead) (default: warn with more than one node, else off)"),
     value("network-check-budget", "SECS", "Longest the network check may take, both rounds and the exchange (default 2)"),
     value("network-check-conf", "K=V,...", "Network check thresholds: throughput_ratio (0.25), rtt_ratio (4), rtt_slack_ms (5), min_mbps (off), max_rtt_ms (off), stream_bytes (16777216)"),
@@ -387,7 +389,8 @@ pub fn help_text() -> String {
          if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
          201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n\
-         lost; 206 internal error; 208 network check failed.\n",
+         lost; 206 internal error; 207 a rank hung and the restarts were spent; 208 network check\n\
+         failed.\n",
     );
     out
 }

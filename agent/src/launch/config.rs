@@ -290,6 +290,8 @@ pub struct Config {
     /// `--network-check`, `--network-check-budget`, `--network-check-conf`: the gang's network
     /// pre-flight after each rendezvous round.
     pub network_check: crate::netcheck::Settings,
+    /// `--hang-timeout` and `--section-timeout`.
+    pub hang: crate::watch::hang::Policy,
 }
 
 impl Config {
@@ -334,6 +336,7 @@ impl Config {
             gpu_watch_interval: crate::gpu::watch::DEFAULT_INTERVAL,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
             network_check: crate::netcheck::Settings::default_for(1),
+            hang: crate::watch::hang::Policy::default(),
         }
     }
 }

@@ -61,6 +61,8 @@ pub struct WorkerGroupSpec {
     pub rank_cpus: Vec<Vec<u32>>,
     /// Per-rank variables, set last (see [`super::RankEnv`]).
     pub rank_env: Option<super::RankEnv>,
+    /// Watches each attempt for a hang.
+    pub watchdog: Option<Arc<dyn super::Watchdog>>,
 }
 
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
@@ -101,6 +103,8 @@ struct Worker {
     /// When the agent reaped it.
     seen: Option<SystemTime>,
     error_file: Option<PathBuf>,
+    /// The last exception line of its stderr.
+    exception: Arc<logs::ExceptionLine>,
 }
 
 impl WorkerGroupSpec {
@@ -134,6 +138,41 @@ impl WorkerGroupSpec {
             rank,
             local_rank,
             stream: stream_name(stream),
+        })
+    }
+
+    /// Writes the agent's lines about a rank (its stack dump) as that rank's stderr shows on the
+    /// console — also for a rank the console filter hides or that is redirected to files: the
+    /// dump is for the pod log.
+    fn rank_writer(&self, ranks: Vec<(u32, u32)>) -> super::RankWriter {
+        let targets: Vec<(u32, LineTarget)> = ranks
+            .into_iter()
+            .map(|(local_rank, rank)| {
+                let target = self
+                    .console_target(local_rank, rank, Streams::STDERR)
+                    .unwrap_or_else(|| LineTarget {
+                        console: Console::Stderr,
+                        format: self.config.logs.format,
+                        prefix: logs::render_template(
+                            &self.config.logs.prefix_template,
+                            &self.hostname,
+                            rank,
+                            local_rank,
+                            &self.config.role,
+                        ),
+                        host: self.hostname.clone(),
+                        rank,
+                        local_rank,
+                        stream: "stderr",
+                    });
+                (local_rank, target)
+            })
+            .collect();
+        let sink = self.logs.clone();
+        Arc::new(move |local_rank: u32, lines: &[String]| {
+            if let Some((_, target)) = targets.iter().find(|(l, _)| *l == local_rank) {
+                sink.agent_line(target.console, target.encode_lines(lines));
+            }
         })
     }
 
@@ -240,6 +279,12 @@ pub async fn run_group(
         armed: true,
     };
 
+    let attempt_started = tokio::time::Instant::now();
+    // The OOM kills so far: a SIGKILLed rank is the OOM killer's when the count rose.
+    let memory = crate::watch::cgroup::MemoryCgroup::find();
+    let oom_kills_before = memory
+        .as_ref()
+        .and_then(crate::watch::cgroup::MemoryCgroup::oom_kills);
     for local_rank in 0..config.nproc_per_node {
         let rank = assignment.base_global_rank + local_rank;
         let dir = attempt_dir.as_ref().map(|d| d.join(local_rank.to_string()));
@@ -259,6 +304,7 @@ pub async fn run_group(
             };
             let pid = child.pid;
             guard.pgids.push(Pid::from_raw(pid as i32));
+            let exception = Arc::new(logs::ExceptionLine::default());
             workers.push(Worker {
                 local_rank,
                 rank,
@@ -266,6 +312,7 @@ pub async fn run_group(
                 status: None,
                 seen: None,
                 error_file,
+                exception: Arc::clone(&exception),
             });
             let streams = [
                 (
@@ -281,14 +328,15 @@ pub async fn run_group(
             ];
             for (stream, fd, file_name) in streams {
                 let Some(fd) = fd else { continue };
+                let follow = (stream == Streams::STDERR).then(|| Arc::clone(&exception));
                 match start_pump(
                     spec,
-                    local_rank,
-                    rank,
+                    (local_rank, rank),
                     stream,
                     fd,
                     dir.as_ref().map(|d| d.join(file_name)),
                     &pipes_closed,
+                    follow,
                 ) {
                     Ok(pump) => {
                         pumps.spawn(pump);
@@ -328,12 +376,40 @@ pub async fn run_group(
 
     let mut failure: Option<Failure> = None;
     let mut stopped = false;
+    let (exited_tx, exited) = tokio::sync::watch::channel(Vec::<u32>::new());
+    let hang_watch = spec.watchdog.as_ref().map(|watchdog| {
+        watchdog.watch(super::WatchedAttempt {
+            assignment: assignment.clone(),
+            host: spec.hostname.clone(),
+            workers: workers
+                .iter()
+                .map(|w| super::WatchedWorker {
+                    local_rank: w.local_rank,
+                    rank: w.rank,
+                    pid: w.pid.as_raw() as u32,
+                })
+                .collect(),
+            exited,
+            started: attempt_started,
+            attempt_dir: attempt_dir.clone(),
+            write: spec.rank_writer(workers.iter().map(|w| (w.local_rank, w.rank)).collect()),
+        })
+    });
+    let hang_watch = async move {
+        match hang_watch {
+            Some(watch) => watch.await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(hang_watch);
+    let mut hung: Option<crate::watch::Hang> = None;
     while workers.iter().any(|w| w.status.is_none()) {
         tokio::select! {
             biased;
             report = exits.recv() => {
                 let Some((local_rank, status)) = report else { break };
                 record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                exited_tx.send_modify(|exited| exited.push(local_rank as u32));
                 if !status.success() {
                     // Exits already reaped together with this one are candidates too: the root
                     // cause is the earliest by the workers' own error-file timestamps.
@@ -341,11 +417,18 @@ pub async fn run_group(
                         record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
                     }
                     failure = root_cause(&workers, &spec.hostname);
+                    if let Some(f) = failure.as_mut() {
+                        name_oom_kill(f, memory.as_ref(), oom_kills_before, restart_count, &spec.publisher);
+                    }
                     break;
                 }
             }
             () = stop.requested() => {
                 stopped = true;
+                break;
+            }
+            hang = &mut hang_watch => {
+                hung = Some(hang);
                 break;
             }
         }
@@ -364,6 +447,9 @@ pub async fn run_group(
                 f.rank,
                 f.status
             );
+        }
+        if let Some(hang) = &hung {
+            tracing::info!("rank {} hung: stopping every worker with {sig}", hang.rank);
         }
         let mut pending = PendingExits {
             exits: &mut exits,
@@ -388,6 +474,9 @@ pub async fn run_group(
     }
     guard.armed = false;
     drain(&mut pumps, &pipes_closed).await;
+    if let Some(hang) = hung {
+        failure = Some(hung_failure(&workers, &spec.hostname, hang));
+    }
 
     let outcome = if let Some(f) = failure {
         GroupOutcome::Failed(f)
@@ -459,12 +548,12 @@ async fn stop_strays(
 /// Watches one of a worker's pipes: the console target and, when asked for, the log file.
 fn start_pump(
     spec: &WorkerGroupSpec,
-    local_rank: u32,
-    rank: u32,
+    (local_rank, rank): (u32, u32),
     stream: Streams,
     fd: OwnedFd,
     file_path: Option<PathBuf>,
     closed: &CancellationToken,
+    exception: Option<Arc<logs::ExceptionLine>>,
 ) -> Result<impl std::future::Future<Output = ()> + Send + 'static, LaunchError> {
     let receiver = pipe::Receiver::from_owned_fd(fd).map_err(|source| LaunchError::Io {
         what: "cannot watch a worker's output pipe",
@@ -484,6 +573,7 @@ fn start_pump(
         file,
         progress_interval: spec.config.logs.progress_interval,
         counters: spec.logs.stats().stream(rank, stream_name(stream)),
+        exception,
     };
     Ok(logs::pump(
         receiver,
@@ -544,12 +634,63 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
                     // Empty: the worker had no error file (no writable place).
                     error_file: w.error_file.clone().unwrap_or_default(),
                     message: file.map(|f| f.message),
+                    exception_line: w.exception.last(),
+                    oom_killed: None,
+                    hang: None,
                 },
             ))
         })
         .collect();
     candidates.sort_by_key(|(key, order, f)| (*key, f.at, *order));
     candidates.into_iter().next().map(|(_, _, f)| f)
+}
+
+/// Marks `failure` as the OOM killer's when the worker died of SIGKILL and the memory cgroup's
+/// OOM-kill count rose during the attempt.
+fn name_oom_kill(
+    failure: &mut Failure,
+    memory: Option<&crate::watch::cgroup::MemoryCgroup>,
+    before: Option<u64>,
+    restart_count: u32,
+    publisher: &Publisher,
+) {
+    if failure.status != ExitStatus::Signaled(Signal::SIGKILL) {
+        return;
+    }
+    let Some(memory) = memory else { return };
+    let after = memory.oom_kills();
+    if after.unwrap_or(0) <= before.unwrap_or(0) {
+        return;
+    }
+    failure.oom_killed = Some(memory.limit());
+    publisher.event(Event::WorkerOomKilled {
+        restart_count,
+        local_rank: failure.local_rank,
+        rank: failure.rank,
+    });
+}
+
+/// The failure of an attempt the hang watch ended: the hung rank, however it exited once
+/// stopped.
+fn hung_failure(workers: &[Worker], host: &str, hang: crate::watch::Hang) -> Failure {
+    let worker = workers.iter().find(|w| w.local_rank == hang.local_rank);
+    Failure {
+        host: host.to_owned(),
+        local_rank: hang.local_rank,
+        rank: hang.rank,
+        pid: worker.map_or(0, |w| w.pid.as_raw() as u32),
+        status: worker
+            .and_then(|w| w.status)
+            .unwrap_or(ExitStatus::Signaled(Signal::SIGKILL)),
+        at: worker.and_then(|w| w.seen).unwrap_or_else(SystemTime::now),
+        error_file: worker
+            .and_then(|w| w.error_file.clone())
+            .unwrap_or_default(),
+        message: None,
+        exception_line: None,
+        oom_killed: None,
+        hang: Some(Box::new(hang)),
+    }
 }
 
 struct PendingExits<'a> {

@@ -39,6 +39,7 @@ pub mod signals;
 mod store_host;
 pub mod strays;
 pub mod summary;
+pub mod watchdog;
 
 use std::ffi::OsString;
 use std::net::IpAddr;
@@ -56,6 +57,7 @@ pub use rdzv::{AfterGroup, BoxFuture, LocalRendezvous, Rendezvous};
 pub use reaper::{ExitStatus, Reaper};
 pub use signals::{StopRequest, TerminateHook};
 pub use store_host::HostedStore;
+pub use watchdog::{RankWriter, Watchdog, WatchedAttempt, WatchedWorker};
 
 use crate::exit_code;
 use crate::logs::{Console, LogSink};
@@ -101,6 +103,26 @@ pub struct Failure {
     pub error_file: PathBuf,
     /// The message of `TORCHELASTIC_ERROR_FILE` (torch's `@record`), if the worker left one.
     pub message: Option<String>,
+    /// The last `SomeError: message` line of the worker's stderr (shown when it left no error
+    /// file).
+    pub exception_line: Option<String>,
+    /// It died of SIGKILL while the container's memory cgroup counted an OOM kill: the kernel's
+    /// OOM killer; the container's memory limit, if it has one.
+    pub oom_killed: Option<Option<u64>>,
+    /// The worker did not exit by itself: the hang watch found it hung and the agent stopped it.
+    pub hang: Option<Box<crate::watch::Hang>>,
+}
+
+impl Failure {
+    /// The agent's exit code for this failure: [`exit_code::HUNG`] for a hung rank, else the
+    /// worker's own code (or 128+signal).
+    pub fn exit_code(&self) -> u8 {
+        if self.hang.is_some() {
+            exit_code::HUNG
+        } else {
+            self.status.exit_code()
+        }
+    }
 }
 
 /// How an attempt ended.
@@ -126,7 +148,7 @@ impl GroupOutcome {
             | GroupOutcome::Stopped {
                 all_clean: true, ..
             } => exit_code::SUCCESS,
-            GroupOutcome::Failed(f) => f.status.exit_code(),
+            GroupOutcome::Failed(f) => f.exit_code(),
             GroupOutcome::Stopped { signal, .. } => {
                 exit_code::for_signal(signal.unwrap_or(Signal::SIGTERM) as i32)
             }
@@ -304,6 +326,7 @@ pub struct Launch {
     extra_env: Vec<(String, OsString)>,
     rank_cpus: Vec<Vec<u32>>,
     rank_env: Option<RankEnv>,
+    watchdog: Option<Arc<dyn Watchdog>>,
     gpu_watch: Option<crate::gpu::watch::Watch>,
 }
 
@@ -322,6 +345,7 @@ impl Launch {
             extra_env: Vec::new(),
             rank_cpus: Vec::new(),
             rank_env: None,
+            watchdog: None,
             gpu_watch: None,
         }
     }
@@ -331,6 +355,14 @@ impl Launch {
     #[must_use]
     pub fn with_gpu_watch(mut self, watch: crate::gpu::watch::Watch) -> Self {
         self.gpu_watch = Some(watch);
+        self
+    }
+
+    /// Watches every attempt for a hang ([`crate::watch`]): a hung attempt fails with the hung
+    /// rank named, and restarts like any failure.
+    #[must_use]
+    pub fn with_watchdog(mut self, watchdog: Arc<dyn Watchdog>) -> Self {
+        self.watchdog = Some(watchdog);
         self
     }
 
@@ -398,6 +430,7 @@ impl Launch {
             extra_env,
             rank_cpus,
             rank_env,
+            watchdog,
             gpu_watch,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
@@ -464,6 +497,7 @@ impl Launch {
             extra_env,
             rank_cpus,
             rank_env,
+            watchdog,
         };
         let result = attempts(&spec, rendezvous.as_mut(), &stop, gpu_watch.as_ref())
             .await
@@ -583,10 +617,10 @@ async fn attempts(
                 // A local failure restarts the gang from here; otherwise another node's failure
                 // (or a membership change, which the rendezvous does not tell apart yet) made
                 // the gang re-form.
-                let cause = if matches!(outcome, GroupOutcome::Failed(_)) {
-                    RestartCause::WorkerFailure
-                } else {
-                    RestartCause::PeerFailure
+                let cause = match &outcome {
+                    GroupOutcome::Failed(f) if f.hang.is_some() => RestartCause::Hang,
+                    GroupOutcome::Failed(_) => RestartCause::WorkerFailure,
+                    _ => RestartCause::PeerFailure,
                 };
                 spec.publisher.event(Event::Restarting {
                     restart_count,
@@ -608,15 +642,27 @@ async fn attempts(
                 if restart_count < config.max_restarts && !stop.is_requested() =>
             {
                 restart_count += 1;
-                tracing::warn!(
-                    "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
-                    f.rank,
-                    f.status,
-                    config.max_restarts
-                );
+                if let Some(hang) = &f.hang {
+                    tracing::warn!(
+                        "{}; restarting the worker group with cause hang (restart {restart_count} of {})",
+                        hang.describe(),
+                        config.max_restarts
+                    );
+                } else {
+                    tracing::warn!(
+                        "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
+                        f.rank,
+                        f.status,
+                        config.max_restarts
+                    );
+                }
                 spec.publisher.event(Event::Restarting {
                     restart_count,
-                    cause: RestartCause::WorkerFailure,
+                    cause: if f.hang.is_some() {
+                        RestartCause::Hang
+                    } else {
+                        RestartCause::WorkerFailure
+                    },
                 });
             }
             _ => {
@@ -787,6 +833,9 @@ mod tests {
             at: SystemTime::UNIX_EPOCH,
             error_file: PathBuf::new(),
             message: None,
+            exception_line: None,
+            oom_killed: None,
+            hang: None,
         }
     }
 

@@ -43,6 +43,8 @@ pub enum RestartCause {
     /// A node joined or left within `--nnodes MIN:MAX` (does not consume the restart budget).
     /// The gang rendezvous does not tell this apart from a peer failure yet.
     MembershipChange,
+    /// A local rank hung (`--hang-timeout`): the agent stopped the attempt.
+    Hang,
 }
 
 /// Something that happened.
@@ -82,6 +84,12 @@ pub enum Event {
         restart_count: u32,
         count: u32,
         killed: u32,
+    },
+    /// A worker died of SIGKILL while the container's memory cgroup counted an OOM kill.
+    WorkerOomKilled {
+        restart_count: u32,
+        local_rank: u32,
+        rank: u32,
     },
     /// Before attempt `restart_count` started, the agent waited `waited` for the previous
     /// attempt's GPU processes and memory to be released (`released`: false when it gave up).

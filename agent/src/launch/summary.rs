@@ -42,6 +42,9 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFile> {
 pub fn render(failure: &Failure, attempts: u32) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
+    if let Some(hang) = &failure.hang {
+        return render_hang(failure, hang, attempts);
+    }
     let _ = writeln!(
         out,
         "muster: worker group failed after {attempts} attempt(s); root cause (first observed failure):"
@@ -56,20 +59,96 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
         failure.pid
     );
     let _ = writeln!(out, "muster:   {}", failure.status);
+    if let Some(line) = oom_line(failure) {
+        let _ = writeln!(out, "muster:   {line}");
+    }
     match &failure.message {
         Some(m) => {
             for line in m.lines() {
                 let _ = writeln!(out, "muster:   error: {line}");
             }
         }
-        None => {
-            let _ = writeln!(
-                out,
-                "muster:   error: (no error file; decorate the worker's main with \
-                 torch.distributed.elastic.multiprocessing.errors.record to capture it)"
-            );
-        }
+        None => match &failure.exception_line {
+            Some(line) => {
+                let _ = writeln!(out, "muster:   error: {line}");
+                let _ = writeln!(
+                    out,
+                    "muster:   (the last exception line of its stderr; no error file: decorate the \
+                     worker's main with torch.distributed.elastic.multiprocessing.errors.record \
+                     for the whole message)"
+                );
+            }
+            None => {
+                let _ = writeln!(
+                    out,
+                    "muster:   error: (no error file; decorate the worker's main with \
+                     torch.distributed.elastic.multiprocessing.errors.record to capture it)"
+                );
+            }
+        },
     }
+    out
+}
+
+/// "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)".
+fn oom_line(failure: &Failure) -> Option<String> {
+    let limit = failure.oom_killed?;
+    let limit = limit.map_or_else(
+        || "no container memory limit: the node ran out".to_owned(),
+        |b| {
+            format!(
+                "container memory limit {}",
+                crate::watch::cgroup::human_bytes(b)
+            )
+        },
+    );
+    Some(format!(
+        "rank {} was killed by the kernel OOM killer ({limit})",
+        failure.rank
+    ))
+}
+
+/// The summary of a hung attempt: node, rank, last step, seconds without progress, the
+/// innermost frame.
+fn render_hang(failure: &Failure, hang: &crate::watch::Hang, attempts: u32) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "muster: worker group hung after {attempts} attempt(s); root cause (the rank that stopped progressing):"
+    );
+    let _ = writeln!(
+        out,
+        "muster:   node: {} ({})  rank: {} (local_rank {})  pid: {}",
+        hang.node_rank, hang.host, hang.rank, hang.local_rank, failure.pid
+    );
+    let step = hang
+        .last_step
+        .map_or_else(|| "none".to_owned(), |s| s.to_string());
+    let place = hang
+        .section
+        .as_ref()
+        .map_or_else(String::new, |s| format!(" inside section {s:?}"));
+    let _ = writeln!(
+        out,
+        "muster:   last step: {step}  no progress{place} for {:.1} s (limit {} s)",
+        hang.stalled.as_secs_f64(),
+        hang.limit.as_secs_f64()
+    );
+    let _ = writeln!(
+        out,
+        "muster:   innermost frame: {}",
+        hang.frame.as_deref().unwrap_or("(unknown)")
+    );
+    let _ = writeln!(
+        out,
+        "muster:   stacks: {}; every rank's are in the log above",
+        hang.stacks
+    );
+    if let Some(node) = hang.reported_by {
+        let _ = writeln!(out, "muster:   detected first by node {node}");
+    }
+    let _ = writeln!(out, "muster:   stopped by the agent: {}", failure.status);
     out
 }
 
@@ -120,11 +199,26 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
         ExitStatus::Exited(c) => (Some(c), None),
         ExitStatus::Signaled(s) => (None, Some(s.as_str())),
     };
-    let mut msg = format!(
-        "worker group failed after {attempts} attempt(s); root cause: rank {} (local_rank {}, pid {}) {}",
-        failure.rank, failure.local_rank, failure.pid, failure.status
-    );
-    if let Some(first) = failure.message.as_deref().and_then(|m| m.lines().next()) {
+    let mut msg = match &failure.hang {
+        Some(hang) => format!(
+            "worker group hung after {attempts} attempt(s); root cause: {}",
+            hang.describe()
+        ),
+        None => format!(
+            "worker group failed after {attempts} attempt(s); root cause: rank {} (local_rank {}, pid {}) {}",
+            failure.rank, failure.local_rank, failure.pid, failure.status
+        ),
+    };
+    let first_line = failure
+        .message
+        .as_deref()
+        .and_then(|m| m.lines().next())
+        .or(failure.exception_line.as_deref());
+    if let Some(oom) = oom_line(failure) {
+        msg.push_str(": ");
+        msg.push_str(&oom);
+    }
+    if let Some(first) = first_line {
         msg.push_str(": ");
         msg.push_str(first);
     }
@@ -137,11 +231,35 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
         "pid": failure.pid,
         "exit_code": exit_code,
         "signal": signal,
-        "agent_exit_code": failure.status.exit_code(),
+        "agent_exit_code": failure.exit_code(),
         "error": failure.message,
     }) else {
         unreachable!("a json! object literal is an object")
     };
+    if let Some(line) = &failure.exception_line {
+        extra.insert("exception_line".into(), line.clone().into());
+    }
+    if let Some(limit) = failure.oom_killed {
+        extra.insert(
+            "oom_killed".into(),
+            serde_json::json!({ "memory_limit_bytes": limit }),
+        );
+    }
+    if let Some(hang) = &failure.hang {
+        extra.insert(
+            "hang".into(),
+            serde_json::json!({
+                "node_rank": hang.node_rank,
+                "last_step": hang.last_step,
+                "seconds_without_progress": hang.stalled.as_secs_f64(),
+                "limit_seconds": hang.limit.as_secs_f64(),
+                "section": hang.section,
+                "innermost_frame": hang.frame,
+                "stacks": hang.stacks,
+                "reported_by": hang.reported_by,
+            }),
+        );
+    }
     if files_kept && failure.error_file.is_file() {
         extra.insert(
             "error_file".into(),
@@ -195,6 +313,9 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: "e".into(),
             message: None,
+            exception_line: None,
+            oom_killed: None,
+            hang: None,
         };
         let text = render(&f, 1);
         assert!(
@@ -202,6 +323,126 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("signal SIGSEGV (11)"), "{text}");
+    }
+
+    #[test]
+    fn without_an_error_file_the_last_exception_line_of_stderr_is_shown() {
+        let f = Failure {
+            host: "node-0".into(),
+            local_rank: 0,
+            rank: 2,
+            pid: 42,
+            status: ExitStatus::Exited(1),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+            exception_line: Some("ValueError: bad batch".into()),
+            oom_killed: None,
+            hang: None,
+        };
+        let text = render(&f, 1);
+        assert!(
+            text.contains("muster:   error: ValueError: bad batch\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("the last exception line of its stderr"),
+            "{text}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
+        assert!(
+            v["msg"]
+                .as_str()
+                .unwrap()
+                .ends_with("exit code 1: ValueError: bad batch"),
+            "{v}"
+        );
+        assert_eq!(v["exception_line"], "ValueError: bad batch");
+    }
+
+    #[test]
+    fn an_oom_kill_is_named_and_keeps_137() {
+        let mut f = Failure {
+            host: "node-0".into(),
+            local_rank: 3,
+            rank: 3,
+            pid: 42,
+            status: ExitStatus::Signaled(nix::sys::signal::Signal::SIGKILL),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+            exception_line: None,
+            oom_killed: Some(Some(8 << 30)),
+            hang: None,
+        };
+        assert_eq!(f.exit_code(), 137);
+        let text = render(&f, 1);
+        assert!(
+            text.contains(
+                "muster:   rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)\n"
+            ),
+            "{text}"
+        );
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
+        assert_eq!(v["oom_killed"]["memory_limit_bytes"], 8u64 << 30);
+        f.oom_killed = Some(None);
+        assert!(render(&f, 1).contains("no container memory limit"));
+    }
+
+    #[test]
+    fn a_hang_summary_names_node_rank_step_seconds_and_frame() {
+        let hang = crate::watch::Hang {
+            node_rank: 1,
+            host: "node-1".into(),
+            local_rank: 1,
+            rank: 3,
+            last_step: Some(15),
+            stalled: std::time::Duration::from_millis(4200),
+            limit: std::time::Duration::from_secs(3),
+            section: None,
+            frame: Some("stuck_in_loader (/app/train.py:42)".into()),
+            stacks: "read with py-spy".into(),
+            reported_by: Some(0),
+        };
+        let f = Failure {
+            host: "node-1".into(),
+            local_rank: 1,
+            rank: 3,
+            pid: 42,
+            status: ExitStatus::Signaled(nix::sys::signal::Signal::SIGTERM),
+            at: UNIX_EPOCH,
+            error_file: "e".into(),
+            message: None,
+            exception_line: None,
+            oom_killed: None,
+            hang: Some(Box::new(hang)),
+        };
+        assert_eq!(f.exit_code(), crate::exit_code::HUNG);
+        let text = render(&f, 2);
+        assert!(
+            text.contains("worker group hung after 2 attempt(s)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("node: 1 (node-1)  rank: 3 (local_rank 1)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("last step: 15  no progress for 4.2 s (limit 3 s)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("innermost frame: stuck_in_loader (/app/train.py:42)"),
+            "{text}"
+        );
+        assert!(text.contains("detected first by node 0"), "{text}");
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 2, false)).unwrap();
+        assert_eq!(v["agent_exit_code"], 207);
+        assert_eq!(v["hang"]["last_step"], 15);
+        assert_eq!(
+            v["hang"]["innermost_frame"],
+            "stuck_in_loader (/app/train.py:42)"
+        );
     }
 
     #[test]
@@ -239,6 +480,9 @@ mod tests {
             at: UNIX_EPOCH,
             error_file: error_file.clone(),
             message: Some("ValueError: boom\nmore".into()),
+            exception_line: None,
+            oom_killed: None,
+            hang: None,
         };
         let parse = |kept| -> serde_json::Value {
             serde_json::from_str(&render_json(&f, 2, kept)).unwrap()

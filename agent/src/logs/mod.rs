@@ -14,6 +14,7 @@
 //! as a pipe would without a launcher, while signals and exits keep being handled.
 
 mod ansi;
+pub mod exception;
 mod prefix;
 mod progress;
 mod reader;
@@ -27,6 +28,7 @@ use std::thread::JoinHandle;
 
 use tokio::sync::{mpsc, Semaphore};
 
+pub use exception::ExceptionLine;
 pub use prefix::{render_template, utc_timestamp};
 pub use reader::{pump, LineTarget, PumpConfig};
 pub use stats::{OutputStats, StreamCounters};

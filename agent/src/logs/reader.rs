@@ -40,9 +40,25 @@ pub struct PumpConfig {
     pub progress_interval: Duration,
     /// Where the bytes, lines and progress updates of this pipe are counted.
     pub counters: Arc<StreamCounters>,
+    /// Follows the stream's Python tracebacks (stderr), for the failure summary.
+    pub exception: Option<Arc<super::ExceptionLine>>,
 }
 
 impl LineTarget {
+    /// Whole lines as this pipe's console shows them (the agent's own lines about a rank, such
+    /// as its stack dump, in the rank's stream).
+    pub fn encode_lines(&self, lines: &[String]) -> Vec<u8> {
+        let ts = match self.format {
+            LogFormat::Text => String::new(),
+            LogFormat::Json => super::utc_timestamp(SystemTime::now()),
+        };
+        let mut out = Vec::new();
+        for line in lines {
+            self.encode(Kind::Line, line.as_bytes(), &ts, &mut out);
+        }
+        out
+    }
+
     /// Appends one record as the console shows it; `ts` is the JSON timestamp.
     fn encode(&self, kind: Kind, text: &[u8], ts: &str, out: &mut Vec<u8>) {
         match self.format {
@@ -69,6 +85,7 @@ impl LineTarget {
 /// the console and the file.
 struct Batch<'a> {
     console: Option<&'a LineTarget>,
+    exception: Option<&'a super::ExceptionLine>,
     console_out: Vec<u8>,
     file_out: Option<Vec<u8>>,
     /// The JSON timestamp, taken once per batch: every line of one read arrived together.
@@ -77,6 +94,9 @@ struct Batch<'a> {
 
 impl Emit for Batch<'_> {
     fn record(&mut self, kind: Kind, text: &[u8]) {
+        if let (Some(exception), Kind::Line) = (self.exception, kind) {
+            exception.observe(text);
+        }
         if let Some(target) = self.console {
             let ts = match (&self.ts, target.format) {
                 (Some(ts), _) => ts.as_str(),
@@ -115,6 +135,7 @@ pub async fn pump(
         let mut seen = Seen::default();
         let mut batch = Batch {
             console: config.console.as_ref(),
+            exception: config.exception.as_deref(),
             console_out: Vec::new(),
             file_out: config.file.as_ref().map(|_| Vec::new()),
             ts: None,

@@ -278,6 +278,7 @@ impl ObserverState {
             // Recorded by the observer loop itself (it knows the local world size).
             Event::AttemptStarted { .. } => {}
             Event::StraysStopped { count, killed, .. } => metrics.strays_stopped(*count, *killed),
+            Event::WorkerOomKilled { .. } => metrics.worker_oom_killed(),
             Event::GpuReleaseWaited {
                 waited, released, ..
             } => metrics.gpu_release_waited(*waited, *released),

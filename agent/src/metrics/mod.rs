@@ -212,10 +212,11 @@ impl RoundOutcome {
     }
 }
 
-const RESTART_CAUSES: [RestartCause; 3] = [
+const RESTART_CAUSES: [RestartCause; 4] = [
     RestartCause::WorkerFailure,
     RestartCause::PeerFailure,
     RestartCause::MembershipChange,
+    RestartCause::Hang,
 ];
 
 /// The `cause` label of `muster_restarts_total`.
@@ -224,6 +225,7 @@ fn restart_cause_label(cause: RestartCause) -> &'static str {
         RestartCause::WorkerFailure => "worker_failure",
         RestartCause::PeerFailure => "peer_failure",
         RestartCause::MembershipChange => "membership_change",
+        RestartCause::Hang => "hang",
     }
 }
 
@@ -443,6 +445,7 @@ struct Inner {
     network_peer_slow: IntGaugeVec,
     /// Leftover processes of finished attempts stopped, by the signal that ended them.
     strays_stopped: IntCounterVec,
+    oom_kills: IntCounterVec,
     gpu_release_wait: HistogramVec,
     http_requests: IntCounterVec,
     http_shed: IntCounterVec,
@@ -717,6 +720,11 @@ impl Metrics {
                 "Processes a finished attempt's workers left behind, stopped with the attempt, by signal.",
                 &["signal"],
             ),
+            oom_kills: defs.counter_vec(
+                "muster_worker_oom_kills_total",
+                "Workers killed by the kernel OOM killer (SIGKILL while the container's memory cgroup counted an OOM kill).",
+                &[],
+            ),
             gpu_release_wait: defs.register(
                 HistogramVec::new(
                     HistogramOpts::new(
@@ -803,6 +811,8 @@ impl Metrics {
         for signal in ["SIGTERM", "SIGKILL"] {
             inner.strays_stopped.with_label_values(&[signal]);
         }
+        // Zero from the start, so a rate() sees the first kill.
+        inner.oom_kills.with_label_values::<&str>(&[]);
         for outcome in ["released", "timeout"] {
             inner.gpu_release_wait.with_label_values(&[outcome]);
         }
@@ -1057,6 +1067,11 @@ impl Metrics {
         c.with_label_values(&["SIGTERM"])
             .inc_by(u64::from(count - killed));
         c.with_label_values(&["SIGKILL"]).inc_by(u64::from(killed));
+    }
+
+    /// A worker was killed by the kernel OOM killer.
+    pub fn worker_oom_killed(&self) {
+        self.inner.oom_kills.with_label_values::<&str>(&[]).inc();
     }
 
     /// A restart waited `waited` for the GPUs; `released`: false when it gave up (exit 204).

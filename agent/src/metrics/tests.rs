@@ -134,7 +134,12 @@ fn a_fresh_registry_exports_well_formed_text_with_the_known_label_sets_at_zero()
         value(&samples, "muster_agent_phase", &[("phase", "resolving")]),
         Some(1.0)
     );
-    for cause in ["worker_failure", "peer_failure", "membership_change"] {
+    for cause in [
+        "worker_failure",
+        "peer_failure",
+        "membership_change",
+        "hang",
+    ] {
         assert_eq!(
             value(&samples, "muster_restarts_total", &[("cause", cause)]),
             Some(0.0)

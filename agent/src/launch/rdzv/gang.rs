@@ -510,11 +510,14 @@ impl GangRendezvous {
                 GroupOutcome::Failed(f) => {
                     running.stop.cancel();
                     let _ = running.task.await;
-                    let code = f.status.exit_code();
-                    let what = format!(
-                        "rank {} (local rank {}) failed: {}",
-                        f.rank, f.local_rank, f.status
-                    );
+                    let code = f.exit_code();
+                    let what = match &f.hang {
+                        Some(hang) => format!("cause hang: {}", hang.describe()),
+                        None => format!(
+                            "rank {} (local rank {}) failed: {}",
+                            f.rank, f.local_rank, f.status
+                        ),
+                    };
                     let rec = match rdzv.report_failure(code, &what).await {
                         Ok(rec) => rec,
                         // Most likely the failure *is* the loss: node 0's ranks died with it.

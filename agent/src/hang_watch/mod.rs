@@ -1,0 +1,315 @@
+//! The per-attempt hang watch: polls the ranks' reports, and when one is hung (or another node
+//! says so) dumps every local rank's stacks into the log, names the cause and hands it to the
+//! launch loop, which stops the attempt and restarts the gang with cause `hang`.
+//!
+//! Which rank is the cause: in a synchronous job every rank stops together — the hung one where
+//! it is stuck, the others in their next collective, waiting for it. So the node that detects
+//! the stall first tells every node ([`crate::watch::gang`]); each dumps its ranks and looks among
+//! its stalled ranks for one that is not inside `torch.distributed` ([`hang::pick_culprit`]).
+//! The node that finds one fails its attempt naming it; a node whose stalled ranks all wait in
+//! collectives waits for the gang to re-form. When no node finds a culprit (every rank waits in
+//! a collective: a deadlock between collectives), the detecting node names its own longest
+//! stalled rank after [`SETTLE`].
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::checkpoint::local::{ProgressView, RankWatch};
+use crate::launch::{BoxFuture, Watchdog, WatchedAttempt};
+use crate::watch::gang::{self, Notice};
+use crate::watch::hang::{self, Policy, RankView, Section, Stall, Waiting};
+use crate::watch::stacks::{self, Faulthandler, ProcessStacks};
+use crate::watch::Hang;
+
+/// The longest the watch sleeps before it looks at the reports again.
+const POLL: Duration = Duration::from_secs(1);
+/// How long a node that detected a hang, but found every stalled rank of its own waiting in a
+/// collective, waits for another node to name the cause before it names its own rank.
+pub const SETTLE: Duration = Duration::from_secs(10);
+
+/// The hang watch: `--hang-timeout` and `--section-timeout` over the helper's reports.
+pub struct HangWatch {
+    policy: Policy,
+    view: ProgressView,
+}
+
+impl HangWatch {
+    pub fn new(policy: Policy, view: ProgressView) -> Self {
+        Self { policy, view }
+    }
+}
+
+impl Watchdog for HangWatch {
+    fn watch(&self, attempt: WatchedAttempt) -> BoxFuture<'static, Hang> {
+        Box::pin(run(self.policy, self.view.clone(), attempt))
+    }
+}
+
+/// How this node learned of the hang.
+enum Trigger {
+    Local(Stall),
+    Remote(Notice),
+}
+
+/// The attempt's reports joined with its workers: reports from before the attempt started
+/// belong to an earlier attempt's workers.
+fn rank_views(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<RankView> {
+    let exited = attempt.exited.borrow().clone();
+    attempt
+        .workers
+        .iter()
+        .map(|w| {
+            let report = current_report(attempt, reports, w.local_rank);
+            RankView {
+                local_rank: w.local_rank,
+                rank: w.rank,
+                step: report.and_then(|r| r.step),
+                steps_seen: report.map_or(0, |r| r.steps_seen),
+                last_progress: report.and_then(|r| r.last_progress),
+                slowest_period: report.and_then(|r| r.slowest_period),
+                section: report.and_then(|r| {
+                    r.section.as_ref().map(|(name, since)| Section {
+                        name: name.clone(),
+                        since: *since,
+                    })
+                }),
+                exited: exited.contains(&w.local_rank),
+            }
+        })
+        .collect()
+}
+
+fn current_report<'a>(
+    attempt: &WatchedAttempt,
+    reports: &'a [RankWatch],
+    local_rank: u32,
+) -> Option<&'a RankWatch> {
+    reports
+        .iter()
+        .find(|r| r.local_rank == local_rank && r.connected_at >= attempt.started)
+}
+
+fn store_addr(attempt: &WatchedAttempt) -> Option<SocketAddr> {
+    let a = &attempt.assignment;
+    let ip: std::net::IpAddr = a.master_addr.parse().ok()?;
+    Some((ip, a.master_port).into())
+}
+
+async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Hang {
+    if policy.timeout == hang::HangTimeout::Off {
+        return std::future::pending().await;
+    }
+    let node = attempt.assignment.node_rank;
+    let run_id = attempt.assignment.run_id.clone();
+    // One node has no one to tell.
+    let store = store_addr(&attempt).filter(|_| attempt.assignment.group_world_size > 1);
+    let stop_waiting = CancellationToken::new();
+    let _stop_on_drop = stop_waiting.clone().drop_guard();
+    let (notice_tx, notice_rx) = tokio::sync::oneshot::channel::<Notice>();
+    if let Some(store) = store {
+        let run_id = run_id.clone();
+        let stop = stop_waiting.clone();
+        tokio::spawn(async move {
+            match gang::wait(store, &run_id, stop).await {
+                Ok(Some(notice)) => {
+                    let _ = notice_tx.send(notice);
+                }
+                Ok(None) => {}
+                // The attempt's store goes away with the attempt.
+                Err(err) => tracing::debug!("hang notice watcher: {err}"),
+            }
+        });
+    }
+    let notices = async move {
+        match notice_rx.await {
+            Ok(notice) => notice,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::pin!(notices);
+
+    let trigger = loop {
+        let views = rank_views(&attempt, &view.ranks());
+        let now = Instant::now();
+        if let Some(stall) = hang::decide(&policy, &views, now) {
+            break Trigger::Local(stall);
+        }
+        let at = hang::next_check(&policy, &views, now, POLL);
+        tokio::select! {
+            () = tokio::time::sleep_until(at) => {}
+            notice = &mut notices => {
+                if notice.node_rank != node {
+                    break Trigger::Remote(notice);
+                }
+            }
+        }
+    };
+
+    let limit = match &trigger {
+        Trigger::Local(stall) => {
+            error!(
+                "hang detected on node {node}: {}; dumping every local rank's stacks{}",
+                stall.describe(),
+                if store.is_some() {
+                    " and telling the other nodes"
+                } else {
+                    ""
+                }
+            );
+            if let Some(store) = store {
+                let notice = Notice {
+                    node_rank: node,
+                    rank: stall.rank,
+                    limit: stall.limit,
+                    what: stall.describe(),
+                };
+                let run_id = run_id.clone();
+                tokio::spawn(async move {
+                    if let Err(err) = gang::publish(store, &run_id, &notice).await {
+                        warn!("cannot tell the other nodes of the hang: {err}");
+                    }
+                });
+            }
+            stall.limit
+        }
+        Trigger::Remote(notice) => {
+            warn!(
+                "node {} detected a hang ({}); dumping this node's stacks",
+                notice.node_rank, notice.what
+            );
+            notice.limit
+        }
+    };
+
+    let reports = view.ranks();
+    let dumps = dump_all(&attempt, &reports).await;
+    let views = rank_views(&attempt, &view.ranks());
+    let stalled: Vec<(Stall, Waiting)> = hang::stalled_ranks(&views, limit, Instant::now())
+        .into_iter()
+        .map(|s| {
+            let waiting = dumps
+                .iter()
+                .find(|(local_rank, _)| *local_rank == s.local_rank)
+                .and_then(|(_, d)| d.as_ref().ok())
+                .map_or(Waiting::Unknown, ProcessStacks::waiting);
+            (s, waiting)
+        })
+        .collect();
+    let reported_by = match &trigger {
+        Trigger::Remote(notice) => Some(notice.node_rank),
+        Trigger::Local(_) => None,
+    };
+    if let Some(culprit) = hang::pick_culprit(&stalled) {
+        let hang = named(&attempt, culprit, &dumps, reported_by);
+        error!("hung: {}", hang.describe());
+        return hang;
+    }
+    match trigger {
+        Trigger::Remote(_) => {
+            info!(
+                "no stalled rank on node {node} is outside torch.distributed: the cause is elsewhere; waiting for the gang to re-form"
+            );
+            std::future::pending().await
+        }
+        Trigger::Local(stall) => {
+            if store.is_some() {
+                info!(
+                    "every stalled rank on node {node} waits in torch.distributed; giving the other nodes {} s to name the cause",
+                    SETTLE.as_secs()
+                );
+                tokio::time::sleep(SETTLE).await;
+            }
+            let views = rank_views(&attempt, &view.ranks());
+            let now = Instant::now();
+            let stall = hang::stalled_ranks(&views, limit, now)
+                .into_iter()
+                .find(|s| s.local_rank == stall.local_rank)
+                .unwrap_or(stall);
+            let hang = named(&attempt, &stall, &dumps, None);
+            error!(
+                "hung: {} (every stalled rank waits in torch.distributed)",
+                hang.describe()
+            );
+            hang
+        }
+    }
+}
+
+type Dump = (u32, Result<ProcessStacks, stacks::ReadError>);
+
+/// Reads and logs every live local rank's stacks.
+async fn dump_all(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<Dump> {
+    let exited = attempt.exited.borrow().clone();
+    let mut dumps = Vec::new();
+    for w in attempt
+        .workers
+        .iter()
+        .filter(|w| !exited.contains(&w.local_rank))
+    {
+        let report = current_report(attempt, reports, w.local_rank);
+        let pid = report.and_then(|r| r.pid).unwrap_or(w.pid);
+        let faulthandler = report.and_then(|r| {
+            r.faulthandler.as_ref().map(|(signal, file)| Faulthandler {
+                signal: *signal,
+                file: file.clone(),
+            })
+        });
+        let read = stacks::read(pid, faulthandler.as_ref()).await;
+        let lines = match &read {
+            Ok(stacks) => {
+                let mut lines = vec![format!(
+                    "muster: stacks of rank {} (local rank {}, pid {pid}), read with {}:",
+                    w.rank,
+                    w.local_rank,
+                    stacks.via.as_str()
+                )];
+                lines.extend(stacks.lines());
+                lines
+            }
+            Err(err) => vec![format!(
+                "muster: cannot read the stacks of rank {} (local rank {}, pid {pid}): {err}",
+                w.rank, w.local_rank
+            )],
+        };
+        (attempt.write)(w.local_rank, &lines);
+        dumps.push((w.local_rank, read));
+    }
+    dumps
+}
+
+fn named(
+    attempt: &WatchedAttempt,
+    stall: &Stall,
+    dumps: &[Dump],
+    reported_by: Option<u32>,
+) -> Hang {
+    let dump = dumps
+        .iter()
+        .find(|(local_rank, _)| *local_rank == stall.local_rank)
+        .map(|(_, d)| d);
+    let (frame, stacks) = match dump {
+        Some(Ok(s)) => (
+            s.innermost().map(ToString::to_string),
+            format!("read with {}", s.via.as_str()),
+        ),
+        Some(Err(e)) => (None, format!("not readable: {e}")),
+        None => (None, "not read (the rank had exited)".to_owned()),
+    };
+    Hang {
+        node_rank: attempt.assignment.node_rank,
+        host: attempt.host.clone(),
+        local_rank: stall.local_rank,
+        rank: stall.rank,
+        last_step: stall.last_step,
+        stalled: stall.stalled,
+        limit: stall.limit,
+        section: stall.section.clone(),
+        frame,
+        stacks,
+        reported_by,
+    }
+}

@@ -1,0 +1,138 @@
+//! Telling every node of a hang: one key on the attempt's store (the workers' store, fresh for
+//! every attempt), written once by the first node that detects one and waited on by the others,
+//! as the checkpoint request is ([`crate::checkpoint::trigger`]).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use rendezvous::store::client::{Client, ClientError};
+use tokio_util::sync::CancellationToken;
+
+/// A hang some node detected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notice {
+    pub node_rank: u32,
+    pub rank: u32,
+    /// The limit the detecting node applied.
+    pub limit: Duration,
+    /// Its description of the stall.
+    pub what: String,
+}
+
+impl Notice {
+    /// `<node_rank> <rank> <limit_ms> <what>`.
+    pub fn encode(&self) -> Vec<u8> {
+        format!(
+            "{} {} {} {}",
+            self.node_rank,
+            self.rank,
+            self.limit.as_millis(),
+            self.what.replace('\n', " ")
+        )
+        .into_bytes()
+    }
+
+    pub fn decode(raw: &[u8]) -> Option<Notice> {
+        let text = std::str::from_utf8(raw).ok()?;
+        let mut words = text.splitn(4, ' ');
+        let node_rank = words.next()?.parse().ok()?;
+        let rank = words.next()?.parse().ok()?;
+        let limit = Duration::from_millis(words.next()?.parse().ok()?);
+        Some(Notice {
+            node_rank,
+            rank,
+            limit,
+            what: words.next().unwrap_or_default().to_owned(),
+        })
+    }
+}
+
+/// `muster/<run_id>/watch/hang`.
+pub fn key(run_id: &str) -> Vec<u8> {
+    format!("muster/{run_id}/watch/hang").into_bytes()
+}
+
+/// Publishes `notice` unless one stands already; returns the standing one.
+pub async fn publish(
+    store: SocketAddr,
+    run_id: &str,
+    notice: &Notice,
+) -> Result<Notice, ClientError> {
+    let mut client = Client::connect(store, Duration::from_secs(10)).await?;
+    let standing = client
+        .compare_set(&key(run_id), b"", &notice.encode())
+        .await?;
+    Ok(Notice::decode(&standing).unwrap_or_else(|| notice.clone()))
+}
+
+/// Resolves with the first notice any node publishes; `None` when `stop` fires first.
+pub async fn wait(
+    store: SocketAddr,
+    run_id: &str,
+    stop: CancellationToken,
+) -> Result<Option<Notice>, ClientError> {
+    let key = key(run_id);
+    let watched: [&[u8]; 1] = [&key];
+    let mut client = Client::connect(store, Duration::from_secs(30)).await?;
+    loop {
+        // Bounded waits: a store that went away shows up as an error, not as silence.
+        let waited = tokio::select! {
+            () = stop.cancelled() => return Ok(None),
+            waited = client.wait(&watched, Duration::from_secs(30)) => waited,
+        };
+        match waited {
+            Ok(()) => return Ok(Notice::decode(&client.get(&key).await?)),
+            Err(ClientError::WaitTimeout { .. }) => {}
+            Err(err) => return Err(err),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn notices_round_trip() {
+        let n = Notice {
+            node_rank: 1,
+            rank: 3,
+            limit: Duration::from_millis(2500),
+            what: "rank 3 (local rank 1) made no progress\nfor 3 s".into(),
+        };
+        let back = Notice::decode(&n.encode()).unwrap();
+        assert_eq!(back.what, "rank 3 (local rank 1) made no progress for 3 s");
+        assert_eq!((back.node_rank, back.rank, back.limit), (1, 3, n.limit));
+        assert_eq!(Notice::decode(b"x y"), None);
+    }
+
+    #[tokio::test]
+    async fn the_first_notice_stands_and_wakes_the_waiters() {
+        let store = rendezvous::store::server::ServerThread::start(
+            "127.0.0.1:0".parse().unwrap(),
+            rendezvous::store::server::Config::default(),
+        )
+        .await
+        .unwrap();
+        let addr = store.local_addr();
+        let waiter = tokio::spawn(async move { wait(addr, "job", CancellationToken::new()).await });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let first = Notice {
+            node_rank: 1,
+            rank: 3,
+            limit: Duration::from_secs(3),
+            what: "first".into(),
+        };
+        let second = Notice {
+            node_rank: 0,
+            what: "second".into(),
+            ..first.clone()
+        };
+        assert_eq!(publish(addr, "job", &first).await.unwrap(), first);
+        assert_eq!(publish(addr, "job", &second).await.unwrap(), first);
+        assert_eq!(waiter.await.unwrap().unwrap(), Some(first));
+        let stop = CancellationToken::new();
+        stop.cancel();
+        assert_eq!(wait(addr, "other", stop).await.unwrap(), None);
+    }
+}

@@ -1,0 +1,70 @@
+//! Watching a running job: hung ranks found, their stacks dumped gang-wide, the gang restarted.
+//!
+//! - [`hang`]: the pure decisions — is a rank hung (from its step reports, its open section and
+//!   `now`), and which stalled rank is the cause (the one not waiting in `torch.distributed`).
+//! - [`stacks`]: reading a worker's Python stacks: py-spy on its memory, or `faulthandler`
+//!   through the checkpoint helper where memory reads are refused.
+//! - [`gang`]: the store key through which the node that detects a hang tells every other
+//!   node, which dumps its own ranks' stacks too.
+//!
+//! The per-attempt task that ties them together, plugged into the launch loop as its
+//! [`crate::launch::Watchdog`], is [`crate::hang_watch`]: this module is below the launch and
+//! imports nothing of the agent's.
+//!
+//! The step reports come from the checkpoint helper's `should_save(step)` through the local
+//! channel ([`crate::checkpoint::local`]); a script that does not use the helper is not watched.
+
+pub mod cgroup;
+pub mod gang;
+pub mod hang;
+pub mod stacks;
+
+use std::time::Duration;
+
+/// A hung rank, as the summary names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hang {
+    pub node_rank: u32,
+    pub host: String,
+    pub local_rank: u32,
+    pub rank: u32,
+    pub last_step: Option<u64>,
+    /// Time without progress when the cause was named.
+    pub stalled: Duration,
+    /// The limit it passed (`--hang-timeout`, or `--section-timeout` in a section).
+    pub limit: Duration,
+    /// The section it was stuck in.
+    pub section: Option<String>,
+    /// The innermost frame of its main thread, `function (file:line)`.
+    pub frame: Option<String>,
+    /// How its stacks were read (`py-spy`, `faulthandler through the helper`), or why not.
+    pub stacks: String,
+    /// The node that detected the hang first, when it was another one.
+    pub reported_by: Option<u32>,
+}
+
+impl Hang {
+    /// One line for logs and the restart message.
+    pub fn describe(&self) -> String {
+        let step = self
+            .last_step
+            .map_or_else(|| "none".to_owned(), |s| s.to_string());
+        let place = match &self.section {
+            Some(name) => format!(" in section {name:?}"),
+            None => String::new(),
+        };
+        let frame = self
+            .frame
+            .as_deref()
+            .map_or_else(String::new, |f| format!(", stuck in {f}"));
+        format!(
+            "rank {} (local rank {}) on node {} ({}) made no progress{place} for {:.1} s (last step {step}; limit {} s){frame}",
+            self.rank,
+            self.local_rank,
+            self.node_rank,
+            self.host,
+            self.stalled.as_secs_f64(),
+            self.limit.as_secs_f64(),
+        )
+    }
+}
