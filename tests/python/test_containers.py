@@ -612,3 +612,45 @@ def test_hardened_pod_with_an_emptydir_at_tmp_checkpoints_on_sigterm(job, caps):
     committed = re.findall(r"checkpoint at step (\d+): committed", logs)
     assert len(committed) == NPROC and len(set(committed)) == 1, logs
     assert NO_WRITABLE not in logs, logs
+
+
+# --- OOM kills named (issue #15) ------------------------------------------------------------
+
+OOM_LIMIT = ("--memory", "256m", "--memory-swap", "256m")
+OOM_LINE = "rank 0 was killed by the kernel OOM killer (container memory limit 256.0 MiB)"
+
+
+def test_a_rank_past_the_container_memory_limit_is_named_the_oom_killers(job, caps):
+    """Issue #15: a container limited to 256 MiB (`--memory-swap` the same, so no swap hides the
+    OOM); its one rank allocates past the limit, the kernel's OOM killer SIGKILLs it and muster, as
+    PID 1, survives and names it: the restart is counted in muster_worker_oom_kills_total (read
+    over the network while attempt 1 waits); attempt 1 is OOM-killed too, and the container exits
+    137 with the summary naming the OOM killer and the limit read from the memory cgroup (v1
+    here: memory.oom_control, memory.limit_in_bytes)."""
+    caps.require("launch", "metrics")
+    c = job.run(0, ["--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+                    f"{SCRIPTS}/allocate.py", dockerjob.SHARED_IN_CONTAINER],
+                docker_args=OOM_LIMIT)
+    try:
+        wait_until(lambda: (job.shared / "waiting-a1").exists() or not c.running(), timeout=120,
+                   interval=0.2, what="attempt 0 to be OOM-killed and attempt 1 to start")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{c.logs()}") from None
+    assert c.running(), f"muster exited after the first kill:\n{c.logs()}"
+    with urllib.request.urlopen(f"http://{c.ip()}:{METRICS_PORT}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    kills = re.findall(r"^muster_worker_oom_kills_total (\S+)$", text, re.M)
+    assert kills == ["1"], f"muster_worker_oom_kills_total {kills}:\n{c.logs()}"
+    (job.shared / "release").touch()
+    code = c.wait(timeout=120)
+    logs = c.logs()
+    assert code == 137, f"exit {code}:\n{logs}"
+    assert "not killed" not in logs, logs
+    # The restart after the first kill says so too, not just "signal SIGKILL".
+    assert f"{OOM_LINE}; restarting the worker group (restart 1 of 1)" in logs, logs
+    # PID 1 wrote the summary, so the OOM killer took the rank, not muster.
+    head = "worker group failed after 2 attempt(s)"
+    assert head in logs, logs
+    summary = logs[logs.index(head):]
+    assert OOM_LINE in summary, logs
+    assert "signal SIGKILL (9)" in summary, summary

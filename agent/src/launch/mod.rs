@@ -650,9 +650,8 @@ async fn attempts(
                     );
                 } else {
                     tracing::warn!(
-                        "rank {} failed ({}); restarting the worker group (restart {restart_count} of {})",
-                        f.rank,
-                        f.status,
+                        "{}; restarting the worker group (restart {restart_count} of {})",
+                        summary::restart_reason(f),
                         config.max_restarts
                     );
                 }

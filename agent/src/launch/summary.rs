@@ -78,6 +78,15 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
                      for the whole message)"
                 );
             }
+            // `@record` cannot help here: the OOM killer's SIGKILL gives the worker no chance
+            // to write anything.
+            None if failure.oom_killed.is_some() => {
+                let _ = writeln!(
+                    out,
+                    "muster:   error: (no error file: a worker killed by the OOM killer cannot \
+                     write one)"
+                );
+            }
             None => {
                 let _ = writeln!(
                     out,
@@ -88,6 +97,13 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
         },
     }
     out
+}
+
+/// The restart warning's account of the failed rank: the OOM killer's kill named as such, else
+/// "rank 3 failed (signal SIGSEGV (11))".
+pub fn restart_reason(failure: &Failure) -> String {
+    oom_line(failure)
+        .unwrap_or_else(|| format!("rank {} failed ({})", failure.rank, failure.status))
 }
 
 /// "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)".
@@ -383,10 +399,24 @@ mod tests {
             ),
             "{text}"
         );
+        // No advice to add `@record`, which a SIGKILLed worker never reaches.
+        assert!(
+            text.contains("killed by the OOM killer cannot write one"),
+            "{text}"
+        );
+        assert!(!text.contains("errors.record"), "{text}");
+        assert_eq!(
+            restart_reason(&f),
+            "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)"
+        );
         let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
         assert_eq!(v["oom_killed"]["memory_limit_bytes"], 8u64 << 30);
         f.oom_killed = Some(None);
         assert!(render(&f, 1).contains("no container memory limit"));
+        // A SIGKILL the cgroup did not count is some other sender's: the signal, and the advice.
+        f.oom_killed = None;
+        assert_eq!(restart_reason(&f), "rank 3 failed (signal SIGKILL (9))");
+        assert!(render(&f, 1).contains("errors.record"));
     }
 
     #[test]
