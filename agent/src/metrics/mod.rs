@@ -1247,13 +1247,13 @@ impl Metrics {
 
     // ---- store --------------------------------------------------------------------------------
 
-    /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
-    /// store per attempt) keeps its counters monotonic.
     /// Samples the multi-node rendezvous's record of store-host losses from now on.
     pub fn attach_host_loss(&self, stats: Arc<rendezvous::rdzv::recovery::HostLossStats>) {
         self.inner.host_loss.attach(stats);
     }
 
+    /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
+    /// store per attempt) keeps its counters monotonic.
     pub fn attach_store(&self, role: StoreRole, source: Arc<dyn StoreStatsSource>) {
         self.inner.store.attach(role, source);
     }
