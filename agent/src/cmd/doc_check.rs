@@ -116,14 +116,17 @@ fn contains_word(text: &str, word: &str) -> bool {
     })
 }
 
+/// The flags among `names` that docs/launch.md never names.
+fn undocumented<'a>(names: impl Iterator<Item = &'a str>) -> Vec<&'a str> {
+    let documented = launch_md_flags();
+    names
+        .filter(|name| !documented.iter().any(|d| d == name))
+        .collect()
+}
+
 #[test]
 fn every_launch_flag_is_in_docs_launch_md() {
-    let documented = launch_md_flags();
-    let missing: Vec<&str> = FLAGS
-        .iter()
-        .map(|f| f.name)
-        .filter(|name| !documented.iter().any(|d| d == name))
-        .collect();
+    let missing = undocumented(FLAGS.iter().map(|f| f.name));
     assert!(
         missing.is_empty(),
         "flags in `muster --help` that docs/launch.md never names (add `--NAME` there): {missing:?}"
@@ -132,12 +135,7 @@ fn every_launch_flag_is_in_docs_launch_md() {
 
 #[test]
 fn every_dry_run_flag_is_in_docs_launch_md() {
-    let documented = launch_md_flags();
-    let missing: Vec<&str> = DRY_RUN_FLAGS
-        .iter()
-        .map(|f| f.name)
-        .filter(|name| !documented.iter().any(|d| d == name))
-        .collect();
+    let missing = undocumented(DRY_RUN_FLAGS.iter().map(|f| f.name));
     assert!(
         missing.is_empty(),
         "flags in `muster dry-run --help` that docs/launch.md never names: {missing:?}"

@@ -119,9 +119,14 @@ impl WorkerGroupSpec {
         if !shown || (redirected && !teed) {
             return None;
         }
-        let is_out = stream == Streams::STDOUT;
-        Some(LineTarget {
-            console: if is_out {
+        Some(self.line_target(local_rank, rank, stream))
+    }
+
+    /// How a rank's lines of `stream` look on the console, whether or not they are shown there.
+    fn line_target(&self, local_rank: u32, rank: u32, stream: Streams) -> LineTarget {
+        let logs = &self.config.logs;
+        LineTarget {
+            console: if stream == Streams::STDOUT {
                 Console::Stdout
             } else {
                 Console::Stderr
@@ -138,7 +143,7 @@ impl WorkerGroupSpec {
             rank,
             local_rank,
             stream: stream_name(stream),
-        })
+        }
     }
 
     /// Writes the agent's lines about a rank (its stack dump) as that rank's stderr shows on the
@@ -148,24 +153,10 @@ impl WorkerGroupSpec {
         let targets: Vec<(u32, LineTarget)> = ranks
             .into_iter()
             .map(|(local_rank, rank)| {
-                let target = self
-                    .console_target(local_rank, rank, Streams::STDERR)
-                    .unwrap_or_else(|| LineTarget {
-                        console: Console::Stderr,
-                        format: self.config.logs.format,
-                        prefix: logs::render_template(
-                            &self.config.logs.prefix_template,
-                            &self.hostname,
-                            rank,
-                            local_rank,
-                            &self.config.role,
-                        ),
-                        host: self.hostname.clone(),
-                        rank,
-                        local_rank,
-                        stream: "stderr",
-                    });
-                (local_rank, target)
+                (
+                    local_rank,
+                    self.line_target(local_rank, rank, Streams::STDERR),
+                )
             })
             .collect();
         let sink = self.logs.clone();

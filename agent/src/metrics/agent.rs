@@ -532,6 +532,47 @@ mod tests {
             .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
     }
 
+    /// An observer following a launch that never runs (no endpoint served), fed the parts' events
+    /// through `events`; the launch and the endpoint are kept so that it goes on watching (bind
+    /// them by name: `..` would drop them at once and end the observer).
+    struct Observed {
+        metrics: Metrics,
+        events: events::Events,
+        shutdown: CancellationToken,
+        _launch: Launch,
+        _endpoint: AgentEndpoint,
+    }
+
+    fn observed() -> Observed {
+        let metrics = Metrics::new();
+        let shutdown = CancellationToken::new();
+        let endpoint = start_endpoint(
+            Some("none".parse().unwrap()),
+            &metrics,
+            EndpointConfig::default(),
+            &shutdown,
+        )
+        .unwrap();
+        let mut config = Config::for_program("/bin/true", vec![], 1);
+        config.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
+        let launch = Launch::new(config);
+        let (events, parts) = events::Events::channel();
+        observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+        Observed {
+            metrics,
+            events,
+            shutdown,
+            _launch: launch,
+            _endpoint: endpoint,
+        }
+    }
+
+    /// The exposition once the observer (its own task) has drained what was published.
+    async fn scraped(metrics: &Metrics) -> String {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        String::from_utf8(metrics.encode()).unwrap()
+    }
+
     #[tokio::test]
     async fn a_launch_with_a_failure_and_a_restart_is_recorded() {
         let mut config = Config::for_program(
@@ -565,9 +606,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(outcome.exit_code, 3);
-        // Let the observer drain the last events.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let text = String::from_utf8(metrics.encode()).unwrap();
+        let text = scraped(&metrics).await;
         let v = |series: &str| value(&text, series);
         assert_eq!(v("muster_world_size"), Some(2.0));
         assert_eq!(v("muster_local_world_size"), Some(2.0));
@@ -640,20 +679,13 @@ mod tests {
 
     #[tokio::test]
     async fn the_parts_events_are_recorded_without_calling_into_the_metrics() {
-        let metrics = Metrics::new();
-        let shutdown = CancellationToken::new();
-        let endpoint = start_endpoint(
-            Some("none".parse().unwrap()),
-            &metrics,
-            EndpointConfig::default(),
-            &shutdown,
-        )
-        .unwrap();
-        let mut config = Config::for_program("/bin/true", vec![], 1);
-        config.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
-        let launch = Launch::new(config);
-        let (events, parts) = events::Events::channel();
-        observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+        let Observed {
+            metrics,
+            events,
+            shutdown,
+            _launch,
+            _endpoint,
+        } = observed();
         events.publish(events::Event::ResolvingStarted);
         events.publish(events::Event::DnsAttempt(events::DnsResult::NxDomain));
         events.publish(events::Event::DnsAttempt(events::DnsResult::Ok));
@@ -671,8 +703,7 @@ mod tests {
             elapsed: Duration::from_secs(2),
         });
         events.publish(events::Event::RendezvousStoreAccepting);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let text = String::from_utf8(metrics.encode()).unwrap();
+        let text = scraped(&metrics).await;
         let v = |series: &str| value(&text, series);
         assert_eq!(
             v(r#"muster_dns_resolution_attempts_total{result="nxdomain"}"#),
@@ -700,20 +731,13 @@ mod tests {
     #[tokio::test]
     async fn the_network_check_is_recorded_per_peer_and_replaced_by_the_next() {
         use crate::netcheck::summary::{Direction, PeerMeasurement, Summary};
-        let metrics = Metrics::new();
-        let shutdown = CancellationToken::new();
-        let endpoint = start_endpoint(
-            Some("none".parse().unwrap()),
-            &metrics,
-            EndpointConfig::default(),
-            &shutdown,
-        )
-        .unwrap();
-        let mut config = Config::for_program("/bin/true", vec![], 1);
-        config.logs.local_ranks_filter = Some(std::collections::BTreeSet::new());
-        let launch = Launch::new(config);
-        let (events, parts) = events::Events::channel();
-        observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
+        let Observed {
+            metrics,
+            events,
+            shutdown,
+            _launch,
+            _endpoint,
+        } = observed();
         let peer =
             |rank, direction, round, rtt_us: Option<u64>, bytes_per_second, slow| PeerMeasurement {
                 peer_node_rank: rank,
@@ -740,8 +764,7 @@ mod tests {
             },
             750,
         ));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let text = String::from_utf8(metrics.encode()).unwrap();
+        let text = scraped(&metrics).await;
         let v = |series: &str| value(&text, series);
         assert_eq!(
             v(r#"muster_network_checks_total{result="finding"}"#),
@@ -792,8 +815,7 @@ mod tests {
             },
             500,
         ));
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let text = String::from_utf8(metrics.encode()).unwrap();
+        let text = scraped(&metrics).await;
         let v = |series: &str| value(&text, series);
         assert_eq!(
             v(r#"muster_network_checks_total{result="clean"}"#),
@@ -808,8 +830,7 @@ mod tests {
             result: events::NetworkCheckResult::NoVerdict,
             elapsed: Duration::from_secs(5),
         });
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let text = String::from_utf8(metrics.encode()).unwrap();
+        let text = scraped(&metrics).await;
         let v = |series: &str| value(&text, series);
         assert_eq!(
             v(r#"muster_network_checks_total{result="no_verdict"}"#),

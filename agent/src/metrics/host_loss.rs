@@ -2,118 +2,80 @@
 //! rendezvous's read-only [`HostLossStats`], attached once the rendezvous exists; nothing is
 //! exported before (a single-node launch has no store host to lose).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
-use prometheus::core::{Collector, Desc};
+use prometheus::core::Desc;
 use prometheus::proto::{MetricFamily, MetricType};
 use rendezvous::rdzv::recovery::HostLossStats;
 use tokio::time::Instant;
 
-use super::live::{counter, descs, family, gauge, help};
+use super::attached::Attached;
+use super::live::{counter, family, gauge, help};
 
 const LOST: &str = "muster_rendezvous_host_lost_total";
 const WAITING: &str = "muster_rendezvous_host_waiting";
 const REJOINED: &str = "muster_rendezvous_host_rejoined_total";
 const WITHOUT_GANG: &str = "muster_rendezvous_seconds_without_gang_total";
 
-/// The collector, registered with the registry from the start; `attach` gives it its source.
-pub(super) struct HostLossCollector {
-    source: Mutex<Option<Arc<HostLossStats>>>,
-    descs: Vec<Desc>,
+/// The collector, empty until the rendezvous attaches its record (a single-node launch never does).
+pub(super) fn collector() -> Attached<Arc<HostLossStats>> {
+    let defs: [(&str, &str, &[&str]); 4] = [
+        (
+            LOST,
+            "Times this agent lost the store host (node 0) and began waiting for a replacement.",
+            &[],
+        ),
+        (
+            WAITING,
+            "1 while this agent waits for a replacement store host, else 0.",
+            &[],
+        ),
+        (
+            REJOINED,
+            "Times this agent rejoined the gang on a replacement store host.",
+            &[],
+        ),
+        (
+            WITHOUT_GANG,
+            "Seconds this agent spent without a gang after losing the store host, the wait in progress included.",
+            &[],
+        ),
+    ];
+    Attached::new(&defs, families)
 }
 
-impl HostLossCollector {
-    pub(super) fn new() -> Self {
-        let defs: [(&str, &str, &[&str]); 4] = [
-            (
-                LOST,
-                "Times this agent lost the store host (node 0) and began waiting for a replacement.",
-                &[],
-            ),
-            (
-                WAITING,
-                "1 while this agent waits for a replacement store host, else 0.",
-                &[],
-            ),
-            (
-                REJOINED,
-                "Times this agent rejoined the gang on a replacement store host.",
-                &[],
-            ),
-            (
-                WITHOUT_GANG,
-                "Seconds this agent spent without a gang after losing the store host, the wait in progress included.",
-                &[],
-            ),
-        ];
-        Self {
-            source: Mutex::new(None),
-            descs: descs(&defs),
-        }
-    }
-
-    pub(super) fn attach(&self, stats: Arc<HostLossStats>) {
-        *self.source.lock().unwrap_or_else(PoisonError::into_inner) = Some(stats);
-    }
-}
-
-impl Collector for HostLossCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        self.descs.iter().collect()
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        let Some(stats) = self
-            .source
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-        else {
-            return Vec::new();
+fn families(stats: &Arc<HostLossStats>, descs: &[Desc]) -> Vec<MetricFamily> {
+    #[allow(clippy::cast_precision_loss)] // counts far below 2^52
+    let (lost, rejoined) = (stats.lost_total() as f64, stats.rejoined_total() as f64);
+    let metric = |name: &str, kind: MetricType, value: f64| {
+        let sample = if kind == MetricType::COUNTER {
+            counter(&[], value)
+        } else {
+            gauge(&[], value)
         };
-        #[allow(clippy::cast_precision_loss)] // counts far below 2^52
-        let (lost, rejoined) = (stats.lost_total() as f64, stats.rejoined_total() as f64);
-        let metric = |name: &str, kind: MetricType, value: f64| {
-            let sample = if kind == MetricType::COUNTER {
-                counter(&[], value)
-            } else {
-                gauge(&[], value)
-            };
-            family(name, help(&self.descs, name), kind, vec![sample])
-        };
-        vec![
-            metric(LOST, MetricType::COUNTER, lost),
-            metric(
-                WAITING,
-                MetricType::GAUGE,
-                f64::from(u8::from(stats.waiting())),
-            ),
-            metric(REJOINED, MetricType::COUNTER, rejoined),
-            metric(
-                WITHOUT_GANG,
-                MetricType::COUNTER,
-                stats.seconds_without_gang(Instant::now()),
-            ),
-        ]
-    }
-}
-
-/// Shares one collector between the registry and [`super::Metrics::attach_host_loss`].
-pub(super) struct SharedHostLossCollector(pub(super) Arc<HostLossCollector>);
-
-impl Collector for SharedHostLossCollector {
-    fn desc(&self) -> Vec<&Desc> {
-        self.0.desc()
-    }
-
-    fn collect(&self) -> Vec<MetricFamily> {
-        self.0.collect()
-    }
+        family(name, help(descs, name), kind, vec![sample])
+    };
+    vec![
+        metric(LOST, MetricType::COUNTER, lost),
+        metric(
+            WAITING,
+            MetricType::GAUGE,
+            f64::from(u8::from(stats.waiting())),
+        ),
+        metric(REJOINED, MetricType::COUNTER, rejoined),
+        metric(
+            WITHOUT_GANG,
+            MetricType::COUNTER,
+            stats.seconds_without_gang(Instant::now()),
+        ),
+    ]
 }
 
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use prometheus::core::Collector;
 
     use super::*;
 
@@ -132,7 +94,7 @@ mod tests {
 
     #[test]
     fn nothing_before_a_rendezvous_attaches_then_what_it_went_through() {
-        let collector = HostLossCollector::new();
+        let collector = collector();
         assert!(
             collector.collect().is_empty(),
             "single node: no store host to lose"

@@ -32,6 +32,7 @@
 //! names appear only in `muster_job_info`.
 
 pub mod agent;
+mod attached;
 pub mod auth;
 mod conns;
 mod gpu;
@@ -61,6 +62,7 @@ pub use http::{
 pub use script::ScriptMetrics;
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 
+use attached::Attached;
 use live::Live;
 
 pub use crate::launch::config::{AddrError, MetricsAddr, DEFAULT_METRICS_ADDR, METRICS_ADDR_ENV};
@@ -398,9 +400,9 @@ struct Inner {
     names: Vec<String>,
     live: Arc<Live>,
     store: Arc<store::StoreCollector>,
-    output: Arc<output::OutputCollector>,
-    gpu: Arc<gpu::GpuCollector>,
-    host_loss: Arc<host_loss::HostLossCollector>,
+    output: Attached<Arc<crate::logs::OutputStats>>,
+    gpu: Attached<crate::gpu::watch::Watch>,
+    host_loss: Attached<Arc<rendezvous::rdzv::recovery::HostLossStats>>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     readiness: AtomicU8,
     /// The training script's own metrics, merged into `/metrics` when attached.
@@ -532,12 +534,9 @@ impl Metrics {
         defs.add(live::LiveCollector::new(Arc::clone(&live)));
         let store = Arc::new(store::StoreCollector::new());
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
-        let output = Arc::new(output::OutputCollector::new());
-        defs.add(output::SharedOutputCollector(Arc::clone(&output)));
-        let gpu = Arc::new(gpu::GpuCollector::new());
-        defs.add(gpu::SharedGpuCollector(Arc::clone(&gpu)));
-        let host_loss = Arc::new(host_loss::HostLossCollector::new());
-        defs.add(host_loss::SharedHostLossCollector(Arc::clone(&host_loss)));
+        let output = defs.register(output::collector());
+        let gpu = defs.register(gpu::collector());
+        let host_loss = defs.register(host_loss::collector());
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
 
@@ -1248,13 +1247,13 @@ impl Metrics {
 
     // ---- store --------------------------------------------------------------------------------
 
-    /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
-    /// store per attempt) keeps its counters monotonic.
     /// Samples the multi-node rendezvous's record of store-host losses from now on.
     pub fn attach_host_loss(&self, stats: Arc<rendezvous::rdzv::recovery::HostLossStats>) {
         self.inner.host_loss.attach(stats);
     }
 
+    /// Exports the statistics of a store this agent hosts. Replacing the store of a role (a fresh
+    /// store per attempt) keeps its counters monotonic.
     pub fn attach_store(&self, role: StoreRole, source: Arc<dyn StoreStatsSource>) {
         self.inner.store.attach(role, source);
     }

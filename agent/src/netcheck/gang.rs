@@ -228,18 +228,7 @@ async fn coordinate<K: Kv>(
         debug!("network check round 2: {plan2:?}");
         let mine: Vec<Pair> = plan2.iter().copied().filter(|p| p.from == 0).collect();
         let now = Instant::now();
-        let r2 = measure_all(
-            &mine,
-            2,
-            peers,
-            round,
-            budget.mul_f64(0.2),
-            now + budget.mul_f64(0.3),
-        )
-        .await;
-        kv.set(&keys.key("r2/0"), &serde_json::to_vec(&r2)?)
-            .await
-            .map_err(lost)?;
+        measure_round_2(kv, keys, &mine, peers, round, now).await?;
         let senders: BTreeSet<u32> = plan2.iter().map(|p| p.from).collect();
         let r2_keys: Vec<Vec<u8>> = senders
             .iter()
@@ -290,6 +279,33 @@ async fn coordinate<K: Kv>(
     Ok(Outcome::Report(report))
 }
 
+/// Round 2 on one node (node 0 or a member): measures its `pairs` of the plan from `now` (each
+/// stream a fifth of the budget, all within three tenths) and publishes them for node 0.
+async fn measure_round_2<K: Kv>(
+    kv: &mut K,
+    keys: &NetKeys,
+    pairs: &[Pair],
+    peers: &[Option<Published>],
+    round: &RoundInfo,
+    now: Instant,
+) -> Result<(), CheckError> {
+    let budget = round.settings.budget;
+    let r2 = measure_all(
+        pairs,
+        2,
+        peers,
+        round,
+        budget.mul_f64(0.2),
+        now + budget.mul_f64(0.3),
+    )
+    .await;
+    let me = round.me.group_rank;
+    kv.set(&keys.key(&format!("r2/{me}")), &serde_json::to_vec(&r2)?)
+        .await
+        .map_err(lost)?;
+    Ok(())
+}
+
 /// A member: wait for round 2's plan, measure its part, wait for the verdict.
 async fn follow<K: Kv>(
     kv: &mut K,
@@ -312,19 +328,7 @@ async fn follow<K: Kv>(
     };
     let mine: Vec<Pair> = plan2.into_iter().filter(|p| p.from == me).collect();
     if !mine.is_empty() {
-        let now = Instant::now();
-        let r2 = measure_all(
-            &mine,
-            2,
-            peers,
-            round,
-            budget.mul_f64(0.2),
-            now + budget.mul_f64(0.3),
-        )
-        .await;
-        kv.set(&keys.key(&format!("r2/{me}")), &serde_json::to_vec(&r2)?)
-            .await
-            .map_err(lost)?;
+        measure_round_2(kv, keys, &mine, peers, round, Instant::now()).await?;
     }
     let verdict_key = vec![keys.key("verdict")];
     let Some(report) =

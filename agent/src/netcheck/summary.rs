@@ -107,19 +107,8 @@ impl Summary {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::netcheck::verdict::tests::s as sample;
     use crate::netcheck::verdict::{self, Action, NodeInfo};
-
-    fn sample(from: u32, to: u32, round: u8, mbps: u64, rtt_us: u64) -> Sample {
-        Sample {
-            from,
-            to,
-            round,
-            rtt_us: Some(rtt_us),
-            bytes: mbps * 1_000_000,
-            micros: 1_000_000,
-            error: None,
-        }
-    }
 
     /// Four nodes whose node ranks differ from their group ranks (a re-formed gang); group rank
     /// 2 (node rank 7) is slow, and round 2 measured it again from node 0.

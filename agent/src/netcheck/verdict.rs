@@ -439,11 +439,11 @@ pub fn table(nodes: &[NodeInfo], samples: &[Sample], c: &Classifier) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
     /// A measurement of `mbps` MB/s and `rtt_us` µs, as a recorded stream of one second.
-    fn s(from: u32, to: u32, round: u8, mbps: u64, rtt_us: u64) -> Sample {
+    pub(in crate::netcheck) fn s(from: u32, to: u32, round: u8, mbps: u64, rtt_us: u64) -> Sample {
         Sample {
             from,
             to,

@@ -1353,16 +1353,83 @@ mod tests {
         );
     }
 
+    /// The calls a [`Hooked`] connection passes through, with what a hook looks at.
+    enum Call<'a> {
+        Add { key: &'a [u8], delta: i64 },
+        Other,
+    }
+
+    /// What a fake store connection does before each call goes through to the store.
+    trait Hook: Send {
+        fn before(
+            &mut self,
+            store: &MemKv,
+            call: Call<'_>,
+        ) -> impl std::future::Future<Output = Result<(), KvError>> + Send;
+    }
+
+    /// A store connection that runs its hook, then passes the call through to `inner`.
+    struct Hooked<H> {
+        inner: MemKv,
+        hook: H,
+    }
+
+    impl<H> Hooked<H> {
+        fn new(kv: &MemKv, hook: H) -> Self {
+            Self {
+                inner: kv.connect(),
+                hook,
+            }
+        }
+    }
+
+    impl<H: Hook> Kv for Hooked<H> {
+        async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
+            self.hook.before(&self.inner, Call::Other).await?;
+            self.inner.get(key).await
+        }
+        async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
+            self.hook.before(&self.inner, Call::Other).await?;
+            self.inner.set(key, value).await
+        }
+        async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
+            self.hook
+                .before(&self.inner, Call::Add { key, delta })
+                .await?;
+            self.inner.add(key, delta).await
+        }
+        async fn compare_set(
+            &mut self,
+            key: &[u8],
+            expected: &[u8],
+            desired: &[u8],
+        ) -> Result<Vec<u8>, KvError> {
+            self.hook.before(&self.inner, Call::Other).await?;
+            self.inner.compare_set(key, expected, desired).await
+        }
+        async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
+            self.hook.before(&self.inner, Call::Other).await?;
+            self.inner.multi_get(keys).await
+        }
+        async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
+            self.hook.before(&self.inner, Call::Other).await?;
+            self.inner.multi_set(pairs).await
+        }
+        async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
+            self.hook.before(&self.inner, Call::Other).await?;
+            self.inner.wait(keys, timeout).await
+        }
+    }
+
     /// A store host that is alive but starved: every operation hangs for the operation timeout
     /// and fails as slow until `until`, then the store answers again.
     struct Starved {
-        inner: MemKv,
         until: Instant,
         op_timeout: Duration,
     }
 
-    impl Starved {
-        async fn gate(&self) -> Result<(), KvError> {
+    impl Hook for Starved {
+        async fn before(&mut self, _: &MemKv, _: Call<'_>) -> Result<(), KvError> {
             if Instant::now() < self.until {
                 sleep(self.op_timeout).await;
                 return Err(KvError::Slow(
@@ -1373,42 +1440,6 @@ mod tests {
         }
     }
 
-    impl Kv for Starved {
-        async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
-            self.gate().await?;
-            self.inner.get(key).await
-        }
-        async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-            self.gate().await?;
-            self.inner.set(key, value).await
-        }
-        async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
-            self.gate().await?;
-            self.inner.add(key, delta).await
-        }
-        async fn compare_set(
-            &mut self,
-            key: &[u8],
-            expected: &[u8],
-            desired: &[u8],
-        ) -> Result<Vec<u8>, KvError> {
-            self.gate().await?;
-            self.inner.compare_set(key, expected, desired).await
-        }
-        async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
-            self.gate().await?;
-            self.inner.multi_get(keys).await
-        }
-        async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
-            self.gate().await?;
-            self.inner.multi_set(pairs).await
-        }
-        async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
-            self.gate().await?;
-            self.inner.wait(keys, timeout).await
-        }
-    }
-
     #[tokio::test(start_paused = true)]
     async fn a_slow_store_host_is_not_lost_at_the_heartbeat_timeout_but_at_the_stall_limit() {
         let kv = MemKv::default();
@@ -1416,11 +1447,13 @@ mod tests {
         let mut formed = form_nodes(&kv, &c, 2).await;
         let (r1, j1) = formed.pop().expect("node 1");
         // Starved for three heartbeat timeouts (the 2,048-agent case), then answering again.
-        let starved = Starved {
-            inner: kv.connect(),
-            until: Instant::now() + c.heartbeat_timeout * 3,
-            op_timeout: c.heartbeat_timeout,
-        };
+        let starved = Hooked::new(
+            &kv,
+            Starved {
+                until: Instant::now() + c.heartbeat_timeout * 3,
+                op_timeout: c.heartbeat_timeout,
+            },
+        );
         let stop = CancellationToken::new();
         let w = tokio::spawn(
             r1.watcher(starved, &j1.assignment)
@@ -1431,11 +1464,13 @@ mod tests {
         stop.cancel();
         assert_eq!(w.await.expect("task"), Event::Stopped);
         // Starved for good: lost at the stall limit, and the reason says why.
-        let starved = Starved {
-            inner: kv.connect(),
-            until: Instant::now() + Duration::from_secs(3600),
-            op_timeout: c.heartbeat_timeout,
-        };
+        let starved = Hooked::new(
+            &kv,
+            Starved {
+                until: Instant::now() + Duration::from_secs(3600),
+                op_timeout: c.heartbeat_timeout,
+            },
+        );
         let started = Instant::now();
         let w = tokio::spawn(
             r1.watcher(starved, &j1.assignment)
@@ -1566,40 +1601,18 @@ mod tests {
     /// A store connection on which another member's report lands just before this connection's
     /// abort: the interleaving "the watcher fires between the last report and the completion".
     struct ReportBeforeAbort {
-        inner: MemKv,
         done_key: Vec<u8>,
     }
 
-    impl Kv for ReportBeforeAbort {
-        async fn get(&mut self, key: &[u8]) -> Result<Vec<u8>, KvError> {
-            self.inner.get(key).await
-        }
-        async fn set(&mut self, key: &[u8], value: &[u8]) -> Result<(), KvError> {
-            self.inner.set(key, value).await
-        }
-        async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, KvError> {
-            if delta == decide::ABORT && key == self.done_key.as_slice() {
-                // The last member's report (its ADD) lands first; it has not woken anyone yet.
-                self.inner.connect().add(key, 1).await?;
+    impl Hook for ReportBeforeAbort {
+        async fn before(&mut self, store: &MemKv, call: Call<'_>) -> Result<(), KvError> {
+            if let Call::Add { key, delta } = call {
+                if delta == decide::ABORT && key == self.done_key.as_slice() {
+                    // The last member's report (its ADD) lands first; it has not woken anyone yet.
+                    store.connect().add(key, 1).await?;
+                }
             }
-            self.inner.add(key, delta).await
-        }
-        async fn compare_set(
-            &mut self,
-            key: &[u8],
-            expected: &[u8],
-            desired: &[u8],
-        ) -> Result<Vec<u8>, KvError> {
-            self.inner.compare_set(key, expected, desired).await
-        }
-        async fn multi_get(&mut self, keys: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, KvError> {
-            self.inner.multi_get(keys).await
-        }
-        async fn multi_set(&mut self, pairs: &[(Vec<u8>, Vec<u8>)]) -> Result<(), KvError> {
-            self.inner.multi_set(pairs).await
-        }
-        async fn wait(&mut self, keys: &[Vec<u8>], timeout: Duration) -> Result<(), KvError> {
-            self.inner.wait(keys, timeout).await
+            Ok(())
         }
     }
 
@@ -1665,10 +1678,7 @@ mod tests {
         // Node 2 never heartbeats, so node 0's watcher judges it lost; its report lands between
         // that judgement and node 0's abort.
         let done_key = Keys::new("job").done(j2.assignment.generation);
-        let watch_kv = ReportBeforeAbort {
-            inner: kv.connect(),
-            done_key,
-        };
+        let watch_kv = Hooked::new(&kv, ReportBeforeAbort { done_key });
         let fired0 = CancellationToken::new();
         let w0 = tokio::spawn(
             r0.watcher(watch_kv, &j0.assignment)
