@@ -302,3 +302,32 @@ def test_muster_stacks_prints_every_local_ranks_stacks_now(tmp_path):
     assert p.returncode == 1, (p.stdout, p.stderr)
     assert p.stderr.startswith("muster: error: cannot ask the agent at 127.0.0.1:"), p.stderr
 
+
+# ---- the faulthandler fallback, end to end -------------------------------------------------
+
+
+def test_without_py_spy_the_stacks_come_from_faulthandler_through_the_helper(tmp_path):
+    """MUSTER_TEST_NO_PYSPY stands in for a rank whose memory cannot be read (a seccomp profile
+    without process_vm_readv): the helper's faulthandler registration answers instead."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    agent = Agent([muster_bin(), "--nproc-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT),
+                   "--max-restarts", "0", "--metrics-addr", "none", "--shutdown-timeout", "5",
+                   str(script)],
+                  muster_env({"HANG_RANK": "1", "MUSTER_TEST_NO_PYSPY": "1"}))
+    try:
+        code = agent.finish(180)
+    finally:
+        agent.kill()
+    text = agent.text()
+    assert code == 207, text
+    for rank in (0, 1):
+        assert re.search(rf"muster: stacks of rank {rank} \(local rank {rank}, pid \d+\), "
+                         r"read with faulthandler through the helper:", text), (rank, text)
+    assert "read with py-spy" not in text, text
+    # faulthandler's frames, as the agent parsed them, with the rank's prefix.
+    assert re.search(r"\[\S+:1\]\s+stuck_in_data_loader \(\S+worker\.py:\d+\)", text), text
+    assert re.search(r"\[\S+:0\]\s+all_reduce \(\S*torch/distributed/distributed_c10d\.py:\d+\)",
+                     text), text
+    assert "innermost frame: stuck_in_data_loader" in text, text
+    assert "stacks: read with faulthandler through the helper; every rank's are in the log" in text, text
