@@ -304,7 +304,10 @@ pub fn render_json(
     }
     let (gone, kept) = split_dumps(failure, removed);
     if !kept.is_empty() {
-        let names: Vec<String> = kept.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+        let names: Vec<String> = kept
+            .iter()
+            .map(|p| p.to_string_lossy().into_owned())
+            .collect();
         extra.insert("flight_recorder_dumps".into(), names.into());
     }
     if gone > 0 {
@@ -402,15 +405,17 @@ mod tests {
             "muster:   NCCL flight recorder dumps (each rank's last collectives): \
              /logs/job_x/attempt_0/nccl_trace_rank_2, /logs/job_x/attempt_0/nccl_trace_rank_3\n"
         );
-        let v: serde_json::Value =
-            serde_json::from_str(&render_json(&f, 1, true, None)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, true, None)).unwrap();
         assert_eq!(
             v["flight_recorder_dumps"][1],
             "/logs/job_x/attempt_0/nccl_trace_rank_3"
         );
         let private = Path::new("/logs/job_x");
         let text = render_flight_recorder(&f, Some(private));
-        assert!(text.starts_with("muster:   2 NCCL flight recorder dump(s)"), "{text}");
+        assert!(
+            text.starts_with("muster:   2 NCCL flight recorder dump(s)"),
+            "{text}"
+        );
         assert!(text.contains("pass --log-dir"), "{text}");
         let v: serde_json::Value =
             serde_json::from_str(&render_json(&f, 1, false, Some(private))).unwrap();

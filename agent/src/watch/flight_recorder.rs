@@ -103,7 +103,9 @@ impl FlightRecorder {
                 e.file_name()
                     .to_str()
                     .and_then(|name| name.strip_prefix(stem.as_ref()))
-                    .is_some_and(|rank| !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit()))
+                    .is_some_and(|rank| {
+                        !rank.is_empty() && rank.bytes().all(|b| b.is_ascii_digit())
+                    })
             })
             .filter(|e| {
                 e.metadata()
@@ -181,7 +183,12 @@ mod tests {
     fn dumps_are_the_ranks_files_of_this_attempt() {
         let dir = std::env::temp_dir().join(format!("muster-fr-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for name in ["nccl_trace_rank_3", "nccl_trace_rank_0", "nccl_trace_rank_", "other_1"] {
+        for name in [
+            "nccl_trace_rank_3",
+            "nccl_trace_rank_0",
+            "nccl_trace_rank_",
+            "other_1",
+        ] {
             std::fs::write(dir.join(name), b"x").unwrap();
         }
         let fr = decide(Some(&dir), &|_| None);
@@ -190,8 +197,13 @@ mod tests {
             vec![dir.join("nccl_trace_rank_0"), dir.join("nccl_trace_rank_3")]
         );
         let later = SystemTime::now() + std::time::Duration::from_secs(3600);
-        assert!(fr.dumps(later).is_empty(), "older files are another attempt's");
-        assert!(decide(None, &|_| None).dumps(SystemTime::UNIX_EPOCH).is_empty());
+        assert!(
+            fr.dumps(later).is_empty(),
+            "older files are another attempt's"
+        );
+        assert!(decide(None, &|_| None)
+            .dumps(SystemTime::UNIX_EPOCH)
+            .is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
