@@ -108,7 +108,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     launch = launch
         .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .on_terminate(preemption.terminate_hook());
-    launch = watch_hangs(launch, &preemption);
+    launch = watch_hangs(launch, &preemption, &metrics);
     if let Some(dir) = preemption.writable_base().and_then(|base| {
         crate::scratch::workers_tmpdir(
             base,
@@ -200,13 +200,13 @@ async fn preflight(
 }
 
 /// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
-/// helper's `faulthandler` fallback writes (the helper's own private directory).
-fn watch_hangs(launch: Launch, preemption: &Preemption) -> Launch {
+/// helper's `faulthandler` fallback writes (the helper's own private directory). Its view of the
+/// running ranks is what `GET /debug/stacks` reads.
+fn watch_hangs(launch: Launch, preemption: &Preemption, metrics: &Metrics) -> Launch {
     let policy = launch.config().hang;
-    let mut launch = launch.with_watchdog(std::sync::Arc::new(crate::hang_watch::HangWatch::new(
-        policy,
-        preemption.progress_view(),
-    )));
+    let watch = crate::hang_watch::HangWatch::new(policy, preemption.progress_view());
+    metrics.attach_stacks(std::sync::Arc::new(watch.stacks_source()));
+    let mut launch = launch.with_watchdog(std::sync::Arc::new(watch));
     if let Some(dir) = preemption.helper_dir() {
         launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
     }

@@ -205,3 +205,129 @@ def test_without_record_the_summary_shows_the_exception_line_of_stderr(tmp_path)
                        env=muster_env(), capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
     assert "muster:   error: ValueError: batch 7 has no labels\n" in p.stderr, p.stderr
+
+
+# ---- on-demand stacks: `muster stacks` and GET /debug/stacks -------------------------------
+
+PARKED = r'''
+import os, time
+import muster_checkpoint
+
+ckpt = muster_checkpoint.Checkpointer()
+rank = int(os.environ["RANK"])
+
+
+def parked_for_an_operator():
+    print(f"PARKED rank={rank}", flush=True)
+    for step in range(3000):
+        ckpt.should_save(step)
+        time.sleep(0.05)
+
+
+parked_for_an_operator()
+'''
+
+
+def global_ipv4():
+    """This machine's first non-loopback IPv4 address, used as a request's SOURCE towards
+    127.0.0.1 (nothing but loopback is targeted; the agent still sees a non-loopback peer)."""
+    try:
+        out = subprocess.run(["ip", "-4", "-o", "addr", "show", "scope", "global"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
+    return match.group(1) if match else None
+
+
+def get_status(port, path, source=None):
+    import socket
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    try:
+        if source:
+            sock.bind((source, 0))
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    finally:
+        sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+def test_muster_stacks_prints_every_local_ranks_stacks_now(tmp_path):
+    script = tmp_path / "parked.py"
+    script.write_text(PARKED)
+    port = free_port()
+    agent = Agent([muster_bin(), "--nproc-per-node", "2", "--metrics-addr", f"0.0.0.0:{port}",
+                   str(script)], muster_env())
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not all(agent.first(f"PARKED rank={r}") for r in (0, 1)):
+            assert agent.proc.poll() is None, agent.text()
+            time.sleep(0.1)
+        assert all(agent.first(f"PARKED rank={r}") for r in (0, 1)), agent.text()
+
+        # The flag, and the agent's own variable.
+        for how, extra in (("flag", ["--metrics-addr", f"0.0.0.0:{port}"]), ("env", [])):
+            env = muster_env({"MUSTER_METRICS_ADDR": f":{port}"} if how == "env" else None)
+            p = subprocess.run([muster_bin(), "stacks", *extra], env=env, capture_output=True,
+                               text=True, timeout=90)
+            assert p.returncode == 0, (how, p.stdout, p.stderr)
+            for rank in (0, 1):
+                assert re.search(rf"muster: stacks of rank {rank} \(local rank {rank}, pid \d+\), "
+                                 r"read with py-spy:", p.stdout), (how, p.stdout)
+            assert re.search(r"parked_for_an_operator \(\S+parked\.py:\d+\)", p.stdout), p.stdout
+            assert "(main), most recent call first:" in p.stdout, p.stdout
+
+        # Loopback only: a peer from another address is refused, and nothing is read.
+        source = global_ipv4()
+        if source is not None:
+            status, body = get_status(port, "/debug/stacks", source=source)
+            assert status == 403, body
+            assert "only answered inside the pod" in body, body
+            assert get_status(port, "/healthz", source=source)[0] == 200
+        # The job keeps running through all of it.
+        assert agent.proc.poll() is None, agent.text()
+        assert "hang detected" not in agent.text(), agent.text()
+    finally:
+        agent.kill()
+
+    # No agent listening: a message and exit 1, not a traceback.
+    p = subprocess.run([muster_bin(), "stacks", "--metrics-addr", f"127.0.0.1:{free_port()}"],
+                       env=muster_env(), capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert p.stderr.startswith("muster: error: cannot ask the agent at 127.0.0.1:"), p.stderr
+
+
+# ---- the faulthandler fallback, end to end -------------------------------------------------
+
+
+def test_without_py_spy_the_stacks_come_from_faulthandler_through_the_helper(tmp_path):
+    """MUSTER_TEST_NO_PYSPY stands in for a rank whose memory cannot be read (a seccomp profile
+    without process_vm_readv): the helper's faulthandler registration answers instead."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    agent = Agent([muster_bin(), "--nproc-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT),
+                   "--max-restarts", "0", "--metrics-addr", "none", "--shutdown-timeout", "5",
+                   str(script)],
+                  muster_env({"HANG_RANK": "1", "MUSTER_TEST_NO_PYSPY": "1"}))
+    try:
+        code = agent.finish(180)
+    finally:
+        agent.kill()
+    text = agent.text()
+    assert code == 207, text
+    for rank in (0, 1):
+        assert re.search(rf"muster: stacks of rank {rank} \(local rank {rank}, pid \d+\), "
+                         r"read with faulthandler through the helper:", text), (rank, text)
+    assert "read with py-spy" not in text, text
+    # faulthandler's frames, as the agent parsed them, with the rank's prefix.
+    assert re.search(r"\[\S+:1\]\s+stuck_in_data_loader \(\S+worker\.py:\d+\)", text), text
+    assert re.search(r"\[\S+:0\]\s+all_reduce \(\S*torch/distributed/distributed_c10d\.py:\d+\)",
+                     text), text
+    assert "innermost frame: stuck_in_data_loader" in text, text
+    assert "stacks: read with faulthandler through the helper; every rank's are in the log" in text, text

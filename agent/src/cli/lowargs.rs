@@ -363,7 +363,8 @@ pub fn help_text() -> String {
          Usage: muster [OPTIONS] <script.py | -m module | --no-python program> [ARGS]...\n\
          \x20      muster dry-run --nnodes N [OPTIONS] script.py [ARGS]...   N agents on loopback\n\
          \x20      muster store [OPTIONS]       a standalone TCPStore server\n\
-         \x20      muster gpu-check [OPTIONS]   the GPU pre-flight alone\n\n\
+         \x20      muster gpu-check [OPTIONS]   the GPU pre-flight alone\n\
+         \x20      muster stacks [OPTIONS]      every local rank's Python stacks now (ask the agent)\n\n\
          Options (each also as --name_with_underscores):\n",
     );
     for def in FLAGS {
@@ -510,7 +511,12 @@ mod tests {
     fn help_names_every_subcommand() {
         let help = help_text();
         let usage = help.split("Options").next().unwrap_or_default();
-        for sub in ["muster dry-run", "muster store", "muster gpu-check"] {
+        for sub in [
+            "muster dry-run",
+            "muster store",
+            "muster gpu-check",
+            "muster stacks",
+        ] {
             assert!(
                 usage.contains(sub),
                 "{sub} missing from the usage:\n{usage}"

@@ -28,6 +28,10 @@ const NOT_LAUNCH_FLAGS: &[(&str, &str)] = &[
     ("event-log-handler", "torchrun flag muster rejects"),
     ("duplicate-stdout-filters", "torchrun flag muster rejects"),
     ("duplicate-stderr-filters", "torchrun flag muster rejects"),
+    (
+        "timeout",
+        "`muster stacks --timeout`, listed by `muster stacks --help`",
+    ),
 ];
 
 /// Every `--name` in `text`, in the dash spelling (`--nproc_per_node=4` gives `nproc-per-node`).

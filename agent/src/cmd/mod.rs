@@ -2,8 +2,9 @@
 //! torchrun-compatible launch form; one module per command, and the one place where an outcome
 //! becomes an exit code (ripgrep's shape: `main` → `run` → `Result<u8>`).
 //!
-//! `muster store ...` ([`store`]), `muster gpu-check ...` ([`gpu_check`]) and `muster dry-run
-//! ...` ([`dry_run`]) are subcommands; anything else (`muster --nproc-per-node 4 train.py`,
+//! `muster store ...` ([`store`]), `muster gpu-check ...` ([`gpu_check`]), `muster dry-run
+//! ...` ([`dry_run`]) and `muster stacks` ([`stacks`]) are subcommands; anything else (`muster
+//! --nproc-per-node 4 train.py`,
 //! [`launch`]) is the drop-in form of `torchrun`. A training script that happens to be called
 //! `store` is still reachable as `./store` or `muster -- store`.
 //!
@@ -17,6 +18,7 @@ mod doc_check;
 pub mod dry_run;
 pub mod gpu_check;
 pub mod launch;
+pub mod stacks;
 pub mod store;
 
 use std::ffi::OsString;
@@ -34,7 +36,7 @@ use crate::logs::LogFormat;
 /// Entry point used by the binary.
 pub fn main(args: &[OsString]) -> ExitCode {
     let format = match subcommand(args) {
-        "store" | "gpu-check" | "dry-run" => LogFormat::Text,
+        "store" | "gpu-check" | "dry-run" | "stacks" => LogFormat::Text,
         _ => crate::cli::requested_log_format(args),
     };
     let code = match run(args) {
@@ -57,6 +59,7 @@ fn run(args: &[OsString]) -> anyhow::Result<u8> {
         "store" => store::run(args),
         "gpu-check" => gpu_check::run(args),
         "dry-run" => dry_run::run(args),
+        "stacks" => stacks::run(args),
         _ => launch::run(args),
     }
 }

@@ -12,6 +12,7 @@
 //! stalled rank after [`SETTLE`].
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -19,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
 use crate::checkpoint::local::{ProgressView, RankWatch};
-use crate::launch::{BoxFuture, Watchdog, WatchedAttempt};
+use crate::launch::{BoxFuture, Watchdog, WatchedAttempt, WatchedWorker};
 use crate::watch::gang::{self, Notice};
 use crate::watch::hang::{self, Policy, RankView, Section, Stall, Waiting};
 use crate::watch::stacks::{self, Faulthandler, ProcessStacks};
@@ -35,17 +36,110 @@ pub const SETTLE: Duration = Duration::from_secs(10);
 pub struct HangWatch {
     policy: Policy,
     view: ProgressView,
+    live: Arc<Mutex<Live>>,
 }
 
 impl HangWatch {
     pub fn new(policy: Policy, view: ProgressView) -> Self {
-        Self { policy, view }
+        Self {
+            policy,
+            view,
+            live: Arc::default(),
+        }
+    }
+
+    /// The running attempt's ranks, for reading their stacks on demand (`muster stacks`).
+    pub fn stacks_source(&self) -> Stacks {
+        Stacks {
+            view: self.view.clone(),
+            live: Arc::clone(&self.live),
+        }
     }
 }
 
 impl Watchdog for HangWatch {
     fn watch(&self, attempt: WatchedAttempt) -> BoxFuture<'static, Hang> {
-        Box::pin(run(self.policy, self.view.clone(), attempt))
+        // Every attempt is watched (also with the timeout off) so that its ranks are known to
+        // [`Stacks`] while it runs; the registration ends when the attempt drops the watch.
+        let registered = Registered::new(&self.live, &attempt);
+        let watch = run(self.policy, self.view.clone(), attempt);
+        Box::pin(async move {
+            let _registered = registered;
+            watch.await
+        })
+    }
+}
+
+/// The attempt whose ranks are running now, if any.
+#[derive(Default)]
+struct Live {
+    generation: u64,
+    current: Option<Running>,
+}
+
+struct Running {
+    workers: Vec<WatchedWorker>,
+    started: Instant,
+    exited: tokio::sync::watch::Receiver<Vec<u32>>,
+}
+
+/// Holds an attempt's place in [`Live`] until dropped.
+struct Registered {
+    live: Arc<Mutex<Live>>,
+    generation: u64,
+}
+
+impl Registered {
+    fn new(live: &Arc<Mutex<Live>>, attempt: &WatchedAttempt) -> Self {
+        let mut l = live.lock().unwrap_or_else(PoisonError::into_inner);
+        l.generation += 1;
+        l.current = Some(Running {
+            workers: attempt.workers.clone(),
+            started: attempt.started,
+            exited: attempt.exited.clone(),
+        });
+        Self {
+            live: Arc::clone(live),
+            generation: l.generation,
+        }
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let mut l = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+        // A later attempt registered already: its ranks stay.
+        if l.generation == self.generation {
+            l.current = None;
+        }
+    }
+}
+
+/// Read-only: every local rank's stacks now, read the way the hang dump reads them.
+#[derive(Clone)]
+pub struct Stacks {
+    view: ProgressView,
+    live: Arc<Mutex<Live>>,
+}
+
+impl Stacks {
+    /// The dump of every running local rank (a header per rank, then its threads), or `None`
+    /// when no attempt is running.
+    pub async fn dump(&self) -> Option<Vec<String>> {
+        let (workers, started, exited) = {
+            let l = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+            let running = l.current.as_ref()?;
+            let exited = running.exited.borrow().clone();
+            (running.workers.clone(), running.started, exited)
+        };
+        let reports = self.view.ranks();
+        let mut lines = Vec::new();
+        for w in workers.iter().filter(|w| !exited.contains(&w.local_rank)) {
+            let report = report_since(started, &reports, w.local_rank);
+            let (pid, read) = read_rank(w, report).await;
+            lines.extend(dump_lines(w, pid, &read));
+        }
+        Some(lines)
     }
 }
 
@@ -88,9 +182,13 @@ fn current_report<'a>(
     reports: &'a [RankWatch],
     local_rank: u32,
 ) -> Option<&'a RankWatch> {
+    report_since(attempt.started, reports, local_rank)
+}
+
+fn report_since(started: Instant, reports: &[RankWatch], local_rank: u32) -> Option<&RankWatch> {
     reports
         .iter()
-        .find(|r| r.local_rank == local_rank && r.connected_at >= attempt.started)
+        .find(|r| r.local_rank == local_rank && r.connected_at >= started)
 }
 
 fn store_addr(attempt: &WatchedAttempt) -> Option<SocketAddr> {
@@ -251,34 +349,51 @@ async fn dump_all(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<Dump> 
         .filter(|w| !exited.contains(&w.local_rank))
     {
         let report = current_report(attempt, reports, w.local_rank);
-        let pid = report.and_then(|r| r.pid).unwrap_or(w.pid);
-        let faulthandler = report.and_then(|r| {
-            r.faulthandler.as_ref().map(|(signal, file)| Faulthandler {
-                signal: *signal,
-                file: file.clone(),
-            })
-        });
-        let read = stacks::read(pid, faulthandler.as_ref()).await;
-        let lines = match &read {
-            Ok(stacks) => {
-                let mut lines = vec![format!(
-                    "muster: stacks of rank {} (local rank {}, pid {pid}), read with {}:",
-                    w.rank,
-                    w.local_rank,
-                    stacks.via.as_str()
-                )];
-                lines.extend(stacks.lines());
-                lines
-            }
-            Err(err) => vec![format!(
-                "muster: cannot read the stacks of rank {} (local rank {}, pid {pid}): {err}",
-                w.rank, w.local_rank
-            )],
-        };
-        (attempt.write)(w.local_rank, &lines);
+        let (pid, read) = read_rank(w, report).await;
+        (attempt.write)(w.local_rank, &dump_lines(w, pid, &read));
         dumps.push((w.local_rank, read));
     }
     dumps
+}
+
+/// Reads one rank's stacks: the pid its helper reported (the Python process under a wrapper),
+/// else the worker's; py-spy, else the helper's `faulthandler`. Returns the pid read.
+async fn read_rank(
+    w: &WatchedWorker,
+    report: Option<&RankWatch>,
+) -> (u32, Result<ProcessStacks, stacks::ReadError>) {
+    let pid = report.and_then(|r| r.pid).unwrap_or(w.pid);
+    let faulthandler = report.and_then(|r| {
+        r.faulthandler.as_ref().map(|(signal, file)| Faulthandler {
+            signal: *signal,
+            file: file.clone(),
+        })
+    });
+    (pid, stacks::read(pid, faulthandler.as_ref()).await)
+}
+
+/// A rank's dump as log lines: a header naming the rank and how it was read, then its threads.
+fn dump_lines(
+    w: &WatchedWorker,
+    pid: u32,
+    read: &Result<ProcessStacks, stacks::ReadError>,
+) -> Vec<String> {
+    match read {
+        Ok(stacks) => {
+            let mut lines = vec![format!(
+                "muster: stacks of rank {} (local rank {}, pid {pid}), read with {}:",
+                w.rank,
+                w.local_rank,
+                stacks.via.as_str()
+            )];
+            lines.extend(stacks.lines());
+            lines
+        }
+        Err(err) => vec![format!(
+            "muster: cannot read the stacks of rank {} (local rank {}, pid {pid}): {err}",
+            w.rank, w.local_rank
+        )],
+    }
 }
 
 fn named(

@@ -194,6 +194,7 @@ fn spawn_worker(
     local_rank: u32,
     agent: Pid,
     exits_tx: &mpsc::UnboundedSender<ExitReport>,
+    flight_recorder: &[(&'static str, OsString)],
 ) -> Result<(Spawned, Option<PathBuf>), LaunchError> {
     let config = &spec.config;
     if let Some(dir) = dir {
@@ -217,6 +218,7 @@ fn spawn_worker(
     let mut cmd = Command::new(&config.entrypoint.program);
     cmd.args(&config.entrypoint.args)
         .envs(worker_env)
+        .envs(flight_recorder.iter().map(|(k, v)| (k, v)))
         .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
         .envs(spec.rank_env.as_ref().map_or_else(Vec::new, |f| {
             f(
@@ -271,6 +273,10 @@ pub async fn run_group(
     };
 
     let attempt_started = tokio::time::Instant::now();
+    let attempt_started_at = SystemTime::now();
+    // Each rank's collective trace, dumped into the attempt's directory on an NCCL timeout.
+    let flight_recorder =
+        crate::watch::flight_recorder::decide(attempt_dir.as_deref(), &|k| std::env::var_os(k));
     // The OOM kills so far: a SIGKILLed rank is the OOM killer's when the count rose.
     let memory = crate::watch::cgroup::MemoryCgroup::find();
     let oom_kills_before = memory
@@ -289,6 +295,7 @@ pub async fn run_group(
                 local_rank,
                 agent,
                 &exits_tx,
+                &flight_recorder.env,
             ) {
                 Ok(spawned) => spawned,
                 Err(err) => break 'start Some(err),
@@ -468,6 +475,9 @@ pub async fn run_group(
     if let Some(hang) = hung {
         failure = Some(hung_failure(&workers, &spec.hostname, hang));
     }
+    if let Some(f) = failure.as_mut() {
+        f.flight_recorder = flight_recorder.dumps(attempt_started_at);
+    }
 
     let outcome = if let Some(f) = failure {
         GroupOutcome::Failed(f)
@@ -628,6 +638,7 @@ fn root_cause(workers: &[Worker], host: &str) -> Option<Failure> {
                     exception_line: w.exception.last(),
                     oom_killed: None,
                     hang: None,
+                    flight_recorder: Vec::new(),
                 },
             ))
         })
@@ -681,6 +692,7 @@ fn hung_failure(workers: &[Worker], host: &str, hang: crate::watch::Hang) -> Fai
         exception_line: None,
         oom_killed: None,
         hang: Some(Box::new(hang)),
+        flight_recorder: Vec::new(),
     }
 }
 

@@ -111,6 +111,8 @@ pub struct Failure {
     pub oom_killed: Option<Option<u64>>,
     /// The worker did not exit by itself: the hang watch found it hung and the agent stopped it.
     pub hang: Option<Box<crate::watch::Hang>>,
+    /// The NCCL flight recorder's dumps the attempt's ranks wrote ([`crate::watch::flight_recorder`]).
+    pub flight_recorder: Vec<PathBuf>,
 }
 
 impl Failure {
@@ -508,13 +510,16 @@ impl Launch {
                     .as_ref()
                     .map(|w| w.summary_lines(f.rank, f.at))
                     .unwrap_or_default();
+                // Without --log-dir the run directory is muster's private one, gone at exit.
+                let removed = run_dir.path.as_deref().filter(|_| !run_dir.is_kept());
                 let text = match config.logs.format {
                     config::LogFormat::Text => {
                         summary::render(f, outcome.attempts)
+                            + &summary::render_flight_recorder(f, removed)
                             + &summary::render_gpu_events(&gpu_events)
                     }
                     config::LogFormat::Json => {
-                        summary::render_json(f, outcome.attempts, run_dir.is_kept())
+                        summary::render_json(f, outcome.attempts, run_dir.is_kept(), removed)
                             + &summary::render_gpu_events_json(&f.host, &gpu_events)
                     }
                 };
@@ -835,6 +840,7 @@ mod tests {
             exception_line: None,
             oom_killed: None,
             hang: None,
+            flight_recorder: Vec::new(),
         }
     }
 

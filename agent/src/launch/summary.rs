@@ -1,7 +1,7 @@
 //! The root-cause report: which worker failed first and why, including the message a worker
 //! wrapped in torch's `@record` left in its `TORCHELASTIC_ERROR_FILE`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::reaper::ExitStatus;
 use super::Failure;
@@ -168,6 +168,41 @@ fn render_hang(failure: &Failure, hang: &crate::watch::Hang, attempts: u32) -> S
     out
 }
 
+/// The summary's line naming the NCCL flight recorder's dumps of the failed attempt (nothing
+/// when there are none). Dumps under `removed` (muster's private run directory, which goes with
+/// the agent when there is no `--log-dir`) are only counted.
+pub fn render_flight_recorder(failure: &Failure, removed: Option<&Path>) -> String {
+    use std::fmt::Write as _;
+    let (gone, kept) = split_dumps(failure, removed);
+    let mut out = String::new();
+    if !kept.is_empty() {
+        let names: Vec<String> = kept.iter().map(|p| p.display().to_string()).collect();
+        let _ = writeln!(
+            out,
+            "muster:   NCCL flight recorder dumps (each rank's last collectives): {}",
+            names.join(", ")
+        );
+    }
+    if gone > 0 {
+        let _ = writeln!(
+            out,
+            "muster:   {gone} NCCL flight recorder dump(s) were written into muster's private \
+             directory, which is removed when the agent exits: pass --log-dir to keep them"
+        );
+    }
+    out
+}
+
+/// How many dumps lie under `removed`, and the others.
+fn split_dumps<'a>(failure: &'a Failure, removed: Option<&Path>) -> (usize, Vec<&'a Path>) {
+    let (gone, kept): (Vec<&Path>, Vec<&Path>) = failure
+        .flight_recorder
+        .iter()
+        .map(PathBuf::as_path)
+        .partition(|p| removed.is_some_and(|dir| p.starts_with(dir)));
+    (gone.len(), kept)
+}
+
 /// The summary's lines about this node's GPUs (from [`crate::gpu::watch::Watch::summary_lines`]);
 /// nothing when the watch saw nothing.
 pub fn render_gpu_events(lines: &[String]) -> String {
@@ -210,7 +245,14 @@ pub fn render_gpu_events_json(host: &str, lines: &[String]) -> String {
 /// `root_cause`. `error_file` names the worker's error file only when `files_kept` (the run
 /// directory outlives the agent: `--log-dir`) and the worker wrote one; otherwise the field is
 /// left out, since the agent removes its private run directory when it exits.
-pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String {
+/// `removed`: muster's private run directory when it goes with the agent (flight-recorder dumps
+/// under it are only counted, as in [`render_flight_recorder`]).
+pub fn render_json(
+    failure: &Failure,
+    attempts: u32,
+    files_kept: bool,
+    removed: Option<&Path>,
+) -> String {
     let (exit_code, signal) = match failure.status {
         ExitStatus::Exited(c) => (Some(c), None),
         ExitStatus::Signaled(s) => (None, Some(s.as_str())),
@@ -276,6 +318,17 @@ pub fn render_json(failure: &Failure, attempts: u32, files_kept: bool) -> String
             }),
         );
     }
+    let (gone, kept) = split_dumps(failure, removed);
+    if !kept.is_empty() {
+        let names: Vec<String> = kept
+            .iter()
+            .map(|p| p.to_string_lossy().into_owned())
+            .collect();
+        extra.insert("flight_recorder_dumps".into(), names.into());
+    }
+    if gone > 0 {
+        extra.insert("flight_recorder_dumps_removed".into(), gone.into());
+    }
     if files_kept && failure.error_file.is_file() {
         extra.insert(
             "error_file".into(),
@@ -332,6 +385,7 @@ mod tests {
             exception_line: None,
             oom_killed: None,
             hang: None,
+            flight_recorder: Vec::new(),
         };
         let text = render(&f, 1);
         assert!(
@@ -339,6 +393,50 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("signal SIGSEGV (11)"), "{text}");
+    }
+
+    #[test]
+    fn flight_recorder_dumps_are_named_unless_they_go_with_the_agent() {
+        let mut f = Failure {
+            host: "node-0".into(),
+            local_rank: 0,
+            rank: 2,
+            pid: 42,
+            status: ExitStatus::Signaled(nix::sys::signal::Signal::SIGABRT),
+            at: UNIX_EPOCH,
+            error_file: PathBuf::new(),
+            message: None,
+            exception_line: None,
+            oom_killed: None,
+            hang: None,
+            flight_recorder: Vec::new(),
+        };
+        assert_eq!(render_flight_recorder(&f, None), "");
+        f.flight_recorder = vec![
+            PathBuf::from("/logs/job_x/attempt_0/nccl_trace_rank_2"),
+            PathBuf::from("/logs/job_x/attempt_0/nccl_trace_rank_3"),
+        ];
+        assert_eq!(
+            render_flight_recorder(&f, None),
+            "muster:   NCCL flight recorder dumps (each rank's last collectives): \
+             /logs/job_x/attempt_0/nccl_trace_rank_2, /logs/job_x/attempt_0/nccl_trace_rank_3\n"
+        );
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, true, None)).unwrap();
+        assert_eq!(
+            v["flight_recorder_dumps"][1],
+            "/logs/job_x/attempt_0/nccl_trace_rank_3"
+        );
+        let private = Path::new("/logs/job_x");
+        let text = render_flight_recorder(&f, Some(private));
+        assert!(
+            text.starts_with("muster:   2 NCCL flight recorder dump(s)"),
+            "{text}"
+        );
+        assert!(text.contains("pass --log-dir"), "{text}");
+        let v: serde_json::Value =
+            serde_json::from_str(&render_json(&f, 1, false, Some(private))).unwrap();
+        assert_eq!(v["flight_recorder_dumps_removed"], 2);
+        assert!(v.get("flight_recorder_dumps").is_none());
     }
 
     #[test]
@@ -355,6 +453,7 @@ mod tests {
             exception_line: Some("ValueError: bad batch".into()),
             oom_killed: None,
             hang: None,
+            flight_recorder: Vec::new(),
         };
         let text = render(&f, 1);
         assert!(
@@ -365,7 +464,7 @@ mod tests {
             text.contains("the last exception line of its stderr"),
             "{text}"
         );
-        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false, None)).unwrap();
         assert!(
             v["msg"]
                 .as_str()
@@ -390,6 +489,7 @@ mod tests {
             exception_line: None,
             oom_killed: Some(Some(8 << 30)),
             hang: None,
+            flight_recorder: Vec::new(),
         };
         assert_eq!(f.exit_code(), 137);
         let text = render(&f, 1);
@@ -409,7 +509,7 @@ mod tests {
             restart_reason(&f),
             "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)"
         );
-        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 1, false, None)).unwrap();
         assert_eq!(v["oom_killed"]["memory_limit_bytes"], 8u64 << 30);
         f.oom_killed = Some(None);
         assert!(render(&f, 1).contains("no container memory limit"));
@@ -446,6 +546,7 @@ mod tests {
             exception_line: None,
             oom_killed: None,
             hang: Some(Box::new(hang)),
+            flight_recorder: Vec::new(),
         };
         assert_eq!(f.exit_code(), crate::exit_code::HUNG);
         let text = render(&f, 2);
@@ -466,7 +567,7 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("detected first by node 0"), "{text}");
-        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 2, false)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&render_json(&f, 2, false, None)).unwrap();
         assert_eq!(v["agent_exit_code"], 207);
         assert_eq!(v["hang"]["last_step"], 15);
         assert_eq!(
@@ -513,9 +614,10 @@ mod tests {
             exception_line: None,
             oom_killed: None,
             hang: None,
+            flight_recorder: Vec::new(),
         };
         let parse = |kept| -> serde_json::Value {
-            serde_json::from_str(&render_json(&f, 2, kept)).unwrap()
+            serde_json::from_str(&render_json(&f, 2, kept, None)).unwrap()
         };
         let v = parse(false);
         assert_eq!(v["event"], "root_cause");

@@ -41,6 +41,7 @@ mod http;
 mod live;
 mod output;
 pub mod script;
+mod stacks;
 mod store;
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -60,6 +61,7 @@ pub use http::{
     serve_in_thread, Endpoint, EndpointConfig, ServeError, Serving, METRICS_CONTENT_TYPE,
 };
 pub use script::ScriptMetrics;
+pub use stacks::StacksSource;
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 
 use attached::Attached;
@@ -407,6 +409,8 @@ struct Inner {
     readiness: AtomicU8,
     /// The training script's own metrics, merged into `/metrics` when attached.
     script: OnceLock<Arc<ScriptMetrics>>,
+    /// What `GET /debug/stacks` reads, when attached.
+    stacks: OnceLock<Arc<dyn StacksSource>>,
 
     job_info: IntGaugeVec,
     dns_attempts: IntCounterVec,
@@ -766,6 +770,7 @@ impl Metrics {
             checkpoint_tx: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
             script: OnceLock::new(),
+            stacks: OnceLock::new(),
             registry: defs.registry,
             names: defs.names,
         };
@@ -1243,6 +1248,18 @@ impl Metrics {
     /// (`muster_gpu_*`), built from its latest look at every scrape.
     pub fn attach_gpu_watch(&self, watch: crate::gpu::watch::Watch) {
         self.inner.gpu.attach(watch);
+    }
+
+    // ---- stacks -------------------------------------------------------------------------------
+
+    /// Serves the local ranks' stacks on `GET /debug/stacks` (loopback only) from `source`.
+    pub fn attach_stacks(&self, source: Arc<dyn StacksSource>) {
+        let _ = self.inner.stacks.set(source);
+    }
+
+    /// The source of `GET /debug/stacks`, if one is attached.
+    pub(crate) fn stacks_source(&self) -> Option<Arc<dyn StacksSource>> {
+        self.inner.stacks.get().cloned()
     }
 
     // ---- store --------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
 //!   through the checkpoint helper where memory reads are refused.
 //! - [`gang`]: the store key through which the node that detects a hang tells every other
 //!   node, which dumps its own ranks' stacks too.
+//! - [`flight_recorder`]: torch's NCCL flight-recorder variables for the workers, and the dumps
+//!   they left.
 //!
 //! The per-attempt task that ties them together, plugged into the launch loop as its
 //! [`crate::launch::Watchdog`], is [`crate::hang_watch`]: this module is below the launch and
@@ -15,6 +17,7 @@
 //! channel ([`crate::checkpoint::local`]); a script that does not use the helper is not watched.
 
 pub mod cgroup;
+pub mod flight_recorder;
 pub mod gang;
 pub mod hang;
 pub mod stacks;

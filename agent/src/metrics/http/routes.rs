@@ -59,6 +59,11 @@ pub(super) async fn respond(
     let Some(path) = origin_path(&parts.uri) else {
         return Ok(refuse(400, &context));
     };
+    if path == STACKS_PATH {
+        let reply = stacks(&parts.method, context.peer.ip(), &context.metrics).await;
+        context.metrics.count_http_request("stacks", reply.status);
+        return Ok(reply.into_response(keep_alive));
+    }
     let reply = route(
         &parts.method,
         path,
@@ -167,7 +172,42 @@ GET  /metrics     Prometheus metrics\n\
 GET  /healthz     liveness: the agent loop is alive\n\
 GET  /readyz      readiness: this agent can play its part for the others (independent of peers)\n\
 GET  /gangz       the gang has formed and this node's workers are running\n\
-POST /checkpoint  ask the gang to checkpoint (loopback, or a bearer token)\n";
+POST /checkpoint  ask the gang to checkpoint (loopback, or a bearer token)\n\
+GET  /debug/stacks every local rank's Python stacks now (loopback only; `muster stacks`)\n";
+
+/// The one route whose answer is awaited (reading stacks takes a moment per rank).
+const STACKS_PATH: &str = "/debug/stacks";
+
+/// `GET /debug/stacks`: loopback only — a stack shows the script's code and its arguments'
+/// places, which is the pod's business (the operator's way in is `kubectl exec`); no token opens
+/// it, unlike `POST /checkpoint`.
+async fn stacks(method: &Method, peer: IpAddr, metrics: &Metrics) -> Reply {
+    if !(*method == Method::GET || *method == Method::HEAD) {
+        return not_allowed("GET, HEAD", "use GET\n");
+    }
+    if !auth::is_loopback(peer) {
+        tracing::debug!(%peer, "GET /debug/stacks refused");
+        return Reply::text(
+            403,
+            "forbidden: GET /debug/stacks is only answered inside the pod \
+             (kubectl exec POD -- muster stacks)\n"
+                .to_owned(),
+        );
+    }
+    let Some(source) = metrics.stacks_source() else {
+        return Reply::text(
+            503,
+            "no stack source: this agent runs no workers\n".to_owned(),
+        );
+    };
+    match source.dump().await {
+        Some(lines) if lines.is_empty() => {
+            Reply::text(200, "no local rank is running\n".to_owned())
+        }
+        Some(lines) => Reply::text(200, lines.join("\n") + "\n"),
+        None => Reply::text(503, "no local rank is running now\n".to_owned()),
+    }
+}
 
 fn route(
     method: &Method,
