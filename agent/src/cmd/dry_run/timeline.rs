@@ -32,8 +32,13 @@ use crate::launch::config::LogFormat;
 /// What an agent's line tells the timeline.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Said {
-    /// `round G: ... (restarts used R)`.
-    Formed { generation: u64, restarts: u32 },
+    /// `round G: node X is group rank Y of N, ... (restarts used R)`; `nodes` is N where the line
+    /// says it.
+    Formed {
+        generation: u64,
+        restarts: u32,
+        nodes: Option<u32>,
+    },
     /// `checkpoint committed at step S on every node`.
     Committed { step: u64 },
     /// `checkpoint aborted: REASON`.
@@ -83,9 +88,15 @@ pub fn classify(msg: &str) -> Option<Said> {
     if let Some(rest) = msg.strip_prefix("round ") {
         let (generation, rest) = rest.split_once(':')?;
         let restarts = rest.rsplit_once("(restarts used ")?.1.strip_suffix(')')?;
+        let nodes = rest
+            .split_once("group rank ")
+            .and_then(|(_, r)| r.split_once(" of "))
+            .and_then(|(_, r)| r.split(|c: char| !c.is_ascii_digit()).next())
+            .and_then(|n| n.parse().ok());
         return Some(Said::Formed {
             generation: generation.trim().parse().ok()?,
             restarts: restarts.trim().parse().ok()?,
+            nodes,
         });
     }
     if let Some(rest) = msg.strip_prefix("checkpoint committed at step ") {
@@ -283,6 +294,8 @@ pub struct Timeline {
     /// When the faults' clock started: the first worker line after `first_running`.
     clock: Option<Instant>,
     generation: Option<u64>,
+    /// The generation whose round lines are being counted, and how many nodes said it so far.
+    forming: Option<(u64, u32)>,
     committed: Option<u64>,
 }
 
@@ -296,6 +309,7 @@ impl Timeline {
             first_running: None,
             clock: None,
             generation: None,
+            forming: None,
             committed: None,
         }
     }
@@ -387,10 +401,28 @@ impl Timeline {
             Said::Formed {
                 generation,
                 restarts,
+                nodes,
             } => {
-                // Every node says it; the first to say a new generation dates it.
+                // Every node of the round says it; the last to say it dates the gang (the first
+                // says it while other nodes may still be stopping the previous gang's workers).
                 if self.generation.is_some_and(|g| g >= generation) {
                     return;
+                }
+                let said = match self.forming {
+                    Some((g, n)) if g == generation => n + 1,
+                    _ => 1,
+                };
+                self.forming = Some((generation, said));
+                if nodes.is_some_and(|n| said < n) {
+                    return;
+                }
+                // Every node has left the previous gang to join this round: it stopped, however
+                // late the sampling of the workers notices.
+                if let Gang::Running { ids } = &self.gang {
+                    let ids = ids.clone();
+                    let workers = ids.len();
+                    self.gang = Gang::Stopped { at, ids };
+                    self.record(at, Entry::Stopped { workers });
                 }
                 let again = self.generation.is_some() || generation > 0;
                 self.generation = Some(generation);
@@ -483,6 +515,25 @@ mod tests {
     }
 
     #[test]
+    fn a_round_formed_by_every_node_means_the_previous_gang_stopped() {
+        let t0 = Instant::now();
+        let mut tl = Timeline::new(t0);
+        tl.observe_workers(t0 + ms(100), &gang(10, 2, 0));
+        for node in 0..2 {
+            tl.observe_line(
+                t0 + ms(200 + 100 * node),
+                &format!(" INFO round 1: node {node} is group rank {node} of 2, global rank {node} of 2 (restarts used 1)"),
+                LogFormat::Text,
+            );
+        }
+        // The workers' sampling had not yet noticed the stop.
+        tl.observe_workers(t0 + ms(400), &[]);
+        let kinds: Vec<&str> = tl.entries().iter().map(|(_, e)| e.kind()).collect();
+        assert_eq!(kinds, ["running", "stopped", "formed"]);
+        assert!((tl.entries()[1].0 - 0.3).abs() < 1e-9);
+    }
+
+    #[test]
     fn agent_messages_are_read_in_both_formats() {
         let text =
             " INFO round 2: node 1 is group rank 1 of 3, global ranks 2-3 of 6 (restarts used 1)";
@@ -492,7 +543,8 @@ mod tests {
                 .and_then(classify),
             Some(Said::Formed {
                 generation: 2,
-                restarts: 1
+                restarts: 1,
+                nodes: Some(3),
             })
         );
         let json = r#"{"ts":"t","level":"INFO","source":"agent","host":"h","msg":"checkpoint committed at step 41 on every node"}"#;
@@ -549,6 +601,12 @@ mod tests {
             " INFO round 1: node 0 is group rank 0 of 2, global ranks 0-1 of 4 (restarts used 1)",
             LogFormat::Text,
         );
+        // The round is formed when its last node says so.
+        tl.observe_line(
+            t0 + ms(700),
+            " INFO round 1: node 1 is group rank 1 of 2, global ranks 2-3 of 4 (restarts used 1)",
+            LogFormat::Text,
+        );
         tl.observe_workers(t0 + ms(1800), &gang(20, 4, 1));
         let kinds: Vec<&str> = tl.entries().iter().map(|(_, e)| e.kind()).collect();
         assert_eq!(
@@ -562,6 +620,7 @@ mod tests {
             "gang resumed: all 4 workers joined again, restart 1, 1.3 s without a gang; \
              last committed checkpoint: step 40"
         );
+        assert!((tl.entries()[3].0 - 0.7).abs() < 1e-9);
         assert_eq!(
             tl.entries()[3].1.to_string(),
             "gang re-formed: generation 1 (restarts used 1)"
