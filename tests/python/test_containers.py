@@ -415,7 +415,7 @@ def test_docker_stop_one_pod_propagates_sigterm_to_every_rank(job, caps):
     assert elapsed < grace + 5, f"the gang took {elapsed:.1f}s to stop"
     got = sorted(int(p.stem.split("-r")[1]) for p in job.shared.glob("sigterm-r*.json"))
     assert got == list(range(NNODES * NPROC)), f"SIGTERM reached ranks {got}:\n{job.dump_logs()}"
-    assert len(set(codes.values())) == 1, f"pods disagree on the outcome: {codes}"
+    assert len(set(codes.values())) == 1, f"pods disagree on the outcome: {codes}\n{job.dump_logs()}"
     # Never 137 (killed at the end of the grace period), never 0 (a Job would count the pod as
     # finished work): with no checkpoint helper in the script nothing was committed.
     assert set(codes.values()) == {CHECKPOINT_ABORTED}, codes

@@ -549,6 +549,11 @@ impl GangRendezvous {
                 warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
                 Ok(AfterGroup::Restart)
             }
+            // The gang is stopping (a preemption shared through the store): node 0 ending with
+            // it is part of the stop, not a loss to wait out, and the outcome stays this node's.
+            Ok(WatchEvent::StoreLost(_)) if stop.is_requested() => {
+                Ok(AfterGroup::Finish(outcome.exit_code()))
+            }
             Ok(WatchEvent::StoreLost(why)) => {
                 self.host_lost(why)?;
                 Ok(AfterGroup::Restart)
