@@ -32,6 +32,11 @@ const NOT_LAUNCH_FLAGS: &[(&str, &str)] = &[
         "timeout",
         "`muster stacks --timeout`, listed by `muster stacks --help`",
     ),
+    ("memory", "`docker run --memory`, in the OOM section"),
+    (
+        "memory-swap",
+        "`docker run --memory-swap`, in the OOM section",
+    ),
 ];
 
 /// Every `--name` in `text`, in the dash spelling (`--nproc_per_node=4` gives `nproc-per-node`).
@@ -160,7 +165,7 @@ fn every_flag_docs_launch_md_names_is_in_help() {
     assert!(
         unknown.is_empty(),
         "docs/launch.md names flags that `muster --help` does not list: {unknown:?} (add them to \
-         FLAGS in cli/lowargs.rs, or to NOT_LAUNCH_FLAGS in cli/doc_check.rs with the reason)"
+         FLAGS in cli/lowargs.rs, or to NOT_LAUNCH_FLAGS in cmd/doc_check.rs with the reason)"
     );
     for (name, _) in NOT_LAUNCH_FLAGS {
         assert!(
