@@ -108,27 +108,19 @@ pub async fn watch(
 ) -> Result<Option<Request>, CheckpointError> {
     let keys = Keys::new(run_id);
     let key = keys.request();
-    let watched: [&[u8]; 1] = [&key];
     let mut client = Client::connect(store, Duration::from_secs(30)).await?;
-    loop {
-        // Long waits with a bounded timeout: a vanished store shows up as an error, not a hang.
-        let waited = tokio::select! {
-            () = stop.cancelled() => return Ok(None),
-            waited = client.wait(&watched, Duration::from_secs(30)) => waited,
-        };
-        match waited {
-            Ok(()) => {
-                let value = client.get(&key).await?;
-                if let Some(request) = Request::decode(&value) {
-                    return Ok(Some(request));
-                }
-                warn!("checkpoint request key holds {value:?}; ignoring it");
-                return Ok(None);
-            }
-            Err(ClientError::WaitTimeout { .. }) => {}
-            Err(err) => return Err(err.into()),
-        }
+    // Long waits with a bounded timeout: a vanished store shows up as an error, not a hang.
+    let Some(value) = client
+        .wait_for_key(&key, Duration::from_secs(30), &stop)
+        .await?
+    else {
+        return Ok(None);
+    };
+    if let Some(request) = Request::decode(&value) {
+        return Ok(Some(request));
     }
+    warn!("checkpoint request key holds {value:?}; ignoring it");
+    Ok(None)
 }
 
 /// Runs one checkpoint on this node until a verdict stands for the whole job.

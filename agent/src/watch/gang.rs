@@ -72,20 +72,11 @@ pub async fn wait(
     stop: CancellationToken,
 ) -> Result<Option<Notice>, ClientError> {
     let key = key(run_id);
-    let watched: [&[u8]; 1] = [&key];
     let mut client = Client::connect(store, Duration::from_secs(30)).await?;
-    loop {
-        // Bounded waits: a store that went away shows up as an error, not as silence.
-        let waited = tokio::select! {
-            () = stop.cancelled() => return Ok(None),
-            waited = client.wait(&watched, Duration::from_secs(30)) => waited,
-        };
-        match waited {
-            Ok(()) => return Ok(Notice::decode(&client.get(&key).await?)),
-            Err(ClientError::WaitTimeout { .. }) => {}
-            Err(err) => return Err(err),
-        }
-    }
+    let value = client
+        .wait_for_key(&key, Duration::from_secs(30), &stop)
+        .await?;
+    Ok(value.and_then(|v| Notice::decode(&v)))
 }
 
 #[cfg(test)]

@@ -204,6 +204,29 @@ impl Client {
         self.await_release("WAIT", keys, timeout).await
     }
 
+    /// Waits until `key` exists and returns its value, or `None` once `stop` is cancelled. The
+    /// wait is re-armed every `poll`, so a store that went away shows up as an error rather than
+    /// as silence.
+    pub async fn wait_for_key(
+        &mut self,
+        key: &[u8],
+        poll: Duration,
+        stop: &tokio_util::sync::CancellationToken,
+    ) -> Result<Option<Vec<u8>>, ClientError> {
+        let watched: [&[u8]; 1] = [key];
+        loop {
+            let waited = tokio::select! {
+                () = stop.cancelled() => return Ok(None),
+                waited = self.wait(&watched, poll) => waited,
+            };
+            match waited {
+                Ok(()) => return self.get(key).await.map(Some),
+                Err(ClientError::WaitTimeout { .. }) => {}
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
     pub async fn add(&mut self, key: &[u8], delta: i64) -> Result<i64, ClientError> {
         self.push(&Request::Add {
             key: key.to_vec().into(),
