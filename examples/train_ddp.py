@@ -34,6 +34,10 @@ def main() -> None:
     w, b = model.module.weight.item(), model.module.bias.item()
     if rank == 0:
         print(f"done: world size {world}, w={w:.3f} b={b:.3f}", flush=True)
+    # Every rank is past its last collective before any tears its connections down: a gloo rank
+    # whose peer destroyed the group mid-exchange can abort at exit (seen once in CI as SIGABRT,
+    # "terminate called without an active exception", after training had finished).
+    dist.barrier()
     dist.destroy_process_group()
 
 

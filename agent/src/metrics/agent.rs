@@ -761,6 +761,7 @@ mod tests {
                 node_findings: 1,
                 link_findings: 0,
                 named: false,
+                inconclusive: false,
             },
             750,
         ));
@@ -812,6 +813,7 @@ mod tests {
                 node_findings: 0,
                 link_findings: 0,
                 named: false,
+                inconclusive: false,
             },
             500,
         ));

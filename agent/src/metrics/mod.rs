@@ -180,7 +180,7 @@ fn dns_result_label(result: DnsResult) -> &'static str {
 }
 
 /// The `result` label of `muster_network_checks_total`.
-const NETWORK_CHECK_RESULTS: [&str; 3] = ["clean", "finding", "no_verdict"];
+const NETWORK_CHECK_RESULTS: [&str; 4] = ["clean", "finding", "inconclusive", "no_verdict"];
 /// The labels of a measurement between this node and a peer; node ranks are bounded by
 /// `--nnodes`, and a check exports at most [`MAX_NETWORK_PEER_SERIES`] of them.
 const NETWORK_PEER_LABELS: &[&str] = &["peer_node_rank", "direction", "round"];
@@ -687,7 +687,7 @@ impl Metrics {
             ),
             network_checks: defs.counter_vec(
                 "muster_network_checks_total",
-                "Gang network checks (--network-check) ended on this node, by result (clean, finding, no_verdict).",
+                "Gang network checks (--network-check) ended on this node, by result (clean, finding, inconclusive, no_verdict).",
                 &["result"],
             ),
             network_check_duration: defs.gauge(
@@ -1004,7 +1004,11 @@ impl Metrics {
         let findings = summary.node_findings + summary.link_findings;
         inner
             .network_checks
-            .with_label_values(&[if findings == 0 { "clean" } else { "finding" }])
+            .with_label_values(&[match (summary.inconclusive, findings) {
+                (true, _) => "inconclusive",
+                (false, 0) => "clean",
+                (false, _) => "finding",
+            }])
             .inc();
         inner.network_check_duration.set(elapsed.as_secs_f64());
         inner

@@ -10,8 +10,14 @@
 //! | `addr/<g>` | JSON: the node, its listener's port and token (or why it has none) | node of group rank g |
 //! | `r1/<g>`, `r2/<g>` | JSON list of [`Sample`]s it measured in round 1, 2 | node g |
 //! | `plan2` | JSON list of [`Pair`]s (empty: no round 2) | node 0 |
-//! | `verdict` | JSON [`Report`] | node 0, after any generation bump it implies |
+//! | `verdict/<g>` | JSON [`Report`]: node g's view of the verdict | node 0, in one MULTI_SET, after any generation bump it implies |
 //! | `acks` | ADD counter: members that read a verdict ending the round | members |
+//!
+//! What crosses the store grows with the gang size, never with its square: node 0 reads every
+//! address and every result once; a member reads only the addresses of the nodes it measures
+//! and its own view of the verdict (its measurements, the findings, the gang's references).
+//! At 2,048 nodes every member reading every address and the whole report was 2,048 times
+//! half a megabyte through node 0, which took seconds past the budget on a loaded store host.
 //!
 //! Time, as fractions of the budget B from each node's own start: addresses by 0.25 B; each
 //! stream lasts at most 0.2 B; node 0 takes round 1's results until 0.6 B and round 2's until
@@ -29,7 +35,14 @@ use tracing::debug;
 
 use super::plan::{self, Pair};
 use super::probe::{self, Limits, Listener};
-use super::verdict::{self, Action, Classifier, NodeInfo, Sample, Verdict};
+use super::verdict::{
+    self, Action, Classifier, Finding, FindingCounts, NodeInfo, Reference, Sample, Verdict,
+};
+
+/// The most findings naming other nodes that a member's view carries (besides every one that
+/// names it): enough to see what kind of trouble the gang has, while a verdict with hundreds of
+/// findings is not copied to every member.
+const VIEW_FINDINGS: usize = 8;
 use super::Settings;
 use crate::exit_code;
 
@@ -64,23 +77,80 @@ pub struct RoundInfo {
     pub settings: Settings,
 }
 
-/// Node 0's verdict with everything behind it, as published.
+/// Node 0's verdict with what is behind it: on node 0 every node and measurement; on a member
+/// its view ([`Report::view_for`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Report {
+    /// The nodes `samples` and the findings mention (on node 0: all of them).
     pub nodes: Vec<NodeInfo>,
     pub samples: Vec<Sample>,
     pub verdict: Verdict,
     pub action: Action,
+    /// The gang's references, from every node's round-1 measurements.
+    pub reference: Reference,
+    /// How many findings the verdict has (a view lists only some of them).
+    pub counts: FindingCounts,
     /// How long the check took on node 0.
     pub millis: u64,
 }
 
 impl Report {
+    /// Tells slow from normal with the gang's references (a view has too few samples to
+    /// compute them).
+    pub fn classifier(&self, thresholds: &super::Thresholds) -> Classifier {
+        Classifier::from_reference(self.reference, thresholds)
+    }
+
     /// The measurement table (see [`verdict::table`]).
     pub fn table(&self, thresholds: &super::Thresholds) -> String {
-        let n = u32::try_from(self.nodes.len()).unwrap_or(u32::MAX);
-        let c = Classifier::new(n, &self.samples, thresholds);
-        verdict::table(&self.nodes, &self.samples, &c)
+        verdict::table(&self.nodes, &self.samples, &self.classifier(thresholds))
+    }
+
+    /// What the node of group rank `me` needs of this report: the measurements it made or
+    /// received, every finding that names it and the first few others, the nodes those name,
+    /// the reason, the counts and the action.
+    #[must_use]
+    pub fn view_for(&self, me: u32) -> Report {
+        let samples: Vec<Sample> = self
+            .samples
+            .iter()
+            .filter(|s| s.from == me || s.to == me)
+            .cloned()
+            .collect();
+        let mut others = 0;
+        let findings: Vec<Finding> = self
+            .verdict
+            .findings
+            .iter()
+            .filter(|f| {
+                f.ranks().contains(&me) || {
+                    others += 1;
+                    others <= VIEW_FINDINGS
+                }
+            })
+            .cloned()
+            .collect();
+        let mut named: BTreeSet<u32> = samples.iter().flat_map(|s| [s.from, s.to]).collect();
+        named.insert(me);
+        named.extend(findings.iter().flat_map(Finding::ranks));
+        Report {
+            nodes: self
+                .nodes
+                .iter()
+                .filter(|n| named.contains(&n.group_rank))
+                .cloned()
+                .collect(),
+            samples,
+            verdict: Verdict {
+                findings,
+                reason: self.verdict.reason.clone(),
+                inconclusive: self.verdict.inconclusive,
+            },
+            action: self.action.clone(),
+            reference: self.reference,
+            counts: self.counts,
+            millis: self.millis,
+        }
     }
 }
 
@@ -157,26 +227,19 @@ pub async fn run<K: Kv>(kv: &mut K, round: &RoundInfo) -> Result<Outcome, CheckE
     )
     .await
     .map_err(lost)?;
-    let addr_keys = keys.per_node("addr", round.world);
-    let peers = wait_and_read::<_, Published>(kv, &addr_keys, start + budget.mul_f64(0.25)).await?;
-    let nodes: Vec<NodeInfo> = (0..round.world)
-        .map(|g| {
-            peers[g as usize].as_ref().map_or_else(
-                || NodeInfo {
-                    group_rank: g,
-                    node_rank: g,
-                    host: "?".to_owned(),
-                    addr: "?".to_owned(),
-                },
-                |p| p.node.clone(),
-            )
-        })
-        .collect();
-    let stream_time = budget.mul_f64(0.2);
     let ring: Vec<Pair> = plan::ring(round.world)
         .into_iter()
         .filter(|p| p.from == me)
         .collect();
+    // Node 0 names every node in its report; a member needs only whom it measures.
+    let wanted: Vec<u32> = if me == 0 {
+        (0..round.world).collect()
+    } else {
+        ring.iter().map(|p| p.to).collect()
+    };
+    let mut peers = vec![None; round.world as usize];
+    read_addresses(kv, &keys, &wanted, &mut peers, start + budget.mul_f64(0.25)).await?;
+    let stream_time = budget.mul_f64(0.2);
     let r1 = measure_all(
         &ring,
         1,
@@ -190,9 +253,22 @@ pub async fn run<K: Kv>(kv: &mut K, round: &RoundInfo) -> Result<Outcome, CheckE
         .await
         .map_err(lost)?;
     let outcome = if me == 0 {
+        let nodes = (0..round.world)
+            .map(|g| {
+                peers[g as usize].as_ref().map_or_else(
+                    || NodeInfo {
+                        group_rank: g,
+                        node_rank: g,
+                        host: "?".to_owned(),
+                        addr: "?".to_owned(),
+                    },
+                    |p: &Published| p.node.clone(),
+                )
+            })
+            .collect();
         coordinate(kv, round, &keys, &peers, nodes, start).await?
     } else {
-        follow(kv, round, &keys, &peers, start).await?
+        follow(kv, round, &keys, &mut peers, start).await?
     };
     if let Ok(l) = listener {
         l.close().await;
@@ -252,19 +328,27 @@ async fn coordinate<K: Kv>(
         round.max_nodes,
     );
     let report = Report {
+        counts: FindingCounts::of(&verdict.findings),
         nodes,
         samples,
         verdict,
         action,
+        reference: c.reference(),
         millis: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
     };
     // The generation moves before the verdict is out, so a member that reads "leave" or "end"
     // finds the new generation already there (and one that missed the verdict still learns it
     // from the generation).
     bump_for(kv, &round.run_id, &report.action).await?;
-    kv.set(&keys.key("verdict"), &serde_json::to_vec(&report)?)
-        .await
-        .map_err(lost)?;
+    let views = (1..round.world)
+        .map(|g| {
+            Ok((
+                keys.key(&format!("verdict/{g}")),
+                serde_json::to_vec(&report.view_for(g))?,
+            ))
+        })
+        .collect::<Result<Vec<_>, serde_json::Error>>()?;
+    kv.multi_set(&views).await.map_err(lost)?;
     if matches!(report.action, Action::End { .. }) {
         // Node 0's exit takes the store with it: stay until every member read why.
         let until = Instant::now() + budget.max(Duration::from_secs(1));
@@ -311,7 +395,7 @@ async fn follow<K: Kv>(
     kv: &mut K,
     round: &RoundInfo,
     keys: &NetKeys,
-    peers: &[Option<Published>],
+    peers: &mut [Option<Published>],
     start: Instant,
 ) -> Result<Outcome, CheckError> {
     let budget = round.settings.budget;
@@ -328,9 +412,13 @@ async fn follow<K: Kv>(
     };
     let mine: Vec<Pair> = plan2.into_iter().filter(|p| p.from == me).collect();
     if !mine.is_empty() {
-        measure_round_2(kv, keys, &mine, peers, round, Instant::now()).await?;
+        let now = Instant::now();
+        // Round 2's partners published their addresses by round 1: a short wait suffices.
+        let targets: Vec<u32> = mine.iter().map(|p| p.to).collect();
+        read_addresses(kv, keys, &targets, peers, now + budget.mul_f64(0.05)).await?;
+        measure_round_2(kv, keys, &mine, peers, round, now).await?;
     }
-    let verdict_key = vec![keys.key("verdict")];
+    let verdict_key = vec![keys.key(&format!("verdict/{me}"))];
     let Some(report) =
         wait_and_read::<_, Report>(kv, &verdict_key, start + budget * 2 + MEMBER_GRACE)
             .await?
@@ -374,6 +462,36 @@ async fn bump_for<K: Kv>(kv: &mut K, run_id: &str, action: &Action) -> Result<()
     kv.compare_set(&key, &raw, &serde_json::to_vec(&next)?)
         .await
         .map_err(lost)?;
+    Ok(())
+}
+
+/// Reads the addresses of group ranks `wanted` into `peers` (waiting for them until
+/// `deadline`); one that is not there stays `None` and its measurement fails with the reason.
+async fn read_addresses<K: Kv>(
+    kv: &mut K,
+    keys: &NetKeys,
+    wanted: &[u32],
+    peers: &mut [Option<Published>],
+    deadline: Instant,
+) -> Result<(), CheckError> {
+    let wanted: Vec<u32> = wanted
+        .iter()
+        .copied()
+        .filter(|g| peers.get(*g as usize).is_some_and(Option::is_none))
+        .collect();
+    if wanted.is_empty() {
+        return Ok(());
+    }
+    let addr_keys: Vec<Vec<u8>> = wanted
+        .iter()
+        .map(|g| keys.key(&format!("addr/{g}")))
+        .collect();
+    let read = wait_and_read::<_, Published>(kv, &addr_keys, deadline).await?;
+    for (g, published) in wanted.into_iter().zip(read) {
+        if let Some(slot) = peers.get_mut(g as usize) {
+            *slot = published;
+        }
+    }
     Ok(())
 }
 
@@ -532,7 +650,12 @@ mod tests {
         let Outcome::Report(first) = &outcomes[0] else {
             panic!("{outcomes:?}");
         };
-        assert!(outcomes.iter().all(|o| o == &outcomes[0]), "{outcomes:?}");
+        // Every member gets its own view of node 0's one verdict: its measurements, nobody
+        // else's.
+        for (g, o) in outcomes.iter().enumerate().skip(1) {
+            let g = u32::try_from(g).unwrap();
+            assert_eq!(o, &Outcome::Report(first.view_for(g)), "group rank {g}");
+        }
         // Round 1 is the ring; a loaded test machine may make one stream look slow, which round
         // 2 then measures again.
         let ring: Vec<&Sample> = first.samples.iter().filter(|s| s.round == 1).collect();
@@ -546,6 +669,52 @@ mod tests {
         // Whether a finding shows is for the network tests (tests/python/test_network_check.py):
         // four agents sharing two threads here measure the scheduler as much as the network.
         assert!(first.verdict.reason.starts_with("4 nodes, "), "{first:?}");
+    }
+
+    #[test]
+    fn a_view_carries_the_findings_naming_the_node_and_only_a_few_others() {
+        let nodes: Vec<NodeInfo> = (0..40)
+            .map(|g| NodeInfo {
+                group_rank: g,
+                node_rank: g,
+                host: format!("worker-{g}"),
+                addr: format!("10.0.0.{g}"),
+            })
+            .collect();
+        let findings: Vec<Finding> = (1..40)
+            .map(|rank| Finding::Node {
+                rank,
+                reason: "slow".to_owned(),
+            })
+            .collect();
+        let report = Report {
+            counts: FindingCounts::of(&findings),
+            nodes,
+            samples: vec![Sample::failed(30, 31, 1, "refused")],
+            verdict: Verdict {
+                findings,
+                reason: "40 nodes".to_owned(),
+                inconclusive: false,
+            },
+            action: Action::Proceed,
+            reference: Reference {
+                mbps: Some(900.0),
+                rtt_us: Some(60),
+            },
+            millis: 1,
+        };
+        let view = report.view_for(30);
+        let ranks: Vec<u32> = view
+            .verdict
+            .findings
+            .iter()
+            .flat_map(Finding::ranks)
+            .collect();
+        assert_eq!(ranks, vec![1, 2, 3, 4, 5, 6, 7, 8, 30]);
+        assert_eq!(view.counts.total(), 39);
+        let named: Vec<u32> = view.nodes.iter().map(|n| n.group_rank).collect();
+        assert_eq!(named, vec![1, 2, 3, 4, 5, 6, 7, 8, 30, 31]);
+        assert_eq!(view.samples.len(), 1);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

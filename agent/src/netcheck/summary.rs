@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::gang::Report;
-use super::verdict::{node_rank_of, Classifier, Finding, Sample};
+use super::verdict::{node_rank_of, Sample};
 use super::Thresholds;
 
 /// Which way a measurement between this node and a peer went.
@@ -55,14 +55,15 @@ pub struct Summary {
     pub link_findings: u32,
     /// Whether a finding names this node (as a slow node or one end of a slow link).
     pub named: bool,
+    /// Most measurements failed: the verdict names nobody and could not judge.
+    pub inconclusive: bool,
 }
 
 impl Summary {
     /// `report` seen from the node of group rank `me`, judged with `thresholds` (the same ones
     /// node 0 judged with: every node of a job is started with the same flags).
     pub fn of(report: &Report, me: u32, thresholds: &Thresholds) -> Self {
-        let n = u32::try_from(report.nodes.len()).unwrap_or(u32::MAX);
-        let c = Classifier::new(n, &report.samples, thresholds);
+        let c = report.classifier(thresholds);
         let peers = report
             .samples
             .iter()
@@ -86,20 +87,12 @@ impl Summary {
             })
             .collect();
         let findings = &report.verdict.findings;
-        let count = |link: bool| {
-            u32::try_from(
-                findings
-                    .iter()
-                    .filter(|f| matches!(f, Finding::Link { .. }) == link)
-                    .count(),
-            )
-            .unwrap_or(u32::MAX)
-        };
         Self {
             peers,
-            node_findings: count(false),
-            link_findings: count(true),
+            node_findings: report.counts.nodes,
+            link_findings: report.counts.links,
             named: findings.iter().any(|f| f.ranks().contains(&me)),
+            inconclusive: report.verdict.inconclusive,
         }
     }
 }
@@ -134,12 +127,32 @@ mod tests {
         let thresholds = Thresholds::default();
         let verdict = verdict::judge(4, &samples, &thresholds);
         Report {
+            reference: verdict::Classifier::new(4, &samples, &thresholds).reference(),
+            counts: verdict::FindingCounts::of(&verdict.findings),
             nodes,
             samples,
             verdict,
             action: Action::Proceed,
             millis: 420,
         }
+    }
+
+    #[test]
+    fn a_members_view_holds_everything_its_summary_needs() {
+        let r = report();
+        for g in 0..4 {
+            let view = r.view_for(g);
+            assert_eq!(
+                Summary::of(&view, g, &Thresholds::default()),
+                Summary::of(&r, g, &Thresholds::default()),
+                "group rank {g}"
+            );
+            assert!(view.samples.iter().all(|s| s.from == g || s.to == g));
+            assert_eq!(view.verdict, r.verdict);
+        }
+        // Group rank 1 measured 2 and was measured by 0; the finding names 2: nothing of 3.
+        let ranks: Vec<u32> = r.view_for(1).nodes.iter().map(|n| n.group_rank).collect();
+        assert_eq!(ranks, vec![0, 1, 2]);
     }
 
     #[test]

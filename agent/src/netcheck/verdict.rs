@@ -122,6 +122,14 @@ pub fn node_rank_of(nodes: &[NodeInfo], g: u32) -> u32 {
         .map_or(g, |n| n.node_rank)
 }
 
+/// The gang's references as node 0 computed them from every measurement: a member judges its
+/// own measurements against these, having only its own.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Reference {
+    pub mbps: Option<f64>,
+    pub rtt_us: Option<u64>,
+}
+
 /// The gang's references and the thresholds: tells a slow measurement from a normal one.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Classifier {
@@ -159,6 +167,25 @@ impl Classifier {
             reference_mbps: median_f64(&best_mbps),
             reference_rtt: median_duration(&best_rtt),
             thresholds: thresholds.clone(),
+        }
+    }
+
+    /// A classifier with references already computed (by node 0, from the whole gang).
+    pub fn from_reference(reference: Reference, thresholds: &Thresholds) -> Self {
+        Self {
+            reference_mbps: reference.mbps,
+            reference_rtt: reference.rtt_us.map(Duration::from_micros),
+            thresholds: thresholds.clone(),
+        }
+    }
+
+    /// The references, to publish with the verdict.
+    pub fn reference(&self) -> Reference {
+        Reference {
+            mbps: self.reference_mbps,
+            rtt_us: self
+                .reference_rtt
+                .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX)),
         }
     }
 
@@ -265,13 +292,49 @@ impl Finding {
     }
 }
 
+/// How many findings of each kind a verdict has (a member's view lists only some of them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FindingCounts {
+    pub nodes: u32,
+    pub links: u32,
+}
+
+impl FindingCounts {
+    pub fn of(findings: &[Finding]) -> Self {
+        let links = findings
+            .iter()
+            .filter(|f| matches!(f, Finding::Link { .. }))
+            .count();
+        Self {
+            nodes: u32::try_from(findings.len() - links).unwrap_or(u32::MAX),
+            links: u32::try_from(links).unwrap_or(u32::MAX),
+        }
+    }
+
+    pub fn total(self) -> u32 {
+        self.nodes.saturating_add(self.links)
+    }
+}
+
+/// The most findings an action's message (and so the exit message and the generation record
+/// every node reads) spells out; node 0's log lists them all.
+pub const MESSAGE_FINDINGS: usize = 8;
+
 /// The verdict and its reason.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Verdict {
     pub findings: Vec<Finding>,
     /// One line: the references, and what was found or that nothing was.
     pub reason: String,
+    /// Most measurements of a gang of 4 or more failed: nothing can be blamed on a node or a
+    /// link (no findings), and the network (or the check's budget) is not fit to start on.
+    #[serde(default)]
+    pub inconclusive: bool,
 }
+
+/// Below this many nodes, one unreachable node fails most of the ring's measurements by itself
+/// and is still named.
+const INCONCLUSIVE_MIN_NODES: u32 = 4;
 
 /// Judges `samples` of a round of `n` nodes.
 pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
@@ -345,12 +408,37 @@ pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
     if let Some(rtt) = c.reference_rtt {
         let _ = write!(reason, ", rtt {:.2} ms", ms(rtt));
     }
-    if findings.is_empty() {
+    // Failures count as slow whatever the gang's median, so when most measurements failed
+    // (a partitioned network, or hosts too loaded to answer within the budget) the rules would
+    // name most of the gang: blaming hundreds of nodes helps nobody.
+    let first_round: Vec<&Sample> = samples.iter().filter(|s| s.round == 1).collect();
+    let failed = first_round.iter().filter(|s| s.error.is_some()).count();
+    let inconclusive = n >= INCONCLUSIVE_MIN_NODES && failed * 2 > first_round.len();
+    if inconclusive {
+        findings.clear();
+        let example = first_round
+            .iter()
+            .find_map(|s| {
+                s.error
+                    .as_ref()
+                    .map(|e| format!("{}→{}: {e}", s.from, s.to))
+            })
+            .unwrap_or_default();
+        let _ = write!(
+            reason,
+            ": inconclusive: {failed} of {} round-1 measurements failed (e.g. {example}), too many to blame a node or link: a partitioned network, or hosts too loaded to answer within the check's budget",
+            first_round.len()
+        );
+    } else if findings.is_empty() {
         reason.push_str(": no slow node or link");
     } else {
         let _ = write!(reason, ": {} finding(s)", findings.len());
     }
-    Verdict { findings, reason }
+    Verdict {
+        findings,
+        reason,
+        inconclusive,
+    }
 }
 
 /// What the gang does about a verdict.
@@ -378,10 +466,29 @@ pub fn decide(
     min_nodes: u32,
     max_nodes: u32,
 ) -> Action {
-    if mode != Mode::Require || verdict.findings.is_empty() {
+    if mode != Mode::Require {
         return Action::Proceed;
     }
-    let lines: Vec<String> = verdict.findings.iter().map(|f| f.message(nodes)).collect();
+    if verdict.inconclusive {
+        return Action::End {
+            message: format!("network check failed: {}", verdict.reason),
+        };
+    }
+    if verdict.findings.is_empty() {
+        return Action::Proceed;
+    }
+    let mut lines: Vec<String> = verdict
+        .findings
+        .iter()
+        .take(MESSAGE_FINDINGS)
+        .map(|f| f.message(nodes))
+        .collect();
+    if verdict.findings.len() > MESSAGE_FINDINGS {
+        lines.push(format!(
+            "and {} more (node 0's log lists them all)",
+            verdict.findings.len() - MESSAGE_FINDINGS
+        ));
+    }
     let message = format!("network check failed: {}", lines.join(" | "));
     let node_rank = |g: u32| node_rank_of(nodes, g);
     let leaving: BTreeSet<u32> = verdict
@@ -614,6 +721,7 @@ pub(super) mod tests {
                 reason: String::new(),
             }],
             reason: String::new(),
+            inconclusive: false,
         };
         assert!(
             matches!(decide(Mode::Require, &v, &nodes(4), 2, 4), Action::Leave { ranks, .. } if ranks == vec![2])
@@ -624,11 +732,89 @@ pub(super) mod tests {
                 reason: String::new(),
             }],
             reason: String::new(),
+            inconclusive: false,
         };
         assert!(matches!(
             decide(Mode::Require, &v, &nodes(4), 2, 4),
             Action::End { .. }
         ));
+    }
+
+    #[test]
+    fn when_most_measurements_failed_nobody_is_blamed_and_require_ends_the_round() {
+        // Eight nodes, five of whose ring measurements ran out of time.
+        let samples: Vec<Sample> = (0..8)
+            .map(|r| {
+                if r < 5 {
+                    Sample::failed(r, (r + 1) % 8, 1, "out of time")
+                } else {
+                    s(r, (r + 1) % 8, 1, 900, 60)
+                }
+            })
+            .collect();
+        let v = judge(8, &samples, &Thresholds::default());
+        assert!(v.inconclusive && v.findings.is_empty(), "{v:?}");
+        assert!(
+            v.reason.contains(
+                "inconclusive: 5 of 8 round-1 measurements failed (e.g. 0→1: out of time)"
+            ),
+            "{}",
+            v.reason
+        );
+        assert_eq!(decide(Mode::Warn, &v, &nodes(8), 8, 8), Action::Proceed);
+        assert!(matches!(
+            decide(Mode::Require, &v, &nodes(8), 4, 8),
+            Action::End { message } if message.contains("inconclusive")
+        ));
+        // Half failed, or a small gang with one unreachable node: still judged.
+        let half: Vec<Sample> = samples
+            .iter()
+            .enumerate()
+            .map(|(i, x)| {
+                if i == 4 {
+                    s(4, 5, 1, 900, 60)
+                } else {
+                    x.clone()
+                }
+            })
+            .collect();
+        assert!(!judge(8, &half, &Thresholds::default()).inconclusive);
+        let three = [
+            s(0, 1, 1, 900, 60),
+            Sample::failed(1, 2, 1, "refused"),
+            Sample::failed(2, 0, 1, "refused"),
+        ];
+        let v = judge(3, &three, &Thresholds::default());
+        assert!(!v.inconclusive, "{v:?}");
+    }
+
+    #[test]
+    fn a_failure_message_names_a_few_findings_and_counts_the_rest() {
+        let v = Verdict {
+            findings: (1..=20)
+                .map(|rank| Finding::Node {
+                    rank,
+                    reason: "slow".to_owned(),
+                })
+                .collect(),
+            reason: String::new(),
+            inconclusive: false,
+        };
+        let Action::End { message } = decide(Mode::Require, &v, &nodes(21), 21, 21) else {
+            panic!("a fixed-size gang ends the round");
+        };
+        assert_eq!(message.matches("slow node:").count(), MESSAGE_FINDINGS);
+        assert!(
+            message.ends_with("and 12 more (node 0's log lists them all)"),
+            "{message}"
+        );
+        assert_eq!(
+            FindingCounts::of(&v.findings),
+            FindingCounts {
+                nodes: 20,
+                links: 0
+            }
+        );
     }
 
     #[test]

@@ -699,11 +699,18 @@ async fn network_check(
             report.verdict.reason,
             report.table(&round.settings.thresholds).trim_end()
         );
-    } else {
+    } else if !report.verdict.inconclusive {
         info!("network check: {}", report.verdict.reason);
+    }
+    if report.verdict.inconclusive {
+        warn!("network check: {}", report.verdict.reason);
     }
     for finding in &report.verdict.findings {
         warn!("network check: {}", finding.message(&report.nodes));
+    }
+    let unlisted = (report.counts.total() as usize).saturating_sub(report.verdict.findings.len());
+    if unlisted > 0 {
+        warn!("network check: and {unlisted} more finding(s) about other nodes (node 0's log lists them all)");
     }
     events.publish(Event::NetworkChecked {
         result: NetworkCheckResult::Judged(std::sync::Arc::new(Summary::of(
