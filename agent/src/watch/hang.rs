@@ -94,6 +94,28 @@ pub struct RankView {
     pub exited: bool,
 }
 
+impl RankView {
+    /// Since when the rank has made no progress: its open section's start, else its last
+    /// report; `None` before it reported anything.
+    fn idle_since(&self) -> Option<Instant> {
+        match &self.section {
+            Some(section) => Some(section.since),
+            None => self.last_progress,
+        }
+    }
+
+    fn stall(&self, stalled: Duration, limit: Duration) -> Stall {
+        Stall {
+            local_rank: self.local_rank,
+            rank: self.rank,
+            last_step: self.step,
+            stalled,
+            limit,
+            section: self.section.as_ref().map(|s| s.name.clone()),
+        }
+    }
+}
+
 /// Why a rank counts as hung.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Stall {
@@ -163,15 +185,12 @@ fn exposure(
     if rank.exited || policy.timeout == HangTimeout::Off {
         return None;
     }
-    if let Some(section) = &rank.section {
-        return Some((
-            policy.section_timeout,
-            now.saturating_duration_since(section.since),
-        ));
-    }
-    let limit = step_limit(policy, rank, all)?;
-    let since = rank.last_progress?;
-    Some((limit, now.saturating_duration_since(since)))
+    let limit = if rank.section.is_some() {
+        policy.section_timeout
+    } else {
+        step_limit(policy, rank, all)?
+    };
+    Some((limit, now.saturating_duration_since(rank.idle_since()?)))
 }
 
 /// The hung rank that has gone longest without progress, if any rank passed its limit.
@@ -180,14 +199,7 @@ pub fn decide(policy: &Policy, ranks: &[RankView], now: Instant) -> Option<Stall
         .iter()
         .filter_map(|r| {
             let (limit, stalled) = exposure(policy, r, ranks, now)?;
-            (stalled > limit).then(|| Stall {
-                local_rank: r.local_rank,
-                rank: r.rank,
-                last_step: r.step,
-                stalled,
-                limit,
-                section: r.section.as_ref().map(|s| s.name.clone()),
-            })
+            (stalled > limit).then(|| r.stall(stalled, limit))
         })
         .max_by_key(|s| s.stalled)
 }
@@ -220,19 +232,8 @@ pub fn stalled_ranks(ranks: &[RankView], limit: Duration, now: Instant) -> Vec<S
         .iter()
         .filter(|r| !r.exited)
         .filter_map(|r| {
-            let since = match &r.section {
-                Some(section) => section.since,
-                None => r.last_progress?,
-            };
-            let stalled = now.saturating_duration_since(since);
-            (stalled >= limit / 2).then(|| Stall {
-                local_rank: r.local_rank,
-                rank: r.rank,
-                last_step: r.step,
-                stalled,
-                limit,
-                section: r.section.as_ref().map(|s| s.name.clone()),
-            })
+            let stalled = now.saturating_duration_since(r.idle_since()?);
+            (stalled >= limit / 2).then(|| r.stall(stalled, limit))
         })
         .collect()
 }
