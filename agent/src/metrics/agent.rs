@@ -823,10 +823,35 @@ mod tests {
             v(r#"muster_network_checks_total{result="clean"}"#),
             Some(1.0)
         );
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="inconclusive"}"#),
+            Some(0.0)
+        );
         assert_eq!(v(&format!("muster_network_peer_slow{in7}")), None);
         assert_eq!(
             v(&format!("muster_network_peer_rtt_seconds{out3}")),
             Some(0.0003)
+        );
+        // Most measurements failed: counted apart from a clean check, whatever the findings.
+        events.publish(judged(
+            Summary {
+                peers: vec![peer(3, Direction::Out, 1, None, 0.0, true)],
+                node_findings: 0,
+                link_findings: 0,
+                named: false,
+                inconclusive: true,
+            },
+            2_100,
+        ));
+        let text = scraped(&metrics).await;
+        let v = |series: &str| value(&text, series);
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="inconclusive"}"#),
+            Some(1.0)
+        );
+        assert_eq!(
+            v(r#"muster_network_checks_total{result="clean"}"#),
+            Some(1.0)
         );
         events.publish(events::Event::NetworkChecked {
             result: events::NetworkCheckResult::NoVerdict,

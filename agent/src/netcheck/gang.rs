@@ -715,6 +715,12 @@ mod tests {
         let named: Vec<u32> = view.nodes.iter().map(|n| n.group_rank).collect();
         assert_eq!(named, vec![1, 2, 3, 4, 5, 6, 7, 8, 30, 31]);
         assert_eq!(view.samples.len(), 1);
+        // A member reads its view back from JSON: the references arrive bit for bit (this value
+        // came back one ulp off without serde_json's float_roundtrip).
+        let mut exact = view.clone();
+        exact.reference.mbps = Some(965.824_665_960_160_4);
+        let read: Report = serde_json::from_slice(&serde_json::to_vec(&exact).unwrap()).unwrap();
+        assert_eq!(read, exact);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
