@@ -97,8 +97,18 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
             .map_err(|e| Exit::config(format!("--numa-binding: {e}")))?;
         launch = launch.with_rank_cpus(rank_cpus);
     }
+    // One private directory per agent (mode 0700, removed at exit) for the helper, the workers'
+    // error files and the stack dumps; `None` where nothing is writable.
+    let private_dir =
+        crate::scratch::ScratchDir::create(launch.config().tmp_dir.as_deref(), "muster-")
+            .map_err(|e| Exit::config(e.to_string()))?
+            .map(std::sync::Arc::new);
+    if let Some(dir) = &private_dir {
+        launch = launch.with_private_dir(dir.clone());
+    }
     let preemption = Preemption::start(
         launch.config(),
+        private_dir,
         launch.observer(),
         shutdown.clone(),
         events.clone(),
@@ -140,8 +150,8 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     } else if let Some(path) = python_path {
         launch = launch.with_worker_env("PYTHONPATH", path);
     }
-    // The GPU watch runs whatever `--gpu-check` says: without a driver it ends at once, and a
-    // GPU that was already bad at the start is not a fault of the run.
+    // The GPU watch runs whatever `--gpu-check` says: without a GPU device or a driver it ends at
+    // once, and a GPU that was already bad at the start is not a fault of the run.
     let gpu_watch = (!launch.config().gpu_watch_interval.is_zero()).then(|| {
         crate::gpu::watch::Watch::start(crate::gpu::watch::Options {
             interval: launch.config().gpu_watch_interval,

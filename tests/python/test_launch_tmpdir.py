@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,10 @@ def test_tmp_dir_holds_the_helper_and_error_files_and_is_emptied_at_exit(tmp_pat
     assert all(h.startswith("True " + str(scratch) + "/") for h in helpers), p.stdout
     errfiles = values(p.stdout, "ERRFILE")
     assert all(e.startswith(str(scratch) + "/") and e.endswith("/error.json") for e in errfiles)
+    # One private directory per agent: <dir>/muster_checkpoint.py and <dir>/attempt_0/<rank>/.
+    private = {h.split(" ", 1)[1] for h in helpers}
+    assert len(private) == 1, helpers
+    assert {str(Path(e).parents[2]) for e in errfiles} == private, (errfiles, private)
     # The helper reached the agent through the abstract socket.
     assert values(p.stdout, "CONNECTED") == ["True", "True"], p.stdout
     assert NO_WRITABLE not in p.stderr

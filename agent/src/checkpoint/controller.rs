@@ -32,7 +32,7 @@ use super::{Outcome, Settings, DEFAULT_NOTIFY_LATENCY};
 use crate::events::{CheckpointResult, Event as AgentEvent, Events};
 use crate::exit_code;
 use crate::launch::{Config, Event, Observer, RankAssignment, StopRequest, TerminateHook};
-use crate::scratch::{ScratchDir, ScratchError};
+use crate::scratch::ScratchDir;
 
 /// Kept back from the grace period for stopping and reaping after the deadline: the barrier's
 /// deadline is `grace − margin`, so the agent exits before Kubernetes' SIGKILL.
@@ -62,8 +62,6 @@ const HELPER_FILE: &str = "muster_checkpoint.py";
 /// Why the barrier could not be set up: all of them are the environment's doing (exit 202).
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error(transparent)]
-    Scratch(#[from] ScratchError),
     #[error("cannot write the checkpoint helper {}: {source}; give --tmp-dir a writable directory (e.g. an emptyDir volume)", path.display())]
     Helper {
         path: PathBuf,
@@ -81,8 +79,9 @@ impl exit_code::Coded for StartError {
 
 /// Handle to the running controller.
 pub struct Preemption {
-    /// The directory holding the helper; `None`: nowhere was writable, the workers go without it.
-    helper_dir: Option<ScratchDir>,
+    /// The agent's private directory, holding the helper; `None`: nowhere was writable (or the
+    /// helper could not be written there), the workers go without it.
+    helper_dir: Option<Arc<ScratchDir>>,
     socket: String,
     view: super::local::ProgressView,
     triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
@@ -98,22 +97,24 @@ pub fn budget(grace: Duration) -> Duration {
 }
 
 impl Preemption {
-    /// Listens for the workers on an abstract socket (no file), writes the Python helper into a
-    /// private directory where one can be made (so `import muster_checkpoint` works in every
-    /// worker; see [`crate::scratch`]), and starts the controller. Without a writable directory
-    /// the barrier still runs for scripts that vendor the helper; the others get the signal
-    /// forwarded, as for any script that does not use the helper.
+    /// Listens for the workers on an abstract socket (no file), writes the Python helper into
+    /// the agent's private directory `private_dir` when there is one (so `import
+    /// muster_checkpoint` works in every worker; see [`crate::scratch`]), and starts the
+    /// controller. Without a writable directory the barrier still runs for scripts that vendor
+    /// the helper; the others get the signal forwarded, as for any script that does not use the
+    /// helper.
     ///
     /// `observer` must be taken from the launch before it runs; `shutdown` is the token the
     /// launch runs under (cancelling it stops the workers on nodes that were not signalled).
     /// Checkpoints and the ranks' step reports are told to `events`.
     pub fn start(
         config: &Config,
+        private_dir: Option<Arc<ScratchDir>>,
         observer: Observer,
         shutdown: CancellationToken,
         events: Events,
     ) -> Result<Preemption, StartError> {
-        let helper_dir = write_helper(config.tmp_dir.as_deref())?;
+        let helper_dir = write_helper(private_dir, config.tmp_dir.is_some())?;
         let channel = LocalChannel::bind(&shutdown)?;
         channel.report_steps(events.clone());
         let socket = channel.address().to_owned();
@@ -153,12 +154,12 @@ impl Preemption {
 
     /// The directory holding `muster_checkpoint.py`, if one could be written.
     pub fn helper_dir(&self) -> Option<&Path> {
-        self.helper_dir.as_ref().map(ScratchDir::path)
+        self.helper_dir.as_deref().map(ScratchDir::path)
     }
 
     /// Where the helper's directory was made (a directory muster found writable).
     pub fn writable_base(&self) -> Option<&Path> {
-        self.helper_dir.as_ref().map(ScratchDir::base)
+        self.helper_dir.as_deref().map(ScratchDir::base)
     }
 
     /// The workers' `PYTHONPATH`: the helper's directory first, then what the agent was given;
@@ -238,17 +239,20 @@ impl Drop for Preemption {
     }
 }
 
-/// Writes the helper into a fresh private directory (see [`crate::scratch`]). `Ok(None)`: no
-/// writable place, or the one found could not take the file; only a `--tmp-dir` the user named
-/// is an error.
-fn write_helper(tmp_dir: Option<&Path>) -> Result<Option<ScratchDir>, StartError> {
-    let Some(dir) = ScratchDir::create(tmp_dir, "muster-")? else {
+/// Writes the helper into the agent's private directory `dir` (see [`crate::scratch`]), if there
+/// is one. `Ok(None)`: no directory, or it could not take the file; only a failure in a
+/// `--tmp-dir` the user `named` is an error.
+fn write_helper(
+    dir: Option<Arc<ScratchDir>>,
+    named: bool,
+) -> Result<Option<Arc<ScratchDir>>, StartError> {
+    let Some(dir) = dir else {
         return Ok(None);
     };
     let path = dir.path().join(HELPER_FILE);
     match std::fs::write(&path, PYTHON_HELPER) {
         Ok(()) => Ok(Some(dir)),
-        Err(source) if tmp_dir.is_some() => Err(StartError::Helper { path, source }),
+        Err(source) if named => Err(StartError::Helper { path, source }),
         Err(err) => {
             // A full tmpfs, say: going without the helper beats not starting.
             warn!("cannot write {}: {err}", path.display());

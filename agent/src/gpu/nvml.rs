@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nvml_wrapper::enum_wrappers::device::{
@@ -69,9 +70,27 @@ pub fn library_override() -> Option<String> {
     std::env::var(LIBRARY_ENV).ok().filter(|p| !p.is_empty())
 }
 
+/// Device nodes through which NVML reaches a GPU: the NVIDIA kernel driver's control node, or
+/// WSL2's paravirtualised GPU. NVML opens one of them in `nvmlInit`, so without either it cannot
+/// initialise.
+const DRIVER_NODES: [&str; 2] = ["/dev/nvidiactl", "/dev/dxg"];
+
 /// Initialises NVML from `library`, or from the driver's default library.
+///
+/// The default library is not even looked for on a machine with no GPU device node: a `dlopen`
+/// of an absent library walks every directory of the search path with its hardware-capability
+/// subdirectories (about a hundred failed opens), on a thread of its own per caller, and with
+/// thousands of agents starting on a few CPUs that was 5 % of each agent's start.
 fn open(library: Option<&str>) -> Result<Nvml, DriverState> {
     let name = library.unwrap_or(DEFAULT_LIBRARY).to_string();
+    if library.is_none() {
+        if let Some(detail) = no_driver_node(Path::exists) {
+            return Err(DriverState::Missing {
+                library: name,
+                detail,
+            });
+        }
+    }
     let result = match library {
         Some(path) => Nvml::builder().lib_path(OsStr::new(path)).init(),
         None => Nvml::init(),
@@ -86,6 +105,23 @@ fn open(library: Option<&str>) -> Result<Nvml, DriverState> {
             detail: other.to_string(),
         },
     })
+}
+
+/// Whether NVML could find a GPU here: `library` overrides the driver's, or a GPU device node
+/// exists. Optional readers (the watch, the release wait) ask before they spend a thread on it.
+pub fn may_reach_gpus(library: Option<&str>) -> bool {
+    library.is_some() || no_driver_node(Path::exists).is_none()
+}
+
+/// Why NVML cannot reach a GPU here, when none of [`DRIVER_NODES`] `exists`.
+fn no_driver_node(exists: impl Fn(&Path) -> bool) -> Option<String> {
+    if DRIVER_NODES.iter().any(|node| exists(Path::new(node))) {
+        return None;
+    }
+    Some(format!(
+        "no {}: no GPU device is given to this container",
+        DRIVER_NODES.join(" or ")
+    ))
 }
 
 /// Maps nvml-wrapper's errors onto what the checks distinguish.
@@ -502,6 +538,17 @@ pub fn devices(library: Option<&str>) -> Result<Vec<super::GpuInfo>, DriverState
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_library_is_looked_for_only_where_a_gpu_device_node_is() {
+        let detail = no_driver_node(|_| false).expect("no node: no driver");
+        assert_eq!(
+            detail,
+            "no /dev/nvidiactl or /dev/dxg: no GPU device is given to this container"
+        );
+        assert_eq!(no_driver_node(|p| p == Path::new("/dev/nvidiactl")), None);
+        assert_eq!(no_driver_node(|p| p == Path::new("/dev/dxg")), None, "WSL2");
+    }
 
     #[test]
     fn a_missing_library_is_a_no_driver_outcome() {

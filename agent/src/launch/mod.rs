@@ -330,6 +330,7 @@ pub struct Launch {
     rank_env: Option<RankEnv>,
     watchdog: Option<Arc<dyn Watchdog>>,
     gpu_watch: Option<crate::gpu::watch::Watch>,
+    private_dir: Option<Arc<crate::scratch::ScratchDir>>,
 }
 
 /// Variables for one rank of one attempt, computed just before it starts:
@@ -349,7 +350,17 @@ impl Launch {
             rank_env: None,
             watchdog: None,
             gpu_watch: None,
+            private_dir: None,
         }
+    }
+
+    /// Keeps the workers' error files (without `--log-dir`) in `dir`, the agent's one private
+    /// directory, instead of a directory of the launch's own: one directory to make and remove
+    /// per agent, not two.
+    #[must_use]
+    pub fn with_private_dir(mut self, dir: Arc<crate::scratch::ScratchDir>) -> Self {
+        self.private_dir = Some(dir);
+        self
     }
 
     /// Stops the workers and ends the launch with [`LaunchError::GpuFault`] when `watch` reports
@@ -434,6 +445,7 @@ impl Launch {
             rank_env,
             watchdog,
             gpu_watch,
+            private_dir,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -476,7 +488,8 @@ impl Launch {
             })?;
             (writer.sink(), Some(writer))
         };
-        let run_dir = RunDir::create(&config).map_err(|e| e.naming_log_dir(&config.logs))?;
+        let run_dir =
+            RunDir::create(&config, private_dir).map_err(|e| e.naming_log_dir(&config.logs))?;
         let asks_files = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
         match (&run_dir.path, &config.logs.log_dir) {
             (Some(path), Some(_)) if asks_files => {
@@ -694,6 +707,9 @@ async fn gpu_baseline(config: &Config) -> Option<Vec<crate::gpu::release::GpuUse
         return None;
     }
     let library = crate::gpu::nvml::library_override();
+    if !crate::gpu::nvml::may_reach_gpus(library.as_deref()) {
+        return None;
+    }
     let read =
         tokio::task::spawn_blocking(move || crate::gpu::release::baseline(library.as_deref()));
     if let Ok(Ok(baseline)) = tokio::time::timeout(GPU_BASELINE_TIMEOUT, read).await {
@@ -764,25 +780,29 @@ async fn wait_for_gpus(
 }
 
 /// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory, for the per-rank log and error
-/// files. Without `--log-dir` it holds only the error files and lives in muster's private
-/// directory ([`crate::scratch`]: `--tmp-dir`, else `$TMPDIR`, `/tmp`, `/dev/shm`), removed with
-/// it when this is dropped; with no writable place at all there is none (`path` is `None`) and
-/// the workers get no `TORCHELASTIC_ERROR_FILE`.
+/// files. Without `--log-dir` it holds only the error files and is muster's private directory
+/// itself ([`crate::scratch`]: `--tmp-dir`, else `$TMPDIR`, `/tmp`, `/dev/shm`): the agent's,
+/// when the caller gave one, else one of the launch's own, removed when this is dropped. A
+/// private directory needs no per-run level (nothing else writes there), and every directory
+/// made and removed is paid by every agent of a job as it starts and ends. With no writable place
+/// at all there is none (`path` is `None`) and the workers get no `TORCHELASTIC_ERROR_FILE`.
 struct RunDir {
     path: Option<PathBuf>,
-    /// Dropped last: removes the private directory (also when the launch future is dropped
-    /// half-way by an embedding caller).
-    scratch: Option<crate::scratch::ScratchDir>,
+    /// Dropped last: removes the private directory when this holds the last reference (also when
+    /// the launch future is dropped half-way by an embedding caller).
+    scratch: Option<Arc<crate::scratch::ScratchDir>>,
 }
 
 impl RunDir {
-    fn create(config: &Config) -> Result<RunDir, LaunchError> {
-        let suffix: String = (0..8)
-            .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
-            .collect();
-        let run = format!("{}_{suffix}", config.run_id);
+    fn create(
+        config: &Config,
+        private_dir: Option<Arc<crate::scratch::ScratchDir>>,
+    ) -> Result<RunDir, LaunchError> {
         if let Some(dir) = &config.logs.log_dir {
-            let path = dir.join(run);
+            let suffix: String = (0..8)
+                .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
+                .collect();
+            let path = dir.join(format!("{}_{suffix}", config.run_id));
             std::fs::create_dir_all(&path).map_err(|source| LaunchError::LogDir {
                 path: path.clone(),
                 source,
@@ -792,22 +812,20 @@ impl RunDir {
                 scratch: None,
             });
         }
-        let Some(scratch) =
-            crate::scratch::ScratchDir::create(config.tmp_dir.as_deref(), "muster_")?
-        else {
+        let scratch = match private_dir {
+            Some(dir) => Some(dir),
+            None => crate::scratch::ScratchDir::create(config.tmp_dir.as_deref(), "muster_")?
+                .map(Arc::new),
+        };
+        let Some(scratch) = scratch else {
             tracing::debug!("no writable directory: the workers get no TORCHELASTIC_ERROR_FILE");
             return Ok(RunDir {
                 path: None,
                 scratch: None,
             });
         };
-        let path = scratch.path().join(run);
-        std::fs::create_dir_all(&path).map_err(|source| LaunchError::TmpDir {
-            path: path.clone(),
-            source,
-        })?;
         Ok(RunDir {
-            path: Some(path),
+            path: Some(scratch.path().to_owned()),
             scratch: Some(scratch),
         })
     }

@@ -40,6 +40,10 @@ struct Watched<'nvml> {
 }
 
 pub(super) fn spawn(opts: Options, watch: Watch) {
+    if !crate::gpu::nvml::may_reach_gpus(opts.library.as_deref()) {
+        tracing::debug!("GPU watch off: no GPU device in this container");
+        return;
+    }
     let spawned = std::thread::Builder::new()
         .name("gpu-watch".into())
         .spawn(move || run(&opts, &watch));
