@@ -58,10 +58,11 @@ def test_tmp_dir_holds_the_helper_and_error_files_and_is_emptied_at_exit(tmp_pat
     assert all(h.startswith("True " + str(scratch) + "/") for h in helpers), p.stdout
     errfiles = values(p.stdout, "ERRFILE")
     assert all(e.startswith(str(scratch) + "/") and e.endswith("/error.json") for e in errfiles)
-    # One private directory per agent: <dir>/muster_checkpoint.py and <dir>/attempt_0/<rank>/.
+    # One private directory per agent: <dir>/muster_checkpoint.py beside
+    # <dir>/<run_id>_<random>/attempt_0/<rank>/error.json (torchrun's shape below it).
     private = {h.split(" ", 1)[1] for h in helpers}
     assert len(private) == 1, helpers
-    assert {str(Path(e).parents[2]) for e in errfiles} == private, (errfiles, private)
+    assert {str(Path(e).parents[3]) for e in errfiles} == private, (errfiles, private)
     # The helper reached the agent through the abstract socket.
     assert values(p.stdout, "CONNECTED") == ["True", "True"], p.stdout
     assert NO_WRITABLE not in p.stderr

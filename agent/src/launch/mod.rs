@@ -780,12 +780,12 @@ async fn wait_for_gpus(
 }
 
 /// `<log_dir>/<run_id>_<random>`, torchrun's per-run directory, for the per-rank log and error
-/// files. Without `--log-dir` it holds only the error files and is muster's private directory
-/// itself ([`crate::scratch`]: `--tmp-dir`, else `$TMPDIR`, `/tmp`, `/dev/shm`): the agent's,
-/// when the caller gave one, else one of the launch's own, removed when this is dropped. A
-/// private directory needs no per-run level (nothing else writes there), and every directory
-/// made and removed is paid by every agent of a job as it starts and ends. With no writable place
-/// at all there is none (`path` is `None`) and the workers get no `TORCHELASTIC_ERROR_FILE`.
+/// files. Without `--log-dir` it holds only the error files and lives in muster's private
+/// directory ([`crate::scratch`]: `--tmp-dir`, else `$TMPDIR`, `/tmp`, `/dev/shm`): the agent's,
+/// when the caller gave one, else one of the launch's own, removed when this is dropped. Either
+/// way the error files' paths keep torchrun's shape (`…/<run_id>_<random>/attempt_N/<rank>/`).
+/// With no writable place at all there is none (`path` is `None`) and the workers get no
+/// `TORCHELASTIC_ERROR_FILE`.
 struct RunDir {
     path: Option<PathBuf>,
     /// Dropped last: removes the private directory when this holds the last reference (also when
@@ -798,11 +798,12 @@ impl RunDir {
         config: &Config,
         private_dir: Option<Arc<crate::scratch::ScratchDir>>,
     ) -> Result<RunDir, LaunchError> {
+        let suffix: String = (0..8)
+            .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
+            .collect();
+        let run = format!("{}_{suffix}", config.run_id);
         if let Some(dir) = &config.logs.log_dir {
-            let suffix: String = (0..8)
-                .map(|_| char::from(b'a' + rand::random_range(0..26u8)))
-                .collect();
-            let path = dir.join(format!("{}_{suffix}", config.run_id));
+            let path = dir.join(run);
             std::fs::create_dir_all(&path).map_err(|source| LaunchError::LogDir {
                 path: path.clone(),
                 source,
@@ -824,8 +825,13 @@ impl RunDir {
                 scratch: None,
             });
         };
+        let path = scratch.path().join(run);
+        std::fs::create_dir_all(&path).map_err(|source| LaunchError::TmpDir {
+            path: path.clone(),
+            source,
+        })?;
         Ok(RunDir {
-            path: Some(scratch.path().to_owned()),
+            path: Some(path),
             scratch: Some(scratch),
         })
     }
