@@ -281,9 +281,10 @@ impl exit_code::Coded for LaunchError {
             }
             LaunchError::StoreHostLost(_)
             | LaunchError::Rendezvous(RdzvError::StoreLost(_))
-            | LaunchError::NetworkCheck(crate::netcheck::gang::CheckError::Store(_)) => {
-                exit_code::STORE_HOST_LOST
-            }
+            | LaunchError::NetworkCheck(
+                crate::netcheck::gang::CheckError::Store(_)
+                | crate::netcheck::gang::CheckError::StoreSlow(_),
+            ) => exit_code::STORE_HOST_LOST,
             LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
             LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => {
                 exit_code::UNHEALTHY_GPU

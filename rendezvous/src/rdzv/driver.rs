@@ -120,6 +120,12 @@ impl<K: Kv> Rendezvous<K> {
         &self.kv
     }
 
+    /// The store connection itself, for work between joining a round and its exit barrier, when
+    /// the rendezvous does not use it (the network pre-flight).
+    pub fn kv_mut(&mut self) -> &mut K {
+        &mut self.kv
+    }
+
     pub fn registration_mut(&mut self) -> &mut Registration {
         &mut self.reg
     }
