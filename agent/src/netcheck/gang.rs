@@ -210,8 +210,8 @@ impl NetKeys {
 /// connection). A store that does not answer in time ends the check without a verdict instead:
 /// the check's budget is long spent by then, and whether the host is lost is the watcher's to
 /// judge, by the same rules as any other store operation of the round (a slow store is not a
-/// lost one). Under load that is the common case: with 4,096 agents on 2 CPUs a member whose SET
-/// timed out used to exit 205, and the gang then waited for it in vain.
+/// lost one). Under load that is the common case, and a member that exited 205 on it left the
+/// rest of the gang waiting for it in vain.
 pub async fn run<K: Kv>(kv: &mut K, round: &RoundInfo) -> Result<Outcome, CheckError> {
     match check(kv, round).await {
         Err(CheckError::StoreSlow(why)) => Ok(Outcome::NoVerdict(format!(
