@@ -13,7 +13,10 @@ CACHE_ROOT="${MUSTER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/muster}"
 VENV="$CACHE_ROOT/venv-torch-$TORCH_VERSION"
 STAMP="$VENV/.muster-ready"
 # What the tests and examples import besides torch; bump the stamp when this list changes.
-EXTRA_PACKAGES=(numpy pytest pytest-timeout tqdm prometheus_client)
+# The frameworks of the zero-code integrations (docs/frameworks.md), pinned: their tests build
+# tiny models from a config, nothing is downloaded at run time.
+EXTRA_PACKAGES=(numpy pytest pytest-timeout tqdm prometheus_client
+  transformers==5.24.0 accelerate==1.15.0 lightning==2.6.6)
 STAMP_CONTENT="torch==$TORCH_VERSION ${EXTRA_PACKAGES[*]}"
 
 log() { echo "torch-venv: $*" >&2; }
