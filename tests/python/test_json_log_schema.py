@@ -22,7 +22,9 @@ EVENTS = {
     "root_cause": ({"attempts": int, "failed_at": str, "pid": int, "exit_code": (int, NULLABLE),
                     "signal": (str, NULLABLE), "agent_exit_code": int, "error": (str, NULLABLE),
                     "rank": int, "local_rank": int},
-                   {"error_file": str, "exception_line": str, "hang": dict, "oom_killed": dict}),
+                   {"error_file": str, "exception_line": str, "hang": dict, "oom_killed": dict,
+                    # The gang's root cause on another node (docs/launch.md § Exit codes).
+                    "node_rank": int, "cause_host": str, "followed_on_this_node": dict}),
     "error": ({"agent_exit_code": int}, {}),
 }
 

@@ -251,6 +251,7 @@ pub async fn run_group(
     spec: &WorkerGroupSpec,
     assignment: &RankAssignment,
     stop: &StopRequest,
+    mut failure_post: Option<super::FailurePost>,
 ) -> Result<Attempt, LaunchError> {
     let config = &spec.config;
     let restart_count = assignment.restart_count;
@@ -417,6 +418,11 @@ pub async fn run_group(
                     failure = root_cause(&workers, &spec.hostname);
                     if let Some(f) = failure.as_mut() {
                         name_oom_kill(f, memory.as_ref(), oom_kills_before, restart_count, &spec.publisher);
+                        // Before stopping the others: the gang orders failures by when they reach
+                        // the store, and this node's peers are failing too by now.
+                        if let Some(post) = failure_post.take() {
+                            let _ = post.send(f.clone());
+                        }
                     }
                     break;
                 }
@@ -473,7 +479,11 @@ pub async fn run_group(
     guard.armed = false;
     drain(&mut pumps, &pipes_closed).await;
     if let Some(hang) = hung {
-        failure = Some(hung_failure(&workers, &spec.hostname, hang));
+        let f = hung_failure(&workers, &spec.hostname, hang);
+        if let Some(post) = failure_post.take() {
+            let _ = post.send(f.clone());
+        }
+        failure = Some(f);
     }
     if let Some(f) = failure.as_mut() {
         f.flight_recorder = flight_recorder.dumps(attempt_started_at);

@@ -30,6 +30,7 @@
 
 pub mod config;
 pub mod env;
+pub mod gang_cause;
 mod group;
 pub mod observe;
 pub mod rdzv;
@@ -87,7 +88,13 @@ pub struct Round {
     pub assignment: RankAssignment,
     /// The workers' store when this node hosts it; shut down when the attempt ends.
     pub store: Option<HostedStore>,
+    /// Where the attempt's first local failure goes the moment it is seen (the gang's failure
+    /// board, [`gang_cause`]); `None` on a single node.
+    pub failure_post: Option<FailurePost>,
 }
+
+/// The sending end of a round's [`Round::failure_post`].
+pub type FailurePost = tokio::sync::oneshot::Sender<Failure>;
 
 /// The first failure of an attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -519,24 +526,58 @@ impl Launch {
             .await
             .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
-            if let GroupOutcome::Failed(f) = &outcome.last {
-                let gpu_events = gpu_watch
-                    .as_ref()
-                    .map(|w| w.summary_lines(f.rank, f.at))
-                    .unwrap_or_default();
-                // Without --log-dir the run directory is muster's private one, gone at exit.
-                let removed = run_dir.path.as_deref().filter(|_| !run_dir.is_kept());
-                let text = match config.logs.format {
-                    config::LogFormat::Text => {
-                        summary::render(f, outcome.attempts)
-                            + &summary::render_flight_recorder(f, removed)
-                            + &summary::render_gpu_events(&gpu_events)
+            // The gang's root cause, when it is another node's: named first, on every node.
+            let elsewhere = rendezvous
+                .gang_cause()
+                .filter(|c| c.elsewhere() && outcome.exit_code != exit_code::SUCCESS);
+            let text = match (&elsewhere, config.logs.format) {
+                (Some(cause), config::LogFormat::Text) => {
+                    summary::render_gang(cause, outcome.attempts)
+                }
+                (Some(cause), config::LogFormat::Json) => summary::render_gang_json(
+                    cause,
+                    outcome.attempts,
+                    outcome.exit_code,
+                    &spec.hostname,
+                ),
+                (None, _) => String::new(),
+            };
+            // This node's own failure: the root cause, or (after the gang's) its evidence.
+            let text = text
+                + &match &outcome.last {
+                    GroupOutcome::Failed(f) => {
+                        let gpu_events = gpu_watch
+                            .as_ref()
+                            .map(|w| w.summary_lines(f.rank, f.at))
+                            .unwrap_or_default();
+                        // Without --log-dir the run directory is muster's private one, gone at exit.
+                        let removed = run_dir.path.as_deref().filter(|_| !run_dir.is_kept());
+                        match (config.logs.format, elsewhere.is_some()) {
+                            (config::LogFormat::Text, false) => {
+                                summary::render(f, outcome.attempts)
+                                    + &summary::render_flight_recorder(f, removed)
+                                    + &summary::render_gpu_events(&gpu_events)
+                            }
+                            (config::LogFormat::Text, true) => {
+                                summary::render_flight_recorder(f, removed)
+                                    + &summary::render_gpu_events(&gpu_events)
+                            }
+                            (config::LogFormat::Json, false) => {
+                                summary::render_json(
+                                    f,
+                                    outcome.attempts,
+                                    run_dir.is_kept(),
+                                    removed,
+                                ) + &summary::render_gpu_events_json(&f.host, &gpu_events)
+                            }
+                            (config::LogFormat::Json, true) => {
+                                summary::render_gpu_events_json(&f.host, &gpu_events)
+                            }
+                        }
                     }
-                    config::LogFormat::Json => {
-                        summary::render_json(f, outcome.attempts, run_dir.is_kept(), removed)
-                            + &summary::render_gpu_events_json(&f.host, &gpu_events)
-                    }
+                    _ => String::new(),
                 };
+            if !text.is_empty() {
                 sink.agent_line(Console::Stderr, text.into_bytes());
             }
             publisher.phase(Phase::Finished {
@@ -609,7 +650,7 @@ async fn attempts(
         let attempt_stop = stop.child();
         let baseline = gpu_baseline(config).await;
         let attempt = {
-            let group = run_group(spec, &round.assignment, &attempt_stop);
+            let group = run_group(spec, &round.assignment, &attempt_stop, round.failure_post);
             tokio::pin!(group);
             tokio::select! {
                 outcome = &mut group => outcome,

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
+use super::gang_cause::GangCause;
 use super::reaper::ExitStatus;
 use super::Failure;
 
@@ -99,6 +100,109 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
     out
 }
 
+/// The summary when the gang's root cause is on another node ([`GangCause::elsewhere`]): that
+/// failure first, then what followed on this node (`local`: this node's own first failure; `None`
+/// when its workers were only stopped by the gang).
+pub fn render_gang(cause: &GangCause, attempts: u32) -> String {
+    use std::fmt::Write as _;
+    let root = &cause.root;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "muster: worker group failed after {attempts} attempt(s); root cause (first failure in the gang, on node {}):",
+        root.node_rank
+    );
+    let _ = writeln!(
+        out,
+        "muster:   time: {}  node: {} ({})  rank: {} (local_rank {})  pid: {}",
+        crate::logs::utc_timestamp(cause.root_at()),
+        root.node_rank,
+        root.host,
+        root.rank,
+        root.local_rank,
+        root.pid
+    );
+    let _ = writeln!(out, "muster:   {}", root.status);
+    match &root.error {
+        Some(error) => {
+            for line in error.lines() {
+                let _ = writeln!(out, "muster:   error: {line}");
+            }
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "muster:   error: (none recorded; node {}'s log has that rank's output)",
+                root.node_rank
+            );
+        }
+    }
+    if cause.passed_over > 0 {
+        let _ = writeln!(
+            out,
+            "muster:   ({} failure(s) reached the store earlier, each reading as a lost peer's consequence)",
+            cause.passed_over
+        );
+    }
+    match cause.followed() {
+        Some(followed) => {
+            let _ = writeln!(out, "muster:   what followed: {followed}");
+        }
+        None => {
+            let _ = writeln!(
+                out,
+                "muster:   what followed: this node's workers were stopped when the gang ended"
+            );
+        }
+    }
+    out
+}
+
+/// [`render_gang`] as one record of the JSON log schema, event `root_cause`: the fields describe
+/// the gang's root cause, `node_rank`/`cause_host` say where it was, `followed_on_this_node` what
+/// this node's own ranks did.
+pub fn render_gang_json(
+    cause: &GangCause,
+    attempts: u32,
+    agent_exit_code: u8,
+    host: &str,
+) -> String {
+    let root = &cause.root;
+    let msg = format!(
+        "worker group failed after {attempts} attempt(s); root cause (first failure in the gang): {}",
+        root.describe()
+    );
+    let serde_json::Value::Object(mut extra) = serde_json::json!({
+        "event": "root_cause",
+        "attempts": attempts,
+        "failed_at": crate::logs::utc_timestamp(cause.root_at()),
+        "node_rank": root.node_rank,
+        "cause_host": root.host,
+        "rank": root.rank,
+        "local_rank": root.local_rank,
+        "pid": root.pid,
+        "exit_code": root.worker_exit_code,
+        "signal": root.signal,
+        "agent_exit_code": agent_exit_code,
+        "error": root.error,
+    }) else {
+        unreachable!("a json! object literal is an object")
+    };
+    if let (Some(own), Some(after_ms)) = (&cause.this_node, cause.followed_after_ms()) {
+        extra.insert(
+            "followed_on_this_node".into(),
+            serde_json::json!({
+                "rank": own.rank,
+                "local_rank": own.local_rank,
+                "status": own.status,
+                "error": own.error,
+                "after_ms": after_ms,
+            }),
+        );
+    }
+    crate::logs::record::agent_record("ERROR", host, &msg, extra)
+}
+
 /// The restart warning's account of the failed rank: the OOM killer's kill named as such, else
 /// "rank 3 failed (signal SIGSEGV (11))".
 pub fn restart_reason(failure: &Failure) -> String {
@@ -107,7 +211,7 @@ pub fn restart_reason(failure: &Failure) -> String {
 }
 
 /// "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)".
-fn oom_line(failure: &Failure) -> Option<String> {
+pub(super) fn oom_line(failure: &Failure) -> Option<String> {
     let limit = failure.oom_killed?;
     let limit = limit.map_or_else(
         || "no container memory limit: the node ran out".to_owned(),

@@ -497,7 +497,17 @@ impl Rendezvous for Metered {
         outcome: &'a GroupOutcome,
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
-        self.inner.after_group(outcome, stop)
+        Box::pin(async move {
+            let after = self.inner.after_group(outcome, stop).await;
+            if let Some(cause) = self.inner.gang_cause() {
+                self.metrics.set_gang_root_cause(&cause.root);
+            }
+            after
+        })
+    }
+
+    fn gang_cause(&self) -> Option<crate::launch::gang_cause::GangCause> {
+        self.inner.gang_cause()
     }
 }
 

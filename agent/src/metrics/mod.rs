@@ -430,6 +430,7 @@ struct Inner {
     worker_exits: IntCounterVec,
     restarts: IntCounterVec,
     restarts_remaining: IntGauge,
+    gang_root_cause: IntGaugeVec,
     signals: IntCounterVec,
     checkpoint_requests: IntCounterVec,
     checkpoints: IntCounterVec,
@@ -631,6 +632,11 @@ impl Metrics {
             restarts_remaining: defs.int_gauge(
                 "muster_restarts_remaining",
                 "Restarts left in the --max-restarts budget.",
+            ),
+            gang_root_cause: defs.int_gauge_vec(
+                "muster_gang_root_cause_info",
+                "The gang's first failure of the last failed attempt, on whichever node it was (always 1; one series).",
+                &["node_rank", "host", "rank", "local_rank", "exit_code"],
             ),
             signals: defs.counter_vec(
                 "muster_signals_received_total",
@@ -1135,6 +1141,22 @@ impl Metrics {
             .restarts
             .with_label_values(&[restart_cause_label(cause)])
             .inc();
+    }
+
+    /// The gang's root cause of the last failed attempt: the one series of
+    /// `muster_gang_root_cause_info`.
+    pub fn set_gang_root_cause(&self, root: &crate::launch::gang_cause::PostedFailure) {
+        let family = &self.inner.gang_root_cause;
+        family.reset();
+        family
+            .with_label_values(&[
+                root.node_rank.to_string().as_str(),
+                truncate(&root.host, 63),
+                root.rank.to_string().as_str(),
+                root.local_rank.to_string().as_str(),
+                root.exit_code.to_string().as_str(),
+            ])
+            .set(1);
     }
 
     /// Restarts left in the budget.

@@ -599,6 +599,47 @@ fn label_values_stay_bounded() {
     assert_eq!(checks, MAX_GPU_CHECKS);
 }
 
+#[test]
+fn the_gang_root_cause_is_one_series_replaced_by_the_next_failed_attempt() {
+    use crate::launch::gang_cause::PostedFailure;
+    let metrics = Metrics::new();
+    let mut root = PostedFailure {
+        node_rank: 1,
+        host: "trainer-1".into(),
+        rank: 3,
+        local_rank: 1,
+        pid: 42,
+        status: "exit code 1".into(),
+        worker_exit_code: Some(1),
+        signal: None,
+        exit_code: 1,
+        error: Some("ValueError: x".into()),
+        at_unix_ms: 0,
+    };
+    metrics.set_gang_root_cause(&root);
+    root.node_rank = 2;
+    root.rank = 5;
+    metrics.set_gang_root_cause(&root);
+    let samples = scrape(&metrics);
+    let series: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.name == "muster_gang_root_cause_info")
+        .collect();
+    assert_eq!(series.len(), 1, "one series: the last failed attempt's");
+    let labels = &series[0].labels;
+    assert_eq!(
+        (
+            labels["node_rank"].as_str(),
+            labels["host"].as_str(),
+            labels["rank"].as_str(),
+            labels["local_rank"].as_str(),
+            labels["exit_code"].as_str()
+        ),
+        ("2", "trainer-1", "5", "1", "1")
+    );
+    assert_eq!(series[0].value, 1.0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn ages_and_the_grace_budget_are_measured_at_scrape_time() {
     let metrics = Metrics::new();

@@ -134,6 +134,11 @@ impl<K: Kv> Rendezvous<K> {
         self.reg.coordinator
     }
 
+    /// The failure board of generation `gen` ([`super::board`]).
+    pub fn failure_board(&self, gen: u64) -> super::Board {
+        super::Board::new(self.keys.clone(), gen)
+    }
+
     /// This node's rank once known (claimed, or given in a round).
     pub fn node_rank(&self) -> Option<u32> {
         self.reg.node_rank
@@ -668,6 +673,25 @@ impl<K: Kv> Rendezvous<K> {
             let _ = self.kv.add(&self.keys.left(gen), 1).await;
         }
         Ok(outcome)
+    }
+
+    /// After the job's fatal end (a [`BumpKind::Fatal`] generation): members count themselves
+    /// out on `g<G>/left`, and node 0 keeps the store up until they have (at most the heartbeat
+    /// timeout), so that leaving right after its own ranks failed does not look to members still
+    /// stopping theirs like a lost store host — they would wait for a replacement instead of
+    /// ending with the job, and could not read the failure board.
+    pub async fn leave_after_fatal(&mut self, a: &Assignment) {
+        if self.reg.coordinator {
+            let others = i64::from(a.group_world_size) - 1;
+            self.linger(
+                &self.keys.left(a.generation),
+                others,
+                self.cfg.heartbeat_timeout,
+            )
+            .await;
+        } else {
+            let _ = self.kv.add(&self.keys.left(a.generation), 1).await;
+        }
     }
 
     /// SETs `g<G>/done_all`, which releases every waiter of the barrier (idempotent).

@@ -13,6 +13,8 @@
 //! | `g<G>/done`, `g<G>/done_all` | ADD counter (+1 per report, +[`super::decide::ABORT`] per abort); `1` | exit barrier: reports, and aborts that end the generation early |
 //! | `g<G>/left` | ADD counter | members that passed the exit barrier, so node 0 leaves last |
 //! | `memory` | JSON [`super::recovery::GangMemory`] | SET by a replacement node 0 that adopted the survivors' memory |
+//! | `g<G>/failures` | ADD counter: failures posted | ADD by a node whose worker failed ([`super::board`]) |
+//! | `g<G>/failure/<i>` | opaque JSON (the agent's failure record) | SET by the poster of failure i (1-based, in the store host's receive order) |
 
 /// Builds the wire keys of one run.
 #[derive(Debug, Clone)]
@@ -65,6 +67,14 @@ impl Keys {
 
     pub fn left(&self, gen: u64) -> Vec<u8> {
         format!("{}g{gen}/left", self.prefix).into_bytes()
+    }
+
+    pub fn failures(&self, gen: u64) -> Vec<u8> {
+        format!("{}g{gen}/failures", self.prefix).into_bytes()
+    }
+
+    pub fn failure(&self, gen: u64, seq: u64) -> Vec<u8> {
+        format!("{}g{gen}/failure/{seq}", self.prefix).into_bytes()
     }
 }
 

@@ -38,6 +38,7 @@
 //! Every key lives under `muster/<run_id>/` ([`keys`]); each generation's keys live under their
 //! own `g<G>/` prefix, so nothing a dead round wrote is read by the next one.
 
+pub mod board;
 pub mod decide;
 pub mod driver;
 pub mod identity;
@@ -50,6 +51,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use board::Board;
 pub use driver::{BarrierOutcome, Event, Joined, Presence, Rendezvous, Watcher};
 pub use kv::{Kv, KvError};
 pub use store_kv::StoreKv;

@@ -43,6 +43,9 @@ pub enum Said {
     Committed { step: u64 },
     /// `checkpoint aborted: REASON`.
     Aborted { reason: String },
+    /// `attempt R: first failure in the gang: WHAT[; then ...]`: the gang's root cause of a
+    /// failed attempt (the same on every node, up to what followed on each).
+    RootCause { attempt: u32, what: String },
 }
 
 /// The agent's message in one of its output lines (`None` for a worker's line): the `msg` of a
@@ -103,6 +106,14 @@ pub fn classify(msg: &str) -> Option<Said> {
         let step = rest.split_whitespace().next()?.parse().ok()?;
         return Some(Said::Committed { step });
     }
+    if let Some(rest) = msg.strip_prefix("attempt ") {
+        let (attempt, rest) = rest.split_once(": first failure in the gang: ")?;
+        let what = rest.split_once("; then ").map_or(rest, |(what, _)| what);
+        return Some(Said::RootCause {
+            attempt: attempt.trim().parse().ok()?,
+            what: what.to_owned(),
+        });
+    }
     msg.strip_prefix("checkpoint aborted: ")
         .map(|reason| Said::Aborted {
             reason: reason.to_owned(),
@@ -159,6 +170,11 @@ pub enum Entry {
     Aborted {
         reason: String,
     },
+    /// The gang's first failure of an attempt (by the store's receive order).
+    RootCause {
+        attempt: u32,
+        what: String,
+    },
     AgentExited {
         node: u32,
         code: u8,
@@ -193,6 +209,7 @@ impl Entry {
             Entry::Stopped { .. } => "stopped",
             Entry::Committed { .. } => "committed",
             Entry::Aborted { .. } => "aborted",
+            Entry::RootCause { .. } => "root_cause",
             Entry::AgentExited { .. } => "agent_exited",
             Entry::JobEnded { .. } => "job_ended",
         }
@@ -259,6 +276,9 @@ impl fmt::Display for Entry {
             }
             Entry::Committed { step } => write!(f, "checkpoint committed at step {step}"),
             Entry::Aborted { reason } => write!(f, "checkpoint aborted: {reason}"),
+            Entry::RootCause { attempt, what } => {
+                write!(f, "root cause of attempt {attempt}: {what}")
+            }
             Entry::AgentExited { node, code } => {
                 write!(f, "node {node}'s agent exited with {code}")
             }
@@ -449,6 +469,14 @@ impl Timeline {
                     .any(|(_, e)| matches!(e, Entry::Aborted { reason: r } if *r == reason));
                 if !seen {
                     self.record(at, Entry::Aborted { reason });
+                }
+            }
+            Said::RootCause { attempt, what } => {
+                let seen = self.entries.iter().any(
+                    |(_, e)| matches!(e, Entry::RootCause { attempt: a, .. } if *a == attempt),
+                );
+                if !seen {
+                    self.record(at, Entry::RootCause { attempt, what });
                 }
             }
         }
@@ -705,6 +733,34 @@ mod tests {
             entries[0].1.to_string(),
             "gang formed: generation 0 (restarts used 0)"
         );
+    }
+
+    #[test]
+    fn the_gangs_root_cause_is_one_entry_per_attempt_whichever_node_says_it() {
+        let start = Instant::now();
+        let mut t = Timeline::new(start);
+        let cause = "node 1 (vm) rank 3 (local rank 1): exit code 1: ValueError: bad shard";
+        t.observe_line(
+            start + ms(10),
+            &format!(" WARN attempt 0: first failure in the gang: {cause}"),
+            LogFormat::Text,
+        );
+        t.observe_line(
+            start + ms(20),
+            &format!(" WARN attempt 0: first failure in the gang: {cause}; then rank 1 (local rank 1) on this node failed 40 ms later (exit code 1): RuntimeError: closed"),
+            LogFormat::Text,
+        );
+        let entries = t.entries();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!(
+            entries[0].1,
+            &Entry::RootCause {
+                attempt: 0,
+                what: cause.to_owned()
+            }
+        );
+        assert!(render(entries[0].0, entries[0].1)
+            .ends_with(&format!(" s  root cause of attempt 0: {cause}")));
     }
 
     #[test]

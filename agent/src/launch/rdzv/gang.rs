@@ -32,9 +32,10 @@ use tracing::{info, warn};
 use crate::discovery;
 use crate::events::{Event, Events};
 use crate::exit_code;
+use crate::launch::gang_cause::{GangCause, PostedFailure};
 use crate::launch::{
-    AfterGroup, BoxFuture, Config, GroupOutcome, HostedStore, LaunchError, RankAssignment, Round,
-    StopRequest,
+    AfterGroup, BoxFuture, Config, Failure, GroupOutcome, HostedStore, LaunchError, RankAssignment,
+    Round, StopRequest,
 };
 
 struct Running {
@@ -42,7 +43,13 @@ struct Running {
     stop: CancellationToken,
     fired: CancellationToken,
     task: JoinHandle<WatchEvent>,
+    /// Posts the attempt's first local failure to the failure board; ends with what it posted.
+    poster: JoinHandle<Option<PostedFailure>>,
 }
+
+/// How long posting this node's failure to the board, or reading the board, may take: the
+/// board explains a failure, it never holds up the gang's reaction to it.
+const BOARD_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// [`super::Rendezvous`] for many nodes.
 pub struct GangRendezvous {
@@ -71,6 +78,8 @@ pub struct GangRendezvous {
     recovering: Option<Recovery>,
     /// What this node went through losing store hosts; read by metrics.
     host_loss: Arc<HostLossStats>,
+    /// The gang's root cause of the last failed attempt (the failure board's verdict).
+    cause: Option<GangCause>,
 }
 
 /// A survivor between the loss of the store host and its next round.
@@ -147,6 +156,7 @@ impl GangRendezvous {
             events: Events::default(),
             recovering: None,
             host_loss: Arc::default(),
+            cause: None,
         })
     }
 
@@ -462,13 +472,25 @@ impl GangRendezvous {
             restart_count: a.restart_count,
             run_id: self.cfg.run_id.clone(),
         };
+        let (failure_post, failure) = tokio::sync::oneshot::channel();
+        let poster = tokio::spawn(post_failure(
+            failure,
+            rdzv.failure_board(a.generation),
+            rdzv.kv().addr(),
+            a.node_rank,
+        ));
         self.running = Some(Running {
             assignment: a,
             stop,
             fired,
             task,
+            poster,
         });
-        Ok(Some(Round { assignment, store }))
+        Ok(Some(Round {
+            assignment,
+            store,
+            failure_post: Some(failure_post),
+        }))
     }
 
     async fn after(
@@ -476,6 +498,7 @@ impl GangRendezvous {
         outcome: &GroupOutcome,
         stop: &StopRequest,
     ) -> Result<AfterGroup, LaunchError> {
+        self.cause = None;
         let Some(running) = self.running.take() else {
             return Ok(AfterGroup::Finish(outcome.exit_code()));
         };
@@ -513,6 +536,8 @@ impl GangRendezvous {
                 GroupOutcome::Failed(f) => {
                     running.stop.cancel();
                     let _ = running.task.await;
+                    // Posted before the generation moves: whoever sees the bump finds it.
+                    let own = posted(running.poster).await;
                     let code = f.exit_code();
                     let what = match &f.hang {
                         Some(hang) => format!("cause hang: {}", hang.describe()),
@@ -530,10 +555,12 @@ impl GangRendezvous {
                         }
                         Err(e) => return Err(LaunchError::Rendezvous(e)),
                     };
-                    return Ok(match rec.kind {
-                        BumpKind::Fatal => AfterGroup::Finish(rec.exit_code.unwrap_or(code)),
-                        _ => AfterGroup::Restart,
-                    });
+                    self.cause = read_cause(rdzv, &running.assignment, own.as_ref()).await;
+                    if rec.kind == BumpKind::Fatal {
+                        rdzv.leave_after_fatal(&running.assignment).await;
+                        return Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(code)));
+                    }
+                    return Ok(AfterGroup::Restart);
                 }
                 GroupOutcome::Stopped { .. } => {
                     running.stop.cancel();
@@ -546,10 +573,17 @@ impl GangRendezvous {
         match running.task.await {
             Ok(WatchEvent::Generation(rec)) if rec.kind == BumpKind::Fatal => {
                 warn!("the job failed on another node: {}", rec.reason);
+                let own = posted(running.poster).await;
+                self.cause = read_cause(rdzv, &running.assignment, own.as_ref()).await;
+                rdzv.leave_after_fatal(&running.assignment).await;
                 Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(1)))
             }
             Ok(WatchEvent::Generation(rec)) => {
                 warn!("the gang re-forms (generation {}): {}", rec.gen, rec.reason);
+                if rec.kind == BumpKind::Failure {
+                    let own = posted(running.poster).await;
+                    self.cause = read_cause(rdzv, &running.assignment, own.as_ref()).await;
+                }
                 Ok(AfterGroup::Restart)
             }
             // The gang is stopping (a preemption shared through the store): node 0 ending with
@@ -566,6 +600,60 @@ impl GangRendezvous {
             }
         }
     }
+}
+
+/// Posts this node's first failure of the round, if the attempt has one, to the round's board;
+/// returns what it posted (also when the post itself failed: the node still knows its own).
+async fn post_failure(
+    failure: tokio::sync::oneshot::Receiver<Failure>,
+    board: rdzv::Board,
+    store: SocketAddr,
+    node_rank: u32,
+) -> Option<PostedFailure> {
+    let failure = failure.await.ok()?;
+    let record = PostedFailure::from_failure(&failure, node_rank);
+    let post = async {
+        let mut kv = StoreKv::connect(store, BOARD_TIMEOUT, BOARD_TIMEOUT)
+            .await
+            .map_err(|e| e.to_string())?;
+        let json = serde_json::to_vec(&record).map_err(|e| e.to_string())?;
+        board.post(&mut kv, &json).await.map_err(|e| e.to_string())
+    };
+    match tokio::time::timeout(BOARD_TIMEOUT * 2, post).await {
+        Ok(Ok(ticket)) => tracing::debug!("failure posted to the gang's board as #{ticket}"),
+        Ok(Err(e)) => warn!("could not post this node's failure to the gang's board: {e}"),
+        Err(_) => warn!("could not post this node's failure to the gang's board: no answer"),
+    }
+    Some(record)
+}
+
+/// What the round's poster posted (waiting for it to finish its post, within its bound).
+async fn posted(poster: JoinHandle<Option<PostedFailure>>) -> Option<PostedFailure> {
+    poster.await.ok().flatten()
+}
+
+/// Reads the round's failure board and names the gang's root cause (logged on every node);
+/// `None` when the board cannot be read — then the node's own view is all there is.
+async fn read_cause(
+    rdzv: &mut rdzv::Rendezvous<StoreKv>,
+    a: &rdzv::Assignment,
+    own: Option<&PostedFailure>,
+) -> Option<GangCause> {
+    let board = rdzv.failure_board(a.generation);
+    let records = match tokio::time::timeout(BOARD_TIMEOUT, board.read(rdzv.kv_mut())).await {
+        Ok(Ok(records)) => records,
+        Ok(Err(e)) => {
+            warn!("could not read the gang's failure board: {e}");
+            return None;
+        }
+        Err(_) => {
+            warn!("could not read the gang's failure board: no answer");
+            return None;
+        }
+    };
+    let cause = GangCause::pick(&records, own, a.node_rank)?;
+    warn!("{}", cause.log_line(a.restart_count));
+    Some(cause)
 }
 
 impl GangRendezvous {
@@ -650,6 +738,10 @@ impl super::Rendezvous for GangRendezvous {
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
         Box::pin(async move { self.after(outcome, stop).await.map(Some) })
+    }
+
+    fn gang_cause(&self) -> Option<GangCause> {
+        self.cause.clone()
     }
 }
 

@@ -56,6 +56,7 @@ impl Rendezvous for LocalRendezvous {
                     run_id: config.run_id.clone(),
                 },
                 store: Some(store),
+                failure_post: None,
             })
         })
     }

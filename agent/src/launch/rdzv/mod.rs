@@ -48,6 +48,12 @@ pub trait Rendezvous: Send {
     ) -> BoxFuture<'a, Result<Option<AfterGroup>, LaunchError>> {
         Box::pin(async { Ok(None) })
     }
+
+    /// The gang's root cause of the last failed attempt, as read from the failure board
+    /// ([`super::gang_cause`]); `None` on a single node, or when nothing could be read.
+    fn gang_cause(&self) -> Option<super::gang_cause::GangCause> {
+        None
+    }
 }
 
 /// What the rendezvous decided after an attempt.
