@@ -113,12 +113,13 @@ class _Barrier:
             self._disable(err)
         return False
 
-    def confirm(self, step, ident):
+    def confirm(self, step, where):
         """Confirms the save of the pending step; returns "committed", "continue" or "aborted"."""
         self.pending = None
         try:
             ckpt = _checkpointer()
-            stop = ckpt.saved(int(step), ident)
+            # The file's name, not its path: the agent takes lines of at most 1 KiB.
+            stop = ckpt.saved(int(step), os.path.basename(where)[:200])
         except Exception as err:
             self._disable(err)
             return "continue"
@@ -232,7 +233,8 @@ def _lightning_class(package):
                 return
             path = os.path.join(trainer.default_root_dir, LIGHTNING_FILE.format(step=step))
             try:
-                trainer.save_checkpoint(path, weights_only=False)  # every rank; the strategy picks who writes
+                # Every rank calls it; the strategy picks who writes (rank 0 for DDP).
+                trainer.save_checkpoint(path, weights_only=False)
             except Exception as err:
                 self._barrier.fail(err)
                 raise
