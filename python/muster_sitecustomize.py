@@ -16,7 +16,13 @@ A `sitecustomize` of the user's own (later on sys.path: in site-packages, the di
 another PYTHONPATH entry) still runs: this file looks it up past its own directory and executes
 it under the name `sitecustomize`, as if muster's were not there.
 
-Standard library only; outside muster (MUSTER_METRICS_PORT unset) it only chains.
+Under muster's checkpoint barrier (MUSTER_CHECKPOINT_SOCKET set) it also calls
+`muster_frameworks.install()` (next to the checkpoint helper on PYTHONPATH): an import hook that
+adds muster's checkpoint callback to every Hugging Face or Lightning `Trainer` the script builds
+(docs/frameworks.md; it imports no framework; MUSTER_FRAMEWORK_CALLBACKS=0 turns it off).
+
+Standard library only; outside muster (MUSTER_METRICS_PORT and MUSTER_CHECKPOINT_SOCKET unset) it
+only chains.
 """
 
 import os
@@ -160,5 +166,20 @@ def _chain():
     spec.loader.exec_module(module)
 
 
+def _install_frameworks():
+    """muster's checkpoint callback for HF and Lightning Trainers; a no-op when switched off."""
+    if not os.environ.get("MUSTER_CHECKPOINT_SOCKET"):
+        return
+    try:
+        import muster_frameworks
+    except ImportError:
+        return
+    try:
+        muster_frameworks.install()
+    except Exception as err:  # never break the interpreter's start over this
+        print(f"muster: framework callbacks off: {err!r}", file=sys.stderr, flush=True)
+
+
 _install()
+_install_frameworks()
 _chain()

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, finish, muster_bin, muster_env
+from conftest import REPO, finish, muster_bin, muster_env, torch_python
 
 EXAMPLE = str(REPO / "examples" / "train_checkpoint.py")
 PREEMPTED_OK = 200
@@ -104,6 +104,25 @@ def test_a_killed_node_0_is_replaced_and_the_job_finishes(tmp_path):
     resumed, _ = first(entries, r"^gang resumed: all 6 workers joined again")
     assert resumed > replaced, entries
     first(entries, r"^job exit code 0$")
+
+
+def test_the_fault_clock_starts_for_a_python_that_prints_once_without_u(tmp_path):
+    # A worker Python that muster does not start itself (here --no-python; in life a wrapper
+    # script or the script's own subprocess) has no `-u`: its rare lines would sit in the pipe's
+    # buffer, the clock would wait its 60 s fallback. PYTHONUNBUFFERED covers it.
+    env = muster_env()
+    env.pop("PYTHONUNBUFFERED", None)
+    quiet = ("import time, torch.distributed as dist; dist.init_process_group('gloo')\n"
+             "for i in range(40): print('tick', i); time.sleep(3)")
+    cmd = [muster_bin(), "dry-run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-conf", CONF, "--fault", "term:1@1", "--shutdown-timeout", "5",
+           "--no-python", torch_python(), "-c", quiet]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _, out, err = finish(p, 200)
+    entries = timeline(out + err)
+    clock, _ = first(entries, r"^first worker output: training under way")
+    hit, _ = first(entries, r"^fault term:1@1: SIGTERM to node 1's agent")
+    assert hit >= clock + 1 - 0.11, entries
 
 
 def test_a_fault_after_the_end_is_reported_not_injected(tmp_path):

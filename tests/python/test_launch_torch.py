@@ -26,8 +26,12 @@ def test_allreduce_four_workers():
 
 def dump_env(launcher, out):
     out.mkdir()
-    p = run([*launcher, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-             str(SCRIPTS / "envdump.py")], env={"OUT_DIR": str(out)})
+    # Without the caller's PYTHONUNBUFFERED, which muster would pass through untouched.
+    env = muster_env({"OUT_DIR": str(out)})
+    env.pop("PYTHONUNBUFFERED", None)
+    p = subprocess.run([*launcher, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                        str(SCRIPTS / "envdump.py")], env=env, capture_output=True, text=True,
+                       timeout=120)
     assert p.returncode == 0, p.stderr
     return [json.loads((out / f"env_{r}.json").read_text()) for r in range(2)]
 
@@ -43,6 +47,7 @@ def test_same_environment_as_torchrun(tmp_path):
     ours = dump_env([muster_bin()], tmp_path / "muster")
     for rank in range(2):
         base = dict(os.environ, PYTHON_EXEC=torch_python(), OUT_DIR="")
+        base.pop("PYTHONUNBUFFERED", None)
         set_by_torchrun = {k: v for k, v in theirs[rank].items()
                            if k not in base or base[k] != v}
         set_by_torchrun.pop("OUT_DIR", None)
@@ -65,6 +70,10 @@ def test_same_environment_as_torchrun(tmp_path):
         assert ours[rank]["TORCHELASTIC_ERROR_FILE"].endswith(suffix)
         run_dir = Path(ours[rank]["TORCHELASTIC_ERROR_FILE"]).parents[2].name
         assert run_dir.startswith(ours[rank]["TORCHELASTIC_RUN_ID"] + "_")
+        # The documented difference: torchrun runs the script with `python -u` only, muster
+        # also exports PYTHONUNBUFFERED (for any other Python on the rank's pipe).
+        assert "PYTHONUNBUFFERED" not in theirs[rank]
+        assert ours[rank]["PYTHONUNBUFFERED"] == "1"
 
 
 def fail(how):

@@ -184,6 +184,24 @@ impl Verdict {
     }
 }
 
+/// Abort reasons with this prefix mean "fall back to forwarding the signal".
+pub const UNSUPPORTED_PREFIX: &str = "unsupported: ";
+
+/// Plain words for the log: `commit at step 7`, `abort: <reason>`; an abort because some worker
+/// does not use the helper says so instead of the wire's `unsupported: ` prefix.
+impl std::fmt::Display for Verdict {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Verdict::Commit { step } => write!(f, "commit at step {step}"),
+            Verdict::Retry { reason } => write!(f, "retry at a later step: {reason}"),
+            Verdict::Abort { reason } => match reason.strip_prefix(UNSUPPORTED_PREFIX) {
+                Some(why) => write!(f, "no checkpoint barrier: {why}"),
+                None => write!(f, "abort: {reason}"),
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -258,5 +276,21 @@ mod tests {
             assert_eq!(Verdict::decode(&v.encode()), Some(v));
         }
         assert_eq!(Verdict::decode(b"bogus"), None);
+    }
+
+    #[test]
+    fn verdicts_read_as_plain_words_in_the_log() {
+        let unsupported = Verdict::Abort {
+            reason: format!("{UNSUPPORTED_PREFIX}node(s) [1] do not use the checkpoint helper"),
+        };
+        assert_eq!(
+            unsupported.to_string(),
+            "no checkpoint barrier: node(s) [1] do not use the checkpoint helper"
+        );
+        let abort = Verdict::Abort {
+            reason: "deadline".into(),
+        };
+        assert_eq!(abort.to_string(), "abort: deadline");
+        assert_eq!(Verdict::Commit { step: 9 }.to_string(), "commit at step 9");
     }
 }

@@ -53,11 +53,19 @@ struct Local {
     stop: Option<StopRequest>,
 }
 
-/// The worker-side helper, shipped inside the binary and put on the workers' `PYTHONPATH`.
-const PYTHON_HELPER: &str = include_str!("../../../python/muster_checkpoint.py");
-
-/// The helper's file name: what `import muster_checkpoint` finds on the workers' `PYTHONPATH`.
-const HELPER_FILE: &str = "muster_checkpoint.py";
+/// The worker-side modules, shipped inside the binary and put on the workers' `PYTHONPATH`, by
+/// file name (what `import muster_checkpoint` finds): the helper, and the framework callbacks
+/// that muster's `sitecustomize` installs (docs/frameworks.md).
+const PYTHON_FILES: &[(&str, &str)] = &[
+    (
+        "muster_checkpoint.py",
+        include_str!("../../../python/muster_checkpoint.py"),
+    ),
+    (
+        "muster_frameworks.py",
+        include_str!("../../../python/muster_frameworks.py"),
+    ),
+];
 
 /// Why the barrier could not be set up: all of them are the environment's doing (exit 202).
 #[derive(Debug, thiserror::Error)]
@@ -249,16 +257,19 @@ fn write_helper(
     let Some(dir) = dir else {
         return Ok(None);
     };
-    let path = dir.path().join(HELPER_FILE);
-    match std::fs::write(&path, PYTHON_HELPER) {
-        Ok(()) => Ok(Some(dir)),
-        Err(source) if named => Err(StartError::Helper { path, source }),
-        Err(err) => {
-            // A full tmpfs, say: going without the helper beats not starting.
-            warn!("cannot write {}: {err}", path.display());
-            Ok(None)
+    for (name, text) in PYTHON_FILES {
+        let path = dir.path().join(name);
+        match std::fs::write(&path, text) {
+            Ok(()) => {}
+            Err(source) if named => return Err(StartError::Helper { path, source }),
+            Err(err) => {
+                // A full tmpfs, say: going without the helper beats not starting.
+                warn!("cannot write {}: {err}", path.display());
+                return Ok(None);
+            }
         }
     }
+    Ok(Some(dir))
 }
 
 struct Controller {

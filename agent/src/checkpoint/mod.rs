@@ -24,8 +24,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use barrier::{Keys, NodeProgress, Request, Verdict};
+use barrier::{Keys, NodeProgress, Request, Verdict, UNSUPPORTED_PREFIX};
 use local::{LocalChannel, WorkerEvent};
+
+/// Read by the workers' `sitecustomize` (python/muster_frameworks.py): `0` keeps it from adding
+/// muster's checkpoint callback to Hugging Face and Lightning Trainers (`--framework-callbacks`).
+pub const FRAMEWORK_CALLBACKS_ENV: &str = "MUSTER_FRAMEWORK_CALLBACKS";
 
 /// How long agreeing on a target and telling every worker is assumed to take; the target step is
 /// placed this far (in steps) ahead of the furthest rank.
@@ -154,7 +158,7 @@ pub async fn run(
             &mut worker_lost,
         )
         .await?;
-        info!(attempt, ?verdict, "checkpoint verdict");
+        info!(attempt, "checkpoint verdict: {verdict}");
         match verdict {
             Verdict::Commit { step } => {
                 local.broadcast(&format!("commit {attempt} exit"));
@@ -178,9 +182,6 @@ pub async fn run(
         reason: "too many attempts".to_owned(),
     })
 }
-
-/// Abort reasons with this prefix mean "fall back to forwarding the signal".
-const UNSUPPORTED_PREFIX: &str = "unsupported: ";
 
 fn remaining(deadline: Instant) -> Duration {
     deadline

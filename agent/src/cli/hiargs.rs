@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use super::lowargs::{LowArgs, RawValue};
+use super::lowargs::{parse_switch_value, LowArgs, RawValue};
 use crate::launch::config::{
     Config, Entrypoint, GpuCheck, LogConfig, LogFormat, NodeRange, SignalAction, SignalPolicy,
     StreamSpec, Streams, DEFAULT_PREFIX_TEMPLATE, DEFAULT_SHUTDOWN_TIMEOUT,
@@ -492,6 +492,16 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         section_timeout: parse_duration(low, "section-timeout")?
             .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
     };
+    let framework_callbacks = match get(low, "framework-callbacks") {
+        None => true,
+        Some(raw) => parse_switch_value(&raw.value).ok_or_else(|| {
+            bad(
+                raw,
+                "framework-callbacks",
+                "expected on or off (or 1/0, true/false, yes/no)",
+            )
+        })?,
+    };
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
 
     let redirects = match get(low, "redirects") {
@@ -593,6 +603,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             .map(|r| PathBuf::from(r.value.trim()))
             .filter(|p| !p.as_os_str().is_empty()),
         keep_strays: switch("keep-strays"),
+        framework_callbacks,
         gpu_release_timeout,
         gpu_watch_interval,
         max_store_bytes: match get(low, "max-store-bytes") {
@@ -980,6 +991,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.checkpoint_token_file, Some(PathBuf::from("/s/t")));
+    }
+
+    #[test]
+    fn framework_callbacks_default_on_and_turn_off_from_flag_or_env() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(c.framework_callbacks);
+        let c = build_with(&["--framework-callbacks", "off", "train.py"], &[PATH], 0).unwrap();
+        assert!(!c.framework_callbacks);
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_FRAMEWORK_CALLBACKS", "0")],
+            0,
+        )
+        .unwrap();
+        assert!(!c.framework_callbacks);
+        let err = build_with(&["--framework-callbacks", "maybe", "train.py"], &[PATH], 0);
+        assert!(err.is_err());
     }
 
     #[test]

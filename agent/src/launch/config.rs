@@ -279,6 +279,9 @@ pub struct Config {
     /// `--keep-strays`: let processes the workers started outlive the attempt (only the workers'
     /// process groups are swept).
     pub keep_strays: bool,
+    /// `--framework-callbacks`: the workers add muster's checkpoint callback to every Hugging
+    /// Face or Lightning Trainer (exported as `MUSTER_FRAMEWORK_CALLBACKS`).
+    pub framework_callbacks: bool,
     /// `--gpu-release-timeout`: how long a restart waits for the previous attempt's GPU
     /// processes and memory to go (zero: no wait).
     pub gpu_release_timeout: Duration,
@@ -332,6 +335,7 @@ impl Config {
             warnings: Vec::new(),
             tmp_dir: None,
             keep_strays: false,
+            framework_callbacks: true,
             gpu_release_timeout: DEFAULT_GPU_RELEASE_TIMEOUT,
             gpu_watch_interval: crate::gpu::watch::DEFAULT_INTERVAL,
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,

@@ -55,6 +55,14 @@ pub fn worker_env(
     if let Some(file) = error_file {
         env.push(("TORCHELASTIC_ERROR_FILE", file.as_os_str().to_owned()));
     }
+    if inherited("PYTHONUNBUFFERED").is_none() {
+        // A worker's stdout is a pipe to the agent, so Python would block-buffer it: a script
+        // that prints rarely shows nothing for minutes (and the dry run's fault clock, which
+        // starts at the first worker output, would wait). `-u` covers the script muster starts;
+        // this also covers a wrapper's Python and the script's own Python subprocesses. Any
+        // value the user set, even an empty one (Python's "buffered"), is theirs.
+        env.push(("PYTHONUNBUFFERED", "1".into()));
+    }
     if inherited("OMP_NUM_THREADS").is_none() && config.nproc_per_node > 1 {
         // torchrun's rule: several ranks on one node must not each start one thread per core.
         env.push(("OMP_NUM_THREADS", "1".into()));
@@ -147,6 +155,10 @@ mod tests {
         let env = worker_env(&c, &assignment(), 0, Some(Path::new("e")), &inherited);
         assert_eq!(get(&env, "OMP_NUM_THREADS"), None);
         assert_eq!(get(&env, "TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("3"));
+        assert_eq!(get(&env, "PYTHONUNBUFFERED"), Some("1"));
+        let buffered = |k: &str| (k == "PYTHONUNBUFFERED").then(OsString::new);
+        let env = worker_env(&c, &assignment(), 0, Some(Path::new("e")), &buffered);
+        assert_eq!(get(&env, "PYTHONUNBUFFERED"), None);
         let one = Config::for_program("/bin/true", vec![], 1);
         let env = worker_env(&one, &assignment(), 0, Some(Path::new("e")), &|_| None);
         assert_eq!(get(&env, "OMP_NUM_THREADS"), None);

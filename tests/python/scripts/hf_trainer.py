@@ -1,0 +1,62 @@
+"""An unmodified Hugging Face Trainer script (it imports nothing of muster's unless --explicit):
+a 1-layer GPT-2 built from a config, random tokens, DDP on gloo. Prints:
+  STEP <rank> <global_step>          after every optimizer step (then sleeps --step-seconds)
+  MUSTER_CALLBACKS <rank> <n>        muster callbacks the Trainer holds, after it is built
+  FINAL <rank> <global_step>         after trainer.train() returned (post-training code)
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--max-steps", type=int, default=30)
+p.add_argument("--step-seconds", type=float, default=0.0)
+p.add_argument("--resume", action="store_true")
+# The explicit form, on odd global ranks only: both forms meet in one run.
+p.add_argument("--explicit", action="store_true")
+args = p.parse_args()
+rank = int(os.environ.get("RANK", "0"))
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.data = torch.randint(0, 64, (4096, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+class StepPrinter(TrainerCallback):
+    def on_step_end(self, args_, state, control, **kwargs):
+        print(f"STEP {rank} {state.global_step}", flush=True)
+        time.sleep(args.step_seconds)
+
+
+torch.manual_seed(0)
+config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=64, n_positions=32,
+                    bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config)
+training = TrainingArguments(
+    output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=2,
+    save_strategy="no", logging_strategy="no", report_to="none", use_cpu=True,
+    ddp_find_unused_parameters=False,
+    disable_tqdm=True, dataloader_num_workers=0, seed=0,
+)
+callbacks = [StepPrinter()]
+if args.explicit and rank % 2 == 1:
+    from muster_frameworks import MusterHFCallback
+
+    callbacks.append(MusterHFCallback())
+trainer = Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=callbacks)
+count = sum(type(cb).__name__ == "MusterHFCallback" for cb in trainer.callback_handler.callbacks)
+print(f"MUSTER_CALLBACKS {rank} {count}", flush=True)
+trainer.train(resume_from_checkpoint=True if args.resume else None)
+print(f"FINAL {rank} {trainer.state.global_step}", flush=True)
