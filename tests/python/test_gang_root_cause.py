@@ -82,7 +82,7 @@ def test_node_0s_own_symptoms_come_after_the_cause():
     assert code == 1, out
     followed = check_every_node_names_rank_3(out)
     assert re.match(rf"  what followed: rank [01] \(local rank [01]\) on this node failed "
-                    rf"\d+ ms later \(exit code 1\): RuntimeError: .*{SYMPTOM}", followed), followed
+                    rf"(\d+ ms|\d+\.\d s) later \(exit code 1\): RuntimeError: .*{SYMPTOM}", followed), followed
 
 
 def test_the_json_root_cause_record_names_the_gangs_first_failure():

@@ -226,7 +226,7 @@ impl GangCause {
 }
 
 fn human_ms(ms: u128) -> String {
-    if ms < 10_000 {
+    if ms < 1_000 {
         format!("{ms} ms")
     } else {
         format!("{:.1} s", ms as f64 / 1000.0)
