@@ -16,7 +16,12 @@ A `sitecustomize` of the user's own (later on sys.path: in site-packages, the di
 another PYTHONPATH entry) still runs: this file looks it up past its own directory and executes
 it under the name `sitecustomize`, as if muster's were not there.
 
-Standard library only; outside muster (MUSTER_METRICS_PORT unset) it only chains.
+It also starts muster's zero-code step reports (`muster_autoreport`, next to the checkpoint
+helper on PYTHONPATH): when the script imports torch, an optimizer step hook reports the rank's
+steps and liveness to the agent, for the hang watch and the step metrics (see that module).
+
+Standard library only; outside muster (MUSTER_METRICS_PORT and MUSTER_CHECKPOINT_SOCKET unset)
+it only chains.
 """
 
 import os
@@ -145,6 +150,20 @@ def _install():
     sys.meta_path.insert(0, _Finder(port))
 
 
+def _install_step_reports():
+    """muster_autoreport's lazy optimizer hook; it is a no-op when switched off."""
+    if not os.environ.get("MUSTER_CHECKPOINT_SOCKET"):
+        return
+    try:
+        import muster_autoreport
+    except ImportError:
+        return
+    try:
+        muster_autoreport.install()
+    except Exception as err:  # never break the interpreter's start over this
+        print(f"muster: zero-code step reports off: {err!r}", file=sys.stderr, flush=True)
+
+
 def _chain():
     """Runs the next `sitecustomize` on sys.path, the one this file shadows, if any."""
     import importlib.machinery
@@ -161,4 +180,5 @@ def _chain():
 
 
 _install()
+_install_step_reports()
 _chain()

@@ -115,8 +115,14 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     )
     // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
     .map_err(|e| Exit::config(format!("cannot set up the checkpoint barrier: {e}")))?;
+    let auto_step_reports = if launch.config().auto_step_reports {
+        "1"
+    } else {
+        "0"
+    };
     launch = launch
         .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
+        .with_worker_env(checkpoint::local::AUTO_STEP_REPORTS_ENV, auto_step_reports)
         .on_terminate(preemption.terminate_hook());
     launch = watch_hangs(launch, &preemption, &metrics);
     if let Some(dir) = preemption.writable_base().and_then(|base| {
@@ -148,6 +154,16 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
             .unwrap_or_default();
         launch = script.plug_into(launch, &inherited);
     } else if let Some(path) = python_path {
+        // No metrics directory, so no `sitecustomize` there: the helper's directory gets it,
+        // for the zero-code step reports (it patches nothing without MUSTER_METRICS_PORT).
+        if let Some(dir) = preemption.helper_dir() {
+            if let Err(err) = metrics::script::write_sitecustomize(dir) {
+                tracing::warn!(
+                    "cannot write muster's sitecustomize into {}: {err}; scripts without the checkpoint helper report no steps",
+                    dir.display()
+                );
+            }
+        }
         launch = launch.with_worker_env("PYTHONPATH", path);
     }
     // The GPU watch runs whatever `--gpu-check` says: without a GPU device or a driver it ends at

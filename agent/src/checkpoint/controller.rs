@@ -53,11 +53,19 @@ struct Local {
     stop: Option<StopRequest>,
 }
 
-/// The worker-side helper, shipped inside the binary and put on the workers' `PYTHONPATH`.
-const PYTHON_HELPER: &str = include_str!("../../../python/muster_checkpoint.py");
-
-/// The helper's file name: what `import muster_checkpoint` finds on the workers' `PYTHONPATH`.
-const HELPER_FILE: &str = "muster_checkpoint.py";
+/// The worker-side modules, shipped inside the binary and put on the workers' `PYTHONPATH`, by
+/// file name (what `import muster_checkpoint` finds): the helper, and the zero-code step
+/// reporter that muster's `sitecustomize` loads.
+const PYTHON_FILES: &[(&str, &str)] = &[
+    (
+        "muster_checkpoint.py",
+        include_str!("../../../python/muster_checkpoint.py"),
+    ),
+    (
+        "muster_autoreport.py",
+        include_str!("../../../python/muster_autoreport.py"),
+    ),
+];
 
 /// Why the barrier could not be set up: all of them are the environment's doing (exit 202).
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +125,7 @@ impl Preemption {
         let helper_dir = write_helper(private_dir, config.tmp_dir.is_some())?;
         let channel = LocalChannel::bind(&shutdown)?;
         channel.report_steps(events.clone());
+        channel.set_liveness_interval(crate::watch::hang::liveness_interval(config.hang.timeout));
         let socket = channel.address().to_owned();
         let view = channel.view();
         let (triggers, trigger_rx) = mpsc::unbounded_channel();
@@ -249,16 +258,19 @@ fn write_helper(
     let Some(dir) = dir else {
         return Ok(None);
     };
-    let path = dir.path().join(HELPER_FILE);
-    match std::fs::write(&path, PYTHON_HELPER) {
-        Ok(()) => Ok(Some(dir)),
-        Err(source) if named => Err(StartError::Helper { path, source }),
-        Err(err) => {
-            // A full tmpfs, say: going without the helper beats not starting.
-            warn!("cannot write {}: {err}", path.display());
-            Ok(None)
+    for (name, text) in PYTHON_FILES {
+        let path = dir.path().join(name);
+        match std::fs::write(&path, text) {
+            Ok(()) => {}
+            Err(source) if named => return Err(StartError::Helper { path, source }),
+            Err(err) => {
+                // A full tmpfs, say: going without the helper beats not starting.
+                warn!("cannot write {}: {err}", path.display());
+                return Ok(None);
+            }
         }
     }
+    Ok(Some(dir))
 }
 
 struct Controller {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use super::lowargs::{LowArgs, RawValue};
+use super::lowargs::{parse_switch_value, LowArgs, RawValue};
 use crate::launch::config::{
     Config, Entrypoint, GpuCheck, LogConfig, LogFormat, NodeRange, SignalAction, SignalPolicy,
     StreamSpec, Streams, DEFAULT_PREFIX_TEMPLATE, DEFAULT_SHUTDOWN_TIMEOUT,
@@ -492,6 +492,16 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         section_timeout: parse_duration(low, "section-timeout")?
             .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
     };
+    let auto_step_reports = match get(low, "auto-step-reports") {
+        None => true,
+        Some(raw) => parse_switch_value(&raw.value).ok_or_else(|| {
+            bad(
+                raw,
+                "auto-step-reports",
+                "expected on or off (or 1/0, true/false, yes/no)",
+            )
+        })?,
+    };
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
 
     let redirects = match get(low, "redirects") {
@@ -603,6 +613,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         },
         network_check,
         hang,
+        auto_step_reports,
     })
 }
 

@@ -118,7 +118,8 @@ pub const FLAGS: &[FlagDef] = &[
     switch("keep-strays", "Let processes the workers started (in their own session or not) outlive the attempt; by default the attempt's whole process tree is stopped with it"),
     value("gpu-release-timeout", "SECS", "Before a restart, wait this long for the previous attempt's GPU processes and memory to be released, else exit 204 (0: no wait) (default 60)"),
     value("gpu-watch-interval", "SECS", "While the ranks run, look at every GPU this often (utilization, memory, power, temperature, ECC, row remaps, NVLink errors, throttling) and listen for XID events; a fatal XID stops the node with exit 204 (0: no watch; without an NVIDIA driver there is none) (default 10)"),
-    value("hang-timeout", "SECS|auto|0", "A rank that reports no step (through the checkpoint helper's should_save) for this long is hung: every rank's stacks are dumped on every node and the gang restarts (cause hang; after --max-restarts, exit 207). auto: max(600 s, 20 x the slowest step period) once a rank reported 5 steps; 0: off (default auto)"),
+    value("hang-timeout", "SECS|auto|0", "A rank that makes no progress for this long is hung (progress: a step reported through the checkpoint helper's should_save; without the helper, an optimizer step or its stack moving, see --auto-step-reports): every rank's stacks are dumped on every node and the gang restarts (cause hang; after --max-restarts, exit 207). auto: max(600 s, 20 x the slowest step period) once a rank reported 5 steps; 0: off (default auto)"),
+    value("auto-step-reports", "on|off", "For scripts that do not use the checkpoint helper, report each step of the first optimizer that steps (torch's optimizer hook, loaded by muster's sitecustomize) and whether the rank's stack moves between steps, for --hang-timeout and the step metrics (default on)"),
     value("section-timeout", "SECS", "Limit for long work the script marks between steps (`with ckpt.section(\"eval\"):`) instead of the hang limit (default 3600)"),
     value("network-check", "off|warn|require", "Gang network pre-flight after each rendezvous round: the agents measure round-trip time and throughput among themselves and name a node or link far slower than the gang's median; warn logs it, require ends the round with exit 208 (with --nnodes MIN:MAX the named node leaves instead) (default: warn with more than one node, else off)"),
     value("network-check-budget", "SECS", "Longest the network check may take, both rounds and the exchange (default 2)"),
@@ -198,7 +199,7 @@ fn find_short(c: char) -> Option<&'static FlagDef> {
     FLAGS.iter().find(|f| f.short == Some(c))
 }
 
-fn parse_switch_value(value: &str) -> Option<bool> {
+pub fn parse_switch_value(value: &str) -> Option<bool> {
     match value.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Some(true),
         "0" | "false" | "no" | "off" => Some(false),

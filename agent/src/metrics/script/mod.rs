@@ -108,7 +108,7 @@ impl ScriptMetrics {
         ));
         let python = home.join("python");
         std::fs::create_dir_all(&python)?;
-        std::fs::write(python.join("sitecustomize.py"), SITECUSTOMIZE)?;
+        write_sitecustomize(&python)?;
         let layout = match user_dir {
             Some(dir) => Layout::User(dir),
             None => Layout::PerRank { base: home.clone() },
@@ -339,6 +339,13 @@ pub fn attach(
             None
         }
     }
+}
+
+/// Writes the workers' start-up hook as `dir/sitecustomize.py`. It also starts the zero-code
+/// step reports (`python/muster_autoreport.py`), so a launch without a metrics endpoint writes
+/// it into the helper's directory instead.
+pub fn write_sitecustomize(dir: &Path) -> io::Result<()> {
+    std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE)
 }
 
 /// The agent's own `PROMETHEUS_MULTIPROC_DIR` (or the legacy lower-case name), if set and not
