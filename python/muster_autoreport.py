@@ -43,6 +43,7 @@ for `--auto-step-reports off`). Standard library only.
 
 import os
 import sys
+from time import monotonic as _monotonic
 
 __all__ = ["install", "stand_down"]
 
@@ -58,6 +59,10 @@ _OFF = ("0", "false", "no", "off")
 _SAMPLE_S = 0.1
 # How often `alive` may be sent before the agent says otherwise.
 _DEFAULT_INTERVAL_S = 1.0
+# Steps closer together than this share one report: a send costs several microseconds (the
+# agent is woken for each), a fast loop's every step need not. The sampler sends a step left
+# unsent within _SAMPLE_S, so the agent never sees the rank stop short of its last step.
+_MIN_REPORT_GAP_S = 0.01
 # Unsent bytes past this mean the agent stopped reading: the reporter turns itself off rather
 # than buffer without bound.
 _MAX_PENDING = 64 * 1024
@@ -92,6 +97,9 @@ class _Reporter:
         # A weak reference to the lead optimizer (a strong one would keep its state alive).
         self._lead = None
         self._step = 0
+        # The last step sent, and when the next may be.
+        self._sent = 0
+        self._next_report = 0.0
         # Steps of other optimizers: liveness.
         self._other_steps = 0
         # The thread that steps the lead optimizer: the one whose stack is sampled.
@@ -117,7 +125,10 @@ class _Reporter:
             self._step += 1
             if self._sock is None and not self._start():
                 return
-            self._send(b"step %d\n" % self._step)
+            now = _monotonic()
+            if now >= self._next_report:
+                self._next_report = now + _MIN_REPORT_GAP_S
+                self._report_step()
         except Exception as err:  # never raise into the training loop
             self.stop("%r" % (err,))
 
@@ -153,27 +164,39 @@ class _Reporter:
         thread.start()
         return True
 
+    def _report_step(self):
+        """Sends the latest step, unless it was sent: from the hook and from the sampler, under
+        the lock, so the agent sees steps in order."""
+        with self._lock:
+            step = self._step
+            if step != self._sent:
+                self._sent = step
+                self._send_locked(b"step %d\n" % step)
+
     def _send(self, data):
         with self._lock:
-            sock = self._sock
-            if sock is None:
-                return
-            data = self._pending + data if self._pending else data
-            try:
-                sent = sock.send(data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:
-                # The agent is gone (it ended, or closed a connection it did not like).
-                self._sock = None
-                self._off = True
-                sock.close()
-                return
-            self._pending = data[sent:]
-            if len(self._pending) > _MAX_PENDING:
-                self._sock = None
-                self._off = True
-                sock.close()
+            self._send_locked(data)
+
+    def _send_locked(self, data):
+        sock = self._sock
+        if sock is None:
+            return
+        data = self._pending + data if self._pending else data
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            # The agent is gone (it ended, or closed a connection it did not like).
+            self._sock = None
+            self._off = True
+            sock.close()
+            return
+        self._pending = data[sent:]
+        if len(self._pending) > _MAX_PENDING:
+            self._sock = None
+            self._off = True
+            sock.close()
 
     def stop(self, why=None):
         """Turns the reporter off for good (the hook stays registered and returns at once)."""
@@ -261,7 +284,9 @@ class _Reporter:
                     return
                 if poller.poll(_SAMPLE_S * 1000.0):
                     self._read_agent()
-                if self._pending:
+                if self._sent != self._step:
+                    self._report_step()
+                elif self._pending:
                     self._send(b"")
                 if self._interval <= 0:
                     # The hang watch is off: nothing to say between steps.

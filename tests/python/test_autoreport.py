@@ -306,9 +306,11 @@ def test_the_reporter_counts_the_lead_optimizer_and_stands_down(tmp_path, monkey
     d, g = Optimizer(), Optimizer()
     for opt in (d, g, d, g, d):
         assert reporter.on_step(opt, (), {}) is None
-    lines = agent.lines(lambda l: len(l) >= 4)
+    lines = agent.lines(lambda l: "step 3" in l)
     assert lines[0] == f"watch 1 3 {os.getpid()}"
-    assert [l for l in lines if l.startswith("step")] == ["step 1", "step 2", "step 3"]
+    # Steps 10 ms apart or closer share a report; the last one is always sent.
+    steps = [int(l.split()[1]) for l in lines if l.startswith("step")]
+    assert steps[0] == 1 and steps[-1] == 3 and steps == sorted(set(steps)), lines
     assert reporter._other_steps == 2
     # The lead optimizer is gone (the script built a new one): the next one to step leads.
     del d, opt

@@ -698,6 +698,103 @@ mod tests {
         stop.cancel();
     }
 
+    async fn reporter(
+        address: &str,
+        rank: u32,
+    ) -> (
+        BufReader<tokio::net::unix::OwnedReadHalf>,
+        tokio::net::unix::OwnedWriteHalf,
+    ) {
+        let stream = connect(address).await.unwrap();
+        let (r, mut w) = stream.into_split();
+        w.write_all(format!("watch {rank} {rank} 2\n").as_bytes())
+            .await
+            .unwrap();
+        (BufReader::new(r), w)
+    }
+
+    #[tokio::test]
+    async fn a_reporter_feeds_the_hang_watch_and_metrics_but_not_the_barrier() {
+        let stop = CancellationToken::new();
+        let channel = LocalChannel::bind(&stop).unwrap();
+        channel.set_liveness_interval(Some(Duration::from_millis(600)));
+        let (events, mut parts) = Events::channel();
+        channel.report_steps(events);
+        let view = channel.view();
+        let (mut r0, mut w0) = reporter(channel.address(), 0).await;
+        let mut line = String::new();
+        r0.read_line(&mut line).await.unwrap();
+        assert_eq!(line, "interval 600\n");
+        w0.write_all(b"step 1\nstep 2\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.steps_seen == 2)).await;
+        let watched = view.ranks();
+        assert!(watched[0].zero_code);
+        assert_eq!((watched[0].step, watched[0].pid), (Some(2), Some(2)));
+        // A reporter cannot save: the barrier does not count it, nor tells it to save.
+        assert!(channel.progress().is_empty());
+        assert!(channel.connected_ranks().is_empty());
+        let mut got = Vec::new();
+        while let Ok(Event::WorkerStep { step, .. }) = parts.try_recv() {
+            got.push(step);
+        }
+        assert_eq!(got, [1, 2]);
+
+        // `alive` is progress.
+        let before = watched[0].last_progress.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        w0.write_all(b"alive\n").await.unwrap();
+        settle(|| {
+            view.ranks()
+                .first()
+                .is_some_and(|w| w.last_progress > Some(before))
+        })
+        .await;
+        assert_eq!(view.ranks()[0].steps_seen, 2, "alive is not a step");
+
+        // Reporter messages only: a save confirmation closes the connection.
+        w0.write_all(b"saved 0 2 x\n").await.unwrap();
+        settle(|| view.ranks().is_empty()).await;
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn with_the_helper_connected_the_reporters_steps_and_alive_are_ignored() {
+        let stop = CancellationToken::new();
+        let channel = LocalChannel::bind(&stop).unwrap();
+        let (events, mut parts) = Events::channel();
+        channel.report_steps(events);
+        let view = channel.view();
+        let (_r, mut auto) = reporter(channel.address(), 0).await;
+        auto.write_all(b"step 1\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(1))).await;
+        let (_h, mut helper) = worker(channel.address(), 0).await;
+        helper.write_all(b"step 1000\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(1000))).await;
+        let progress = view.ranks()[0].last_progress;
+        // An unknown line after them closes the reporter's connection once they were handled.
+        auto.write_all(b"step 2\nalive\nbogus\n").await.unwrap();
+        settle(|| lock(&channel.links).reporters.is_empty()).await;
+        helper.write_all(b"step 1001\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(1001))).await;
+        let w = &view.ranks()[0];
+        assert!(!w.zero_code);
+        assert_eq!(w.steps_seen, 2);
+        assert_eq!(channel.progress()[0].step, Some(1001));
+        let mut got = Vec::new();
+        while let Ok(Event::WorkerStep { step, .. }) = parts.try_recv() {
+            got.push(step);
+        }
+        assert_eq!(got, [1, 1000, 1001], "the reporter's step 2 was not counted");
+        assert!(w.last_progress > progress);
+        // The reporter's `alive` did not move the helper's rank: only its step 1001 did.
+        assert_eq!(
+            w.last_progress,
+            channel.progress()[0].reported_at,
+            "progress is the helper's last step"
+        );
+        stop.cancel();
+    }
+
     #[tokio::test]
     async fn garbage_closes_only_that_connection() {
         let stop = CancellationToken::new();
