@@ -784,7 +784,11 @@ mod tests {
         while let Ok(Event::WorkerStep { step, .. }) = parts.try_recv() {
             got.push(step);
         }
-        assert_eq!(got, [1, 1000, 1001], "the reporter's step 2 was not counted");
+        assert_eq!(
+            got,
+            [1, 1000, 1001],
+            "the reporter's step 2 was not counted"
+        );
         assert!(w.last_progress > progress);
         // The reporter's `alive` did not move the helper's rank: only its step 1001 did.
         assert_eq!(

@@ -1024,6 +1024,31 @@ mod tests {
     }
 
     #[test]
+    fn auto_step_reports_are_on_unless_switched_off() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(c.auto_step_reports);
+        let c = build_with(&["--auto-step-reports", "off", "train.py"], &[PATH], 0).unwrap();
+        assert!(!c.auto_step_reports);
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_AUTO_STEP_REPORTS", "false")],
+            0,
+        )
+        .unwrap();
+        assert!(!c.auto_step_reports);
+        let c = build_with(
+            &["--auto-step-reports=on", "train.py"],
+            &[PATH, ("MUSTER_AUTO_STEP_REPORTS", "0")],
+            0,
+        )
+        .unwrap();
+        assert!(c.auto_step_reports, "the command line wins");
+        let err =
+            build_with(&["--auto-step-reports", "maybe", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--auto-step-reports"), "{err}");
+    }
+
+    #[test]
     fn the_gpu_watch_interval() {
         let c = build_with(&["train.py"], &[PATH], 0).unwrap();
         assert_eq!(c.gpu_watch_interval, Duration::from_secs(10));

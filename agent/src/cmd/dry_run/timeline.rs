@@ -43,6 +43,8 @@ pub enum Said {
     Committed { step: u64 },
     /// `checkpoint aborted: REASON`.
     Aborted { reason: String },
+    /// `hung: WHAT`: the hang watch named the rank that stopped progressing (the gang stops).
+    Hung { what: String },
 }
 
 /// The agent's message in one of its output lines (`None` for a worker's line): the `msg` of a
@@ -103,6 +105,11 @@ pub fn classify(msg: &str) -> Option<Said> {
         let step = rest.split_whitespace().next()?.parse().ok()?;
         return Some(Said::Committed { step });
     }
+    if let Some(what) = msg.strip_prefix("hung: ") {
+        return Some(Said::Hung {
+            what: what.to_owned(),
+        });
+    }
     msg.strip_prefix("checkpoint aborted: ")
         .map(|reason| Said::Aborted {
             reason: reason.to_owned(),
@@ -159,6 +166,11 @@ pub enum Entry {
     Aborted {
         reason: String,
     },
+    /// The hang watch named a hung rank (from the script's step reports or, without the helper,
+    /// its optimizer steps and liveness).
+    Hung {
+        what: String,
+    },
     AgentExited {
         node: u32,
         code: u8,
@@ -193,6 +205,7 @@ impl Entry {
             Entry::Stopped { .. } => "stopped",
             Entry::Committed { .. } => "committed",
             Entry::Aborted { .. } => "aborted",
+            Entry::Hung { .. } => "hang",
             Entry::AgentExited { .. } => "agent_exited",
             Entry::JobEnded { .. } => "job_ended",
         }
@@ -259,6 +272,7 @@ impl fmt::Display for Entry {
             }
             Entry::Committed { step } => write!(f, "checkpoint committed at step {step}"),
             Entry::Aborted { reason } => write!(f, "checkpoint aborted: {reason}"),
+            Entry::Hung { what } => write!(f, "hang: {what}"),
             Entry::AgentExited { node, code } => {
                 write!(f, "node {node}'s agent exited with {code}")
             }
@@ -451,6 +465,7 @@ impl Timeline {
                     self.record(at, Entry::Aborted { reason });
                 }
             }
+            Said::Hung { what } => self.record(at, Entry::Hung { what }),
         }
     }
 
@@ -572,6 +587,25 @@ mod tests {
         );
         assert_eq!(classify("round x: (restarts used 1)"), None);
         assert_eq!(classify("every node finished"), None);
+        // The hang watch naming the cause: the dry run says why the gang stopped.
+        let hung = "ERROR hung: rank 1 (local rank 0) on node 1 (vm) made no progress for 5.0 s (last step 10; limit 5 s), stuck in wait (/x.py:3)";
+        let said = agent_message(hung, LogFormat::Text)
+            .as_deref()
+            .and_then(classify);
+        assert!(
+            matches!(&said, Some(Said::Hung { what }) if what.starts_with("rank 1 (local rank 0) on node 1")),
+            "{said:?}"
+        );
+        let t0 = Instant::now();
+        let mut tl = Timeline::new(t0);
+        tl.observe_line(t0 + ms(100), hung, LogFormat::Text);
+        let entries = tl.entries();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].1.kind(), "hang");
+        assert!(entries[0]
+            .1
+            .to_string()
+            .starts_with("hang: rank 1 (local rank 0) on node 1"));
     }
 
     #[test]
