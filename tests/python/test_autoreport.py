@@ -24,7 +24,7 @@ import pytest
 
 from conftest import REPO, muster_bin, muster_env, wait_until
 
-HANG_TIMEOUT = 5
+HANG_TIMEOUT = 6
 
 WORKER = r'''
 import io, os, sys, threading, time
