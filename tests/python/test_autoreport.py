@@ -15,14 +15,13 @@ import importlib.util
 import os
 import re
 import socket
-import subprocess
 import sys
-import threading
 import time
 
 import pytest
 
 from conftest import REPO, muster_bin, muster_env, wait_until
+from test_watch import Agent
 
 HANG_TIMEOUT = 6
 
@@ -105,51 +104,13 @@ while not os.path.exists(os.environ["RELEASE"]) and time.time() < deadline:
 '''
 
 
-class Run:
-    """One muster launch; its output lines with the time each arrived."""
-
-    def __init__(self, args, env):
-        self.proc = subprocess.Popen(
-            [muster_bin(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, start_new_session=True)
-        self.lines = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line))
-
-    def text(self):
-        return "".join(line for _, line in self.lines)
-
-    def first(self, pattern):
-        for at, line in list(self.lines):
-            if re.search(pattern, line):
-                return at
-        return None
-
-    def finish(self, timeout):
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        self.reader.join(timeout=10)
-        return self.proc.returncode
-
-    def kill(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait()
-
-
 def ddp(tmp_path, mode, extra_env=None, extra_args=()):
     script = tmp_path / "plain_ddp.py"
     script.write_text(WORKER)
     args = ["--standalone", "--nproc-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT),
             "--max-restarts", "0", "--metrics-addr", "none", "--gpu-release-timeout", "0",
             "--shutdown-timeout", "5", *extra_args, str(script)]
-    return Run(args, muster_env({"MODE": mode, **(extra_env or {})}))
+    return Agent([muster_bin(), *args], muster_env({"MODE": mode, **(extra_env or {})}))
 
 
 def test_a_plain_ddp_loop_whose_rank_blocks_is_caught_named_and_dumped(tmp_path):
@@ -191,9 +152,9 @@ def scrape_steps(tmp_path, args, env, steps=12):
     script = tmp_path / "stepper.py"
     script.write_text(STEPPER)
     release = tmp_path / "release"
-    run = Run(["--standalone", "--nproc-per-node", "1", "--metrics-addr", "127.0.0.1:0",
-               "--gpu-release-timeout", "0", *args, str(script)],
-              muster_env({"STEPS": str(steps), "RELEASE": str(release), **env}))
+    run = Agent([muster_bin(), "--standalone", "--nproc-per-node", "1", "--metrics-addr",
+                 "127.0.0.1:0", "--gpu-release-timeout", "0", *args, str(script)],
+                muster_env({"STEPS": str(steps), "RELEASE": str(release), **env}))
     try:
         wait_until(lambda: run.first(r"REPORTER installed") or run.proc.poll() is not None,
                    timeout=120, what="the script's steps")

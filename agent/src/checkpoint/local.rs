@@ -625,19 +625,24 @@ mod tests {
 
     use super::*;
 
-    async fn worker(
-        address: &str,
-        rank: u32,
-    ) -> (
+    type Ends = (
         BufReader<tokio::net::unix::OwnedReadHalf>,
         tokio::net::unix::OwnedWriteHalf,
-    ) {
+    );
+
+    /// A connection that opened with `first <rank> <rank> <pid>` (`hello` or `watch`).
+    async fn connected(address: &str, first: &str, rank: u32, pid: u32) -> Ends {
         let stream = connect(address).await.unwrap();
         let (r, mut w) = stream.into_split();
-        w.write_all(format!("hello {rank} {rank} 1\n").as_bytes())
+        w.write_all(format!("{first} {rank} {rank} {pid}\n").as_bytes())
             .await
             .unwrap();
         (BufReader::new(r), w)
+    }
+
+    /// The helper of local rank `rank`.
+    async fn worker(address: &str, rank: u32) -> Ends {
+        connected(address, "hello", rank, 1).await
     }
 
     async fn settle<F: Fn() -> bool>(cond: F) {
@@ -698,19 +703,9 @@ mod tests {
         stop.cancel();
     }
 
-    async fn reporter(
-        address: &str,
-        rank: u32,
-    ) -> (
-        BufReader<tokio::net::unix::OwnedReadHalf>,
-        tokio::net::unix::OwnedWriteHalf,
-    ) {
-        let stream = connect(address).await.unwrap();
-        let (r, mut w) = stream.into_split();
-        w.write_all(format!("watch {rank} {rank} 2\n").as_bytes())
-            .await
-            .unwrap();
-        (BufReader::new(r), w)
+    /// The zero-code reporter of local rank `rank`.
+    async fn reporter(address: &str, rank: u32) -> Ends {
+        connected(address, "watch", rank, 2).await
     }
 
     #[tokio::test]
