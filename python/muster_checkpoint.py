@@ -18,6 +18,10 @@ agents agree on a target step T that every rank can still reach and push it to e
 each rank saves at T and `saved` reports it and waits until the agents have counted every rank
 of the job, then returns. Outside muster (or with an old muster) every call is a cheap no-op.
 
+A script that uses the helper reports its own steps: muster's zero-code reporter (muster_autoreport,
+which reports optimizer steps for scripts without the helper) stops when a Checkpointer connects,
+so no step is counted twice.
+
 The step reports also feed muster's hang detection (--hang-timeout): a rank that stops reporting
 steps for too long is hung, its stacks are dumped and the gang restarts. Long work between steps
 that the script does on purpose (an evaluation pass, its own periodic save) goes inside a section,
@@ -41,6 +45,7 @@ Messages are newline-terminated ASCII words:
 import contextlib
 import os
 import socket
+import sys
 import time
 
 __all__ = ["Checkpointer", "SOCKET_ENV"]
@@ -58,6 +63,18 @@ def _address(value):
     if value.startswith("@"):
         return "\0" + value[1:]
     return value
+
+
+def _stand_down_autoreport():
+    """This process reports its steps through the helper from now on: muster's zero-code
+    reporter, if muster's sitecustomize loaded it, stops (the agent also prefers the helper)."""
+    stand_down = getattr(sys.modules.get("muster_autoreport"), "stand_down", None)
+    if stand_down is None:
+        return
+    try:
+        stand_down()
+    except Exception:
+        pass
 
 
 class Checkpointer:
@@ -170,6 +187,7 @@ class Checkpointer:
             % (os.environ.get("LOCAL_RANK", "0"), os.environ.get("RANK", "0"), os.getpid())
         )
         self._register_faulthandler()
+        _stand_down_autoreport()
 
     def _register_faulthandler(self):
         """The agent's fallback for dumping this rank's stacks (see the module's doc)."""

@@ -21,8 +21,12 @@ Under muster's checkpoint barrier (MUSTER_CHECKPOINT_SOCKET set) it also calls
 adds muster's checkpoint callback to every Hugging Face or Lightning `Trainer` the script builds
 (docs/frameworks.md; it imports no framework; MUSTER_FRAMEWORK_CALLBACKS=0 turns it off).
 
-Standard library only; outside muster (MUSTER_METRICS_PORT and MUSTER_CHECKPOINT_SOCKET unset) it
-only chains.
+It also starts muster's zero-code step reports (`muster_autoreport`, next to the checkpoint
+helper on PYTHONPATH): when the script imports torch, an optimizer step hook reports the rank's
+steps and liveness to the agent, for the hang watch and the step metrics (see that module).
+
+Standard library only; outside muster (MUSTER_METRICS_PORT and MUSTER_CHECKPOINT_SOCKET unset)
+it only chains.
 """
 
 import os
@@ -151,6 +155,20 @@ def _install():
     sys.meta_path.insert(0, _Finder(port))
 
 
+def _install_step_reports():
+    """muster_autoreport's lazy optimizer hook; it is a no-op when switched off."""
+    if not os.environ.get("MUSTER_CHECKPOINT_SOCKET"):
+        return
+    try:
+        import muster_autoreport
+    except ImportError:
+        return
+    try:
+        muster_autoreport.install()
+    except Exception as err:  # never break the interpreter's start over this
+        print(f"muster: zero-code step reports off: {err!r}", file=sys.stderr, flush=True)
+
+
 def _chain():
     """Runs the next `sitecustomize` on sys.path, the one this file shadows, if any."""
     import importlib.machinery
@@ -182,4 +200,5 @@ def _install_frameworks():
 
 _install()
 _install_frameworks()
+_install_step_reports()
 _chain()

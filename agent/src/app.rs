@@ -115,14 +115,13 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     )
     // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
     .map_err(|e| Exit::config(format!("cannot set up the checkpoint barrier: {e}")))?;
-    let framework_callbacks = if launch.config().framework_callbacks {
-        "1"
-    } else {
-        "0"
-    };
+    let on_off = |on: bool| if on { "1" } else { "0" };
+    let framework_callbacks = on_off(launch.config().framework_callbacks);
+    let auto_step_reports = on_off(launch.config().auto_step_reports);
     launch = launch
         .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
         .with_worker_env(checkpoint::FRAMEWORK_CALLBACKS_ENV, framework_callbacks)
+        .with_worker_env(checkpoint::local::AUTO_STEP_REPORTS_ENV, auto_step_reports)
         .on_terminate(preemption.terminate_hook());
     launch = watch_hangs(launch, &preemption, &metrics);
     if let Some(dir) = preemption.writable_base().and_then(|base| {

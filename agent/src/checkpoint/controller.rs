@@ -54,8 +54,8 @@ struct Local {
 }
 
 /// The worker-side modules, shipped inside the binary and put on the workers' `PYTHONPATH`, by
-/// file name (what `import muster_checkpoint` finds): the helper, and the framework callbacks
-/// that muster's `sitecustomize` installs (docs/frameworks.md).
+/// file name (what `import muster_checkpoint` finds): the helper, the framework callbacks that
+/// muster's `sitecustomize` installs (docs/frameworks.md), and the zero-code step reporter it loads.
 const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "muster_checkpoint.py",
@@ -64,6 +64,10 @@ const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "muster_frameworks.py",
         include_str!("../../../python/muster_frameworks.py"),
+    ),
+    (
+        "muster_autoreport.py",
+        include_str!("../../../python/muster_autoreport.py"),
     ),
 ];
 
@@ -125,6 +129,7 @@ impl Preemption {
         let helper_dir = write_helper(private_dir, config.tmp_dir.is_some())?;
         let channel = LocalChannel::bind(&shutdown)?;
         channel.report_steps(events.clone());
+        channel.set_liveness_interval(crate::watch::hang::liveness_interval(config.hang.timeout));
         let socket = channel.address().to_owned();
         let view = channel.view();
         let (triggers, trigger_rx) = mpsc::unbounded_channel();

@@ -11,6 +11,18 @@
 //! when it arrived (for the target-step agreement and for metrics) and forwards the rare
 //! checkpoint events (saved, missed, failed) to whoever drives the barrier. Nothing here blocks a
 //! worker: the agent reads continuously and pushes at most a few lines per checkpoint.
+//!
+//! Two kinds of connection, told apart by their first line:
+//! - `hello <local_rank> <rank> <pid>`: the helper a script uses (`muster_checkpoint`). Its rank
+//!   takes part in the checkpoint barrier; its steps and sections feed the hang watch.
+//! - `watch <local_rank> <rank> <pid>`: muster's zero-code reporter (`python/muster_autoreport.py`,
+//!   an optimizer step hook loaded by muster's `sitecustomize`). It only reports — `step <n>`,
+//!   `alive` (the rank's stack moved: it works between steps), `faulthandler` — and the agent
+//!   answers `interval <ms>`, how often to say `alive` (0: never, the hang watch is off). Such a
+//!   rank cannot save, so it never counts as taking part in the barrier (a script without the
+//!   helper still gets SIGTERM forwarded), and its `alive` counts as progress for the hang watch.
+//!   Where a local rank has a helper connection too, the helper's reports are the rank's: the
+//!   reporter's are ignored, so no step is counted twice.
 
 use std::collections::HashMap;
 use std::os::linux::net::SocketAddrExt;
@@ -29,6 +41,10 @@ use crate::events::{Event, Events};
 /// Environment variable naming the socket, read by the Python helper: `@name` for an abstract
 /// socket (what the agent exports), else a file path (a helper may be pointed at one by hand).
 pub const SOCKET_ENV: &str = "MUSTER_CHECKPOINT_SOCKET";
+
+/// Environment variable of the workers that switches the zero-code reporter on (`1`) or off
+/// (`0`): the agent exports its `--auto-step-reports` (itself read from the same name).
+pub const AUTO_STEP_REPORTS_ENV: &str = "MUSTER_AUTO_STEP_REPORTS";
 
 /// How [`SOCKET_ENV`] marks an abstract address (the notation of `ss`, systemd and Go): the
 /// kernel's leading NUL byte cannot travel in an environment variable.
@@ -71,7 +87,8 @@ pub struct RankProgress {
 }
 
 /// What the hang watch reads of one local rank besides its [`RankProgress`]
-/// ([`crate::watch`]): the messages `section`, `endsection` and `faulthandler` of the helper.
+/// ([`crate::watch`]): the messages `section`, `endsection` and `faulthandler` of the helper, or
+/// the zero-code reporter's steps and `alive`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankWatch {
     pub local_rank: u32,
@@ -83,7 +100,7 @@ pub struct RankWatch {
     pub step: Option<u64>,
     /// Distinct steps reported.
     pub steps_seen: u64,
-    /// The last step report or section change.
+    /// The last step report or section change (from the zero-code reporter: or `alive`).
     pub last_progress: Option<Instant>,
     /// The slowest smoothed step period seen.
     pub slowest_period: Option<Duration>,
@@ -91,6 +108,8 @@ pub struct RankWatch {
     pub section: Option<(String, Instant)>,
     /// The signal and file the helper registered `faulthandler` on.
     pub faulthandler: Option<(i32, std::path::PathBuf)>,
+    /// Reported by muster's zero-code reporter, not by the helper.
+    pub zero_code: bool,
 }
 
 struct Link {
@@ -99,11 +118,34 @@ struct Link {
     outbox: mpsc::UnboundedSender<String>,
 }
 
+/// Which kind of connection a worker opened (see the module's doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// `hello`: the checkpoint helper.
+    Helper,
+    /// `watch`: the zero-code reporter.
+    Reporter,
+}
+
 #[derive(Default)]
 struct Links {
+    /// The helpers' connections: the ranks that take part in the barrier.
     by_rank: HashMap<u32, Link>,
+    /// The zero-code reporters' connections, shadowed by a helper's for the same local rank.
+    reporters: HashMap<u32, Link>,
     /// Where step reports go (see [`LocalChannel::report_steps`]).
     steps: Events,
+    /// What reporters are told to sample at (see [`LocalChannel::set_liveness_interval`]).
+    liveness: Option<Duration>,
+}
+
+impl Links {
+    fn of(&mut self, role: Role) -> &mut HashMap<u32, Link> {
+        match role {
+            Role::Helper => &mut self.by_rank,
+            Role::Reporter => &mut self.reporters,
+        }
+    }
 }
 
 /// The listening socket and what the connected workers reported.
@@ -162,19 +204,26 @@ impl LocalChannel {
         lock(&self.links).steps = events;
     }
 
+    /// How often zero-code reporters that connect from now on say `alive` when their rank works
+    /// between steps; `None`: never (the hang watch is off). See [`crate::watch::hang::liveness_interval`].
+    pub fn set_liveness_interval(&self, interval: Option<Duration>) {
+        lock(&self.links).liveness = interval;
+    }
+
     /// The address to export as [`SOCKET_ENV`]: `@name`.
     pub fn address(&self) -> &str {
         &self.address
     }
 
-    /// Local ranks currently connected.
+    /// Local ranks whose helper is connected (zero-code reporters are not: they cannot save).
     pub fn connected_ranks(&self) -> Vec<u32> {
         let mut ranks: Vec<u32> = lock(&self.links).by_rank.keys().copied().collect();
         ranks.sort_unstable();
         ranks
     }
 
-    /// Every connected rank's latest report.
+    /// Every helper-connected rank's latest report (the barrier's view: zero-code reporters
+    /// are left out).
     pub fn progress(&self) -> Vec<RankProgress> {
         let mut all: Vec<RankProgress> = lock(&self.links)
             .by_rank
@@ -192,7 +241,7 @@ impl LocalChannel {
         }
     }
 
-    /// Sends one line to every connected worker.
+    /// Sends one line to every connected helper.
     pub fn broadcast(&self, line: &str) {
         for link in lock(&self.links).by_rank.values() {
             // A closed outbox means the worker is gone; its exit is the supervisor's business.
@@ -208,7 +257,9 @@ impl LocalChannel {
     /// Forgets the ranks of a finished attempt (their processes are gone; a new attempt's
     /// workers connect afresh).
     pub fn forget_all(&self) {
-        lock(&self.links).by_rank.clear();
+        let mut links = lock(&self.links);
+        links.by_rank.clear();
+        links.reporters.clear();
     }
 }
 
@@ -219,11 +270,20 @@ pub struct ProgressView {
 }
 
 impl ProgressView {
-    /// Every connected rank's reports, by local rank.
+    /// Every connected rank's reports, by local rank: the helper's where a rank has one, else
+    /// the zero-code reporter's.
     pub fn ranks(&self) -> Vec<RankWatch> {
-        let mut all: Vec<RankWatch> = lock(&self.links)
+        let links = lock(&self.links);
+        let mut all: Vec<RankWatch> = links
             .by_rank
             .values()
+            .chain(
+                links
+                    .reporters
+                    .iter()
+                    .filter(|(rank, _)| !links.by_rank.contains_key(rank))
+                    .map(|(_, link)| link),
+            )
             .map(|l| l.watch.clone())
             .collect();
         all.sort_by_key(|w| w.local_rank);
@@ -304,7 +364,7 @@ async fn serve_worker(
     let (read, mut write) = stream.into_split();
     let mut lines = BufReader::new(read);
     let (outbox, mut outgoing) = mpsc::unbounded_channel::<String>();
-    let mut local_rank: Option<u32> = None;
+    let mut conn: Option<(u32, Role)> = None;
     let mut line = String::new();
     loop {
         line.clear();
@@ -318,8 +378,8 @@ async fn serve_worker(
             }
             read = read_bounded_line(&mut lines, &mut line) => match read {
                 Ok(true) => {
-                    if let Err(reason) = handle_line(&line, &mut local_rank, &links, &outbox, &events) {
-                        warn!(local_rank = ?local_rank, "checkpoint socket: {reason}; closing");
+                    if let Err(reason) = handle_line(&line, &mut conn, &links, &outbox, &events) {
+                        warn!(local_rank = ?conn.map(|(rank, _)| rank), "checkpoint socket: {reason}; closing");
                         break;
                     }
                 }
@@ -331,15 +391,15 @@ async fn serve_worker(
             },
         }
     }
-    if let Some(rank) = local_rank {
+    if let Some((rank, role)) = conn {
         let mut links = lock(&links);
+        let links = links.of(role);
         // Only forget the rank if a newer connection has not taken its place.
         if links
-            .by_rank
             .get(&rank)
             .is_some_and(|l| l.outbox.same_channel(&outbox))
         {
-            links.by_rank.remove(&rank);
+            links.remove(&rank);
         }
     }
 }
@@ -382,7 +442,7 @@ const PERIOD_SMOOTHING: f64 = 0.3;
 
 fn handle_line(
     line: &str,
-    local_rank: &mut Option<u32>,
+    conn: &mut Option<(u32, Role)>,
     links: &Mutex<Links>,
     outbox: &mpsc::UnboundedSender<String>,
     events: &mpsc::UnboundedSender<WorkerEvent>,
@@ -395,11 +455,22 @@ fn handle_line(
             .ok_or_else(|| format!("malformed message {line:?}"))
     };
     match words.first().copied() {
-        Some("hello") => {
+        Some(kind @ ("hello" | "watch")) => {
+            let role = if kind == "hello" {
+                Role::Helper
+            } else {
+                Role::Reporter
+            };
             let rank = u32::try_from(number(1)?).map_err(|_| format!("bad rank in {line:?}"))?;
             let word = |i: usize| words.get(i).and_then(|w| w.parse::<u32>().ok());
-            *local_rank = Some(rank);
-            lock(links).by_rank.insert(
+            *conn = Some((rank, role));
+            let mut links = lock(links);
+            if role == Role::Reporter {
+                // How often to say `alive`; 0: never.
+                let ms = links.liveness.map_or(0, |d| d.as_millis().max(1));
+                let _ = outbox.send(format!("interval {ms}"));
+            }
+            links.of(role).insert(
                 rank,
                 Link {
                     progress: RankProgress {
@@ -419,76 +490,66 @@ fn handle_line(
                         slowest_period: None,
                         section: None,
                         faulthandler: None,
+                        zero_code: role == Role::Reporter,
                     },
                     outbox: outbox.clone(),
                 },
             );
         }
-        Some(kind @ ("section" | "endsection" | "faulthandler")) => {
-            let rank = local_rank.ok_or("message before hello")?;
+        Some("faulthandler") => {
+            let (rank, role) = conn.ok_or("message before hello")?;
+            let signal =
+                i32::try_from(number(1)?).map_err(|_| format!("bad signal in {line:?}"))?;
+            // The path is the rest of the line (it may hold spaces).
+            let path = line
+                .trim()
+                .splitn(3, ' ')
+                .nth(2)
+                .filter(|p| !p.is_empty())
+                .ok_or_else(|| format!("malformed message {line:?}"))?;
+            if let Some(link) = lock(links).of(role).get_mut(&rank) {
+                link.watch.faulthandler = Some((signal, std::path::PathBuf::from(path)));
+            }
+        }
+        Some(kind @ ("section" | "endsection")) => {
+            let Some((rank, Role::Helper)) = *conn else {
+                return Err(format!("{kind} from a connection that did not say hello"));
+            };
             let now = Instant::now();
             let mut links = lock(links);
             let Some(link) = links.by_rank.get_mut(&rank) else {
                 return Ok(());
             };
             let w = &mut link.watch;
-            match kind {
-                "section" => {
-                    let name = words.get(1..).map(|w| w.join(" ")).unwrap_or_default();
-                    w.section = Some((name, now));
-                    w.last_progress = Some(now);
-                }
-                "endsection" => {
-                    w.section = None;
-                    w.last_progress = Some(now);
-                }
-                _ => {
-                    let signal =
-                        i32::try_from(number(1)?).map_err(|_| format!("bad signal in {line:?}"))?;
-                    // The path is the rest of the line (it may hold spaces).
-                    let path = line
-                        .trim()
-                        .splitn(3, ' ')
-                        .nth(2)
-                        .filter(|p| !p.is_empty())
-                        .ok_or_else(|| format!("malformed message {line:?}"))?;
-                    w.faulthandler = Some((signal, std::path::PathBuf::from(path)));
+            if kind == "section" {
+                let name = words.get(1..).map(|w| w.join(" ")).unwrap_or_default();
+                w.section = Some((name, now));
+            } else {
+                w.section = None;
+            }
+            w.last_progress = Some(now);
+        }
+        Some("alive") => {
+            let (rank, role) = conn.ok_or("alive before watch")?;
+            let mut links = lock(links);
+            // A helper's rank progresses by its steps and sections only, as documented.
+            if role == Role::Reporter && !links.by_rank.contains_key(&rank) {
+                if let Some(link) = links.reporters.get_mut(&rank) {
+                    link.watch.last_progress = Some(Instant::now());
                 }
             }
         }
         Some("step") => {
             let step = number(1)?;
-            let rank = local_rank.ok_or("step before hello")?;
+            let (rank, role) = conn.ok_or("step before hello")?;
             let mut links = lock(links);
             let links = &mut *links;
-            if let Some(link) = links.by_rank.get_mut(&rank) {
-                let now = Instant::now();
-                let p = &mut link.progress;
-                if let (Some(prev_step), Some(prev_at)) = (p.step, p.reported_at) {
-                    if step > prev_step {
-                        let sample =
-                            now.duration_since(prev_at).as_secs_f64() / (step - prev_step) as f64;
-                        let smoothed = match p.step_period {
-                            Some(old) => old
-                                .as_secs_f64()
-                                .mul_add(1.0 - PERIOD_SMOOTHING, sample * PERIOD_SMOOTHING),
-                            None => sample,
-                        };
-                        p.step_period = Some(Duration::from_secs_f64(smoothed));
-                    }
-                }
-                if p.step != Some(step) {
-                    link.watch.steps_seen += 1;
-                }
-                p.step = Some(step);
-                p.reported_at = Some(now);
-                let w = &mut link.watch;
-                w.step = Some(step);
-                w.last_progress = Some(now);
-                w.slowest_period = match (w.slowest_period, p.step_period) {
-                    (Some(old), Some(new)) => Some(old.max(new)),
-                    (old, new) => old.or(new),
-                };
+            // With the helper connected too, its steps are the rank's: not counted twice.
+            if role == Role::Reporter && links.by_rank.contains_key(&rank) {
+                return Ok(());
+            }
+            if let Some(link) = links.of(role).get_mut(&rank) {
+                link.record_step(step, Instant::now());
                 links.steps.publish(Event::WorkerStep {
                     local_rank: rank,
                     step,
@@ -496,7 +557,11 @@ fn handle_line(
             }
         }
         Some(kind @ ("saved" | "missed" | "failed")) => {
-            let rank = local_rank.ok_or("checkpoint message before hello")?;
+            let Some((rank, Role::Helper)) = *conn else {
+                return Err(format!(
+                    "checkpoint message {kind} from a connection that did not say hello"
+                ));
+            };
             let generation = number(1)?;
             let event = match kind {
                 "saved" => WorkerEvent::Saved {
@@ -523,25 +588,61 @@ fn handle_line(
     Ok(())
 }
 
+impl Link {
+    /// A step report: the latest step, the smoothed period, progress.
+    fn record_step(&mut self, step: u64, now: Instant) {
+        let p = &mut self.progress;
+        if let (Some(prev_step), Some(prev_at)) = (p.step, p.reported_at) {
+            if step > prev_step {
+                let sample = now.duration_since(prev_at).as_secs_f64() / (step - prev_step) as f64;
+                let smoothed = match p.step_period {
+                    Some(old) => old
+                        .as_secs_f64()
+                        .mul_add(1.0 - PERIOD_SMOOTHING, sample * PERIOD_SMOOTHING),
+                    None => sample,
+                };
+                p.step_period = Some(Duration::from_secs_f64(smoothed));
+            }
+        }
+        if p.step != Some(step) {
+            self.watch.steps_seen += 1;
+        }
+        p.step = Some(step);
+        p.reported_at = Some(now);
+        let w = &mut self.watch;
+        w.step = Some(step);
+        w.last_progress = Some(now);
+        w.slowest_period = match (w.slowest_period, p.step_period) {
+            (Some(old), Some(new)) => Some(old.max(new)),
+            (old, new) => old.or(new),
+        };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
     use super::*;
 
-    async fn worker(
-        address: &str,
-        rank: u32,
-    ) -> (
+    type Ends = (
         BufReader<tokio::net::unix::OwnedReadHalf>,
         tokio::net::unix::OwnedWriteHalf,
-    ) {
+    );
+
+    /// A connection that opened with `first <rank> <rank> <pid>` (`hello` or `watch`).
+    async fn connected(address: &str, first: &str, rank: u32, pid: u32) -> Ends {
         let stream = connect(address).await.unwrap();
         let (r, mut w) = stream.into_split();
-        w.write_all(format!("hello {rank} {rank} 1\n").as_bytes())
+        w.write_all(format!("{first} {rank} {rank} {pid}\n").as_bytes())
             .await
             .unwrap();
         (BufReader::new(r), w)
+    }
+
+    /// The helper of local rank `rank`.
+    async fn worker(address: &str, rank: u32) -> Ends {
+        connected(address, "hello", rank, 1).await
     }
 
     async fn settle<F: Fn() -> bool>(cond: F) {
@@ -598,6 +699,97 @@ mod tests {
                 generation: 1,
                 reason: "disk full".into()
             }
+        );
+        stop.cancel();
+    }
+
+    /// The zero-code reporter of local rank `rank`.
+    async fn reporter(address: &str, rank: u32) -> Ends {
+        connected(address, "watch", rank, 2).await
+    }
+
+    #[tokio::test]
+    async fn a_reporter_feeds_the_hang_watch_and_metrics_but_not_the_barrier() {
+        let stop = CancellationToken::new();
+        let channel = LocalChannel::bind(&stop).unwrap();
+        channel.set_liveness_interval(Some(Duration::from_millis(600)));
+        let (events, mut parts) = Events::channel();
+        channel.report_steps(events);
+        let view = channel.view();
+        let (mut r0, mut w0) = reporter(channel.address(), 0).await;
+        let mut line = String::new();
+        r0.read_line(&mut line).await.unwrap();
+        assert_eq!(line, "interval 600\n");
+        w0.write_all(b"step 1\nstep 2\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.steps_seen == 2)).await;
+        let watched = view.ranks();
+        assert!(watched[0].zero_code);
+        assert_eq!((watched[0].step, watched[0].pid), (Some(2), Some(2)));
+        // A reporter cannot save: the barrier does not count it, nor tells it to save.
+        assert!(channel.progress().is_empty());
+        assert!(channel.connected_ranks().is_empty());
+        let mut got = Vec::new();
+        while let Ok(Event::WorkerStep { step, .. }) = parts.try_recv() {
+            got.push(step);
+        }
+        assert_eq!(got, [1, 2]);
+
+        // `alive` is progress.
+        let before = watched[0].last_progress.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        w0.write_all(b"alive\n").await.unwrap();
+        settle(|| {
+            view.ranks()
+                .first()
+                .is_some_and(|w| w.last_progress > Some(before))
+        })
+        .await;
+        assert_eq!(view.ranks()[0].steps_seen, 2, "alive is not a step");
+
+        // Reporter messages only: a save confirmation closes the connection.
+        w0.write_all(b"saved 0 2 x\n").await.unwrap();
+        settle(|| view.ranks().is_empty()).await;
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn with_the_helper_connected_the_reporters_steps_and_alive_are_ignored() {
+        let stop = CancellationToken::new();
+        let channel = LocalChannel::bind(&stop).unwrap();
+        let (events, mut parts) = Events::channel();
+        channel.report_steps(events);
+        let view = channel.view();
+        let (_r, mut auto) = reporter(channel.address(), 0).await;
+        auto.write_all(b"step 1\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(1))).await;
+        let (_h, mut helper) = worker(channel.address(), 0).await;
+        helper.write_all(b"step 1000\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(1000))).await;
+        let progress = view.ranks()[0].last_progress;
+        // An unknown line after them closes the reporter's connection once they were handled.
+        auto.write_all(b"step 2\nalive\nbogus\n").await.unwrap();
+        settle(|| lock(&channel.links).reporters.is_empty()).await;
+        helper.write_all(b"step 1001\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(1001))).await;
+        let w = &view.ranks()[0];
+        assert!(!w.zero_code);
+        assert_eq!(w.steps_seen, 2);
+        assert_eq!(channel.progress()[0].step, Some(1001));
+        let mut got = Vec::new();
+        while let Ok(Event::WorkerStep { step, .. }) = parts.try_recv() {
+            got.push(step);
+        }
+        assert_eq!(
+            got,
+            [1, 1000, 1001],
+            "the reporter's step 2 was not counted"
+        );
+        assert!(w.last_progress > progress);
+        // The reporter's `alive` did not move the helper's rank: only its step 1001 did.
+        assert_eq!(
+            w.last_progress,
+            channel.progress()[0].reported_at,
+            "progress is the helper's last step"
         );
         stop.cancel();
     }

@@ -492,16 +492,15 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         section_timeout: parse_duration(low, "section-timeout")?
             .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
     };
-    let framework_callbacks = match get(low, "framework-callbacks") {
-        None => true,
-        Some(raw) => parse_switch_value(&raw.value).ok_or_else(|| {
-            bad(
-                raw,
-                "framework-callbacks",
-                "expected on or off (or 1/0, true/false, yes/no)",
-            )
-        })?,
+    let on_off = |flag: &'static str| -> Result<bool, ConfigError> {
+        match get(low, flag) {
+            None => Ok(true),
+            Some(raw) => parse_switch_value(&raw.value)
+                .ok_or_else(|| bad(raw, flag, "expected on or off (or 1/0, true/false, yes/no)")),
+        }
     };
+    let framework_callbacks = on_off("framework-callbacks")?;
+    let auto_step_reports = on_off("auto-step-reports")?;
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
 
     let redirects = match get(low, "redirects") {
@@ -614,6 +613,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         },
         network_check,
         hang,
+        auto_step_reports,
     })
 }
 
@@ -1038,6 +1038,31 @@ mod tests {
         let err =
             build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--gpu-release-timeout"), "{err}");
+    }
+
+    #[test]
+    fn auto_step_reports_are_on_unless_switched_off() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(c.auto_step_reports);
+        let c = build_with(&["--auto-step-reports", "off", "train.py"], &[PATH], 0).unwrap();
+        assert!(!c.auto_step_reports);
+        let c = build_with(
+            &["train.py"],
+            &[PATH, ("MUSTER_AUTO_STEP_REPORTS", "false")],
+            0,
+        )
+        .unwrap();
+        assert!(!c.auto_step_reports);
+        let c = build_with(
+            &["--auto-step-reports=on", "train.py"],
+            &[PATH, ("MUSTER_AUTO_STEP_REPORTS", "0")],
+            0,
+        )
+        .unwrap();
+        assert!(c.auto_step_reports, "the command line wins");
+        let err =
+            build_with(&["--auto-step-reports", "maybe", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--auto-step-reports"), "{err}");
     }
 
     #[test]

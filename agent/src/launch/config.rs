@@ -295,6 +295,9 @@ pub struct Config {
     pub network_check: crate::netcheck::Settings,
     /// `--hang-timeout` and `--section-timeout`.
     pub hang: crate::watch::hang::Policy,
+    /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
+    /// scripts that do not use the helper (`python/muster_autoreport.py`).
+    pub auto_step_reports: bool,
 }
 
 impl Config {
@@ -341,6 +344,7 @@ impl Config {
             max_store_bytes: rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
             network_check: crate::netcheck::Settings::default_for(1),
             hang: crate::watch::hang::Policy::default(),
+            auto_step_reports: true,
         }
     }
 }

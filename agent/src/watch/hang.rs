@@ -53,6 +53,29 @@ impl HangTimeout {
     }
 }
 
+/// The longest interval between two `alive` messages of muster's zero-code reporter
+/// (`python/muster_autoreport.py`), which says one when its rank's stack moved since the last:
+/// several chances within any limit, so that one rank briefly waiting at every look is not
+/// taken for a stuck one.
+pub const MAX_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
+/// The shortest: the reporter samples the stack every 100 ms.
+pub const MIN_LIVENESS_INTERVAL: Duration = Duration::from_millis(200);
+/// Looks at the stack per limit, at least (a fixed limit of a few seconds).
+const LIVENESS_LOOKS_PER_LIMIT: u32 = 5;
+
+/// How often zero-code reporters say `alive` under `timeout`: a fifth of a fixed limit, between
+/// [`MIN_LIVENESS_INTERVAL`] and [`MAX_LIVENESS_INTERVAL`]; `None` with the watch off (no one
+/// reads it).
+pub fn liveness_interval(timeout: HangTimeout) -> Option<Duration> {
+    match timeout {
+        HangTimeout::Off => None,
+        HangTimeout::Auto => Some(MAX_LIVENESS_INTERVAL),
+        HangTimeout::Fixed(limit) => Some(
+            (limit / LIVENESS_LOOKS_PER_LIMIT).clamp(MIN_LIVENESS_INTERVAL, MAX_LIVENESS_INTERVAL),
+        ),
+    }
+}
+
 /// The two limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Policy {
@@ -298,6 +321,20 @@ mod tests {
         );
         assert!(HangTimeout::parse("-1").is_err());
         assert!(HangTimeout::parse("soon").is_err());
+    }
+
+    #[test]
+    fn the_liveness_interval_follows_the_limit() {
+        assert_eq!(liveness_interval(HangTimeout::Off), None);
+        assert_eq!(
+            liveness_interval(HangTimeout::Auto),
+            Some(MAX_LIVENESS_INTERVAL)
+        );
+        let fixed =
+            |secs: f64| liveness_interval(HangTimeout::Fixed(Duration::from_secs_f64(secs)));
+        assert_eq!(fixed(3.0), Some(Duration::from_millis(600)));
+        assert_eq!(fixed(0.5), Some(MIN_LIVENESS_INTERVAL));
+        assert_eq!(fixed(600.0), Some(MAX_LIVENESS_INTERVAL));
     }
 
     #[test]

@@ -88,7 +88,7 @@ impl ProcessStacks {
     pub fn waiting(&self) -> Waiting {
         match self.main_thread() {
             None => Waiting::Unknown,
-            Some(t) if t.frames.iter().any(|f| is_collective(&f.file)) => Waiting::InCollective,
+            Some(t) if t.frames.iter().any(is_collective) => Waiting::InCollective,
             Some(_) => Waiting::Elsewhere,
         }
     }
@@ -115,9 +115,16 @@ impl ProcessStacks {
 }
 
 /// Frames of `torch.distributed` (collectives, barriers, `Work.wait`, the store): a rank there
-/// waits for another one.
-fn is_collective(file: &str) -> bool {
+/// waits for another one. So does a rank stalled in autograd's backward or in DDP's forward:
+/// DDP reduces the gradients inside backward (its reducer's hooks, in C++, with no
+/// `torch.distributed` frame on the Python stack) and syncs buffers in its forward, and a
+/// backward itself never takes as long as a hang limit; this is where the healthy ranks of a
+/// plain DDP loop wait when one of them is stuck.
+fn is_collective(frame: &Frame) -> bool {
+    let file = frame.file.as_str();
     file.contains("torch/distributed/")
+        || file.contains("torch/nn/parallel/distributed.py")
+        || (file.contains("torch/autograd/") && frame.function == "_engine_run_backward")
 }
 
 /// Why no stack could be read.
@@ -404,6 +411,18 @@ mod tests {
             pid: 1,
             via: Via::Faulthandler,
             threads: parse_faulthandler(dump),
+        };
+        assert_eq!(stacks.waiting(), Waiting::InCollective);
+        // A DDP rank waiting in backward for its peers' gradients.
+        let backward = "Current thread 0x1 (most recent call first):\n  \
+            File \"/venv/lib/python3.11/site-packages/torch/autograd/graph.py\", line 1113 in _engine_run_backward\n  \
+            File \"/venv/lib/python3.11/site-packages/torch/autograd/__init__.py\", line 395 in backward\n  \
+            File \"/venv/lib/python3.11/site-packages/torch/_tensor.py\", line 623 in backward\n  \
+            File \"/app/train.py\", line 18 in <module>\n";
+        let stacks = ProcessStacks {
+            pid: 1,
+            via: Via::Faulthandler,
+            threads: parse_faulthandler(backward),
         };
         assert_eq!(stacks.waiting(), Waiting::InCollective);
         let empty = ProcessStacks {

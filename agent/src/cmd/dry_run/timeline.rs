@@ -46,6 +46,8 @@ pub enum Said {
     /// `attempt R: first failure in the gang: WHAT[; then ...]`: the gang's root cause of a
     /// failed attempt (the same on every node, up to what followed on each).
     RootCause { attempt: u32, what: String },
+    /// `hung: WHAT`: the hang watch named the rank that stopped progressing (the gang stops).
+    Hung { what: String },
 }
 
 /// The agent's message in one of its output lines (`None` for a worker's line): the `msg` of a
@@ -114,6 +116,11 @@ pub fn classify(msg: &str) -> Option<Said> {
             what: what.to_owned(),
         });
     }
+    if let Some(what) = msg.strip_prefix("hung: ") {
+        return Some(Said::Hung {
+            what: what.to_owned(),
+        });
+    }
     msg.strip_prefix("checkpoint aborted: ")
         .map(|reason| Said::Aborted {
             reason: reason.to_owned(),
@@ -175,6 +182,11 @@ pub enum Entry {
         attempt: u32,
         what: String,
     },
+    /// The hang watch named a hung rank (from the script's step reports or, without the helper,
+    /// its optimizer steps and liveness).
+    Hung {
+        what: String,
+    },
     AgentExited {
         node: u32,
         code: u8,
@@ -210,6 +222,7 @@ impl Entry {
             Entry::Committed { .. } => "committed",
             Entry::Aborted { .. } => "aborted",
             Entry::RootCause { .. } => "root_cause",
+            Entry::Hung { .. } => "hang",
             Entry::AgentExited { .. } => "agent_exited",
             Entry::JobEnded { .. } => "job_ended",
         }
@@ -279,6 +292,7 @@ impl fmt::Display for Entry {
             Entry::RootCause { attempt, what } => {
                 write!(f, "root cause of attempt {attempt}: {what}")
             }
+            Entry::Hung { what } => write!(f, "hang: {what}"),
             Entry::AgentExited { node, code } => {
                 write!(f, "node {node}'s agent exited with {code}")
             }
@@ -479,6 +493,7 @@ impl Timeline {
                     self.record(at, Entry::RootCause { attempt, what });
                 }
             }
+            Said::Hung { what } => self.record(at, Entry::Hung { what }),
         }
     }
 
@@ -600,6 +615,25 @@ mod tests {
         );
         assert_eq!(classify("round x: (restarts used 1)"), None);
         assert_eq!(classify("every node finished"), None);
+        // The hang watch naming the cause: the dry run says why the gang stopped.
+        let hung = "ERROR hung: rank 1 (local rank 0) on node 1 (vm) made no progress for 5.0 s (last step 10; limit 5 s), stuck in wait (/x.py:3)";
+        let said = agent_message(hung, LogFormat::Text)
+            .as_deref()
+            .and_then(classify);
+        assert!(
+            matches!(&said, Some(Said::Hung { what }) if what.starts_with("rank 1 (local rank 0) on node 1")),
+            "{said:?}"
+        );
+        let t0 = Instant::now();
+        let mut tl = Timeline::new(t0);
+        tl.observe_line(t0 + ms(100), hung, LogFormat::Text);
+        let entries = tl.entries();
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].1.kind(), "hang");
+        assert!(entries[0]
+            .1
+            .to_string()
+            .starts_with("hang: rank 1 (local rank 0) on node 1"));
     }
 
     #[test]

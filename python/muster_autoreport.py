@@ -1,0 +1,408 @@
+"""muster's zero-code step reports and liveness, for training scripts that do not use the helper.
+
+muster's `sitecustomize` calls `install()` in every worker. When the script imports torch, a
+global optimizer step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`) is
+registered, lazily: nothing here imports torch, and until the first optimizer step nothing else
+happens. From then on the rank reports its steps to the agent and says when it is alive, so the
+hang watch (--hang-timeout), the step metrics and the dry run cover unmodified scripts: a plain
+loop, HF Trainer, Lightning.
+
+**What a step is.** One `step()` of the *lead* optimizer, the first optimizer instance that steps
+in the process. Other optimizers' steps (a GAN's second optimizer, parameter groups split over
+several optimizers) are liveness, not steps. With gradient accumulation a step is an optimizer
+update, as HF's and Lightning's `global_step` count it; a step that AMP's GradScaler skips
+(inf/NaN gradients) calls no `step()` and is not counted. Steps are counted in the process from
+1: the reporter cannot know which step a resumed script starts from.
+
+**Liveness.** Silence is not a hang: scripts evaluate, save and load data for long stretches
+without an optimizer step. A daemon thread samples the stack of the thread that steps the lead
+optimizer (`sys._current_frames()`) every `_SAMPLE_S` and, once per interval (the agent sends it,
+from the hang limit), sends `alive` when the innermost two frames or their positions changed
+between two samples. Evaluation, data loading and saving in Python move; a rank blocked in one C
+call, a lock, a sleep or a collective that waits for a peer does not. Caveats: one long C call
+(a huge `torch.load`, a single long kernel synchronisation) is not liveness; a Python busy loop
+is; ranks that wait in a collective while one peer works alone for longer than the limit are
+stalled (the hang watch then names a rank, as for any hang).
+
+**Not twice.** When the script uses the helper (`muster_checkpoint.Checkpointer`, directly or
+through muster's framework callbacks), its step reports are the rank's steps: the Checkpointer
+calls `stand_down()` when it connects and this reporter stops for good; the agent also ignores a
+reporter's messages for a local rank that has a helper connected.
+
+It has its own connection to MUSTER_CHECKPOINT_SOCKET and says `watch`, not `hello`, so the agent
+knows the rank only reports: a rank without the helper cannot save, and the checkpoint barrier
+keeps forwarding SIGTERM to such scripts. Messages (newline-terminated ASCII words):
+  worker -> agent: "watch <local_rank> <rank> <pid>", "step <n>", "alive",
+                   "faulthandler <signum> <path>"
+  agent -> worker: "interval <ms>" (how often to say alive; 0: never, the hang watch is off)
+
+Nothing here may break the script: every hook body is wrapped, and a failure turns the reporter
+off with at most one line on stderr. Off switch: MUSTER_AUTO_STEP_REPORTS=0 (what muster exports
+for `--auto-step-reports off`). Standard library only.
+"""
+
+import os
+import sys
+from time import monotonic as _monotonic
+
+__all__ = ["install", "stand_down"]
+
+SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
+SWITCH_ENV = "MUSTER_AUTO_STEP_REPORTS"
+STACKS_DIR_ENV = "MUSTER_STACKS_DIR"
+_TARGET = "torch.optim.optimizer"
+_OFF = ("0", "false", "no", "off")
+
+# How often the stack is sampled. Frequent enough that a loop whose iterations mostly wait in one
+# call (a GPU evaluation waiting in `.item()`) is still seen moving between calls; cheap enough
+# (a few microseconds with the GIL per sample) to cost nothing measurable.
+_SAMPLE_S = 0.1
+# How often `alive` may be sent before the agent says otherwise.
+_DEFAULT_INTERVAL_S = 1.0
+# Steps closer together than this share one report: a send costs several microseconds (the
+# agent is woken for each), a fast loop's every step need not. The sampler sends a step left
+# unsent within _SAMPLE_S, so the agent never sees the rank stop short of its last step.
+_MIN_REPORT_GAP_S = 0.01
+# Unsent bytes past this mean the agent stopped reading: the reporter turns itself off rather
+# than buffer without bound.
+_MAX_PENDING = 64 * 1024
+
+_reporter = None
+_standing_down = False
+
+
+def _address(value):
+    """"@name" is an abstract socket (see muster_checkpoint), anything else a path."""
+    if value.startswith("@"):
+        return "\0" + value[1:]
+    return value
+
+
+def _say_once(message):
+    try:
+        print("muster: zero-code step reports off: %s" % message, file=sys.stderr, flush=True)
+    except Exception:
+        pass
+
+
+class _Reporter:
+    """One process's step reports and liveness, over its own connection to the agent."""
+
+    def __init__(self, path):
+        self._path = path
+        self._off = False
+        self._sock = None
+        self._lock = None
+        self._pending = b""
+        # A weak reference to the lead optimizer (a strong one would keep its state alive).
+        self._lead = None
+        self._step = 0
+        # The last step sent, and when the next may be.
+        self._sent = 0
+        self._next_report = 0.0
+        # Steps of other optimizers: liveness.
+        self._other_steps = 0
+        # The thread that steps the lead optimizer: the one whose stack is sampled.
+        self._thread = None
+        self._interval = _DEFAULT_INTERVAL_S
+        self._inbox = b""
+        self._stacks_file = None
+
+    # -- the optimizer hook: the only code on the training loop's path -----------------------
+
+    def on_step(self, optimizer, args, kwargs):
+        if self._off:
+            return
+        try:
+            lead = self._lead() if self._lead is not None else None
+            if lead is not optimizer:
+                if lead is not None:
+                    self._other_steps += 1
+                    return
+                import weakref
+
+                self._lead = weakref.ref(optimizer)
+            self._step += 1
+            if self._sock is None and not self._start():
+                return
+            now = _monotonic()
+            if now >= self._next_report:
+                self._next_report = now + _MIN_REPORT_GAP_S
+                self._report_step()
+        except Exception as err:  # never raise into the training loop
+            self.stop("%r" % (err,))
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _start(self):
+        """Connects and starts the sampler, at the first step (worker subprocesses that never
+        step an optimizer, such as data loader workers, never connect)."""
+        import _thread
+        import socket
+        import threading
+
+        self._thread = _thread.get_ident()
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(_address(self._path))
+            sock.setblocking(False)
+        except OSError as err:
+            self.stop("cannot reach the agent at %s (%s)" % (self._path, err))
+            return False
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._send(
+            b"watch %s %s %d\n"
+            % (
+                os.environ.get("LOCAL_RANK", "0").encode("ascii", "replace"),
+                os.environ.get("RANK", "0").encode("ascii", "replace"),
+                os.getpid(),
+            )
+        )
+        self._register_faulthandler()
+        thread = threading.Thread(target=self._sample, name="muster-liveness", daemon=True)
+        thread.start()
+        return True
+
+    def _report_step(self):
+        """Sends the latest step, unless it was sent: from the hook and from the sampler, under
+        the lock, so the agent sees steps in order."""
+        with self._lock:
+            step = self._step
+            if step != self._sent:
+                self._sent = step
+                self._send_locked(b"step %d\n" % step)
+
+    def _send(self, data):
+        with self._lock:
+            self._send_locked(data)
+
+    def _send_locked(self, data):
+        sock = self._sock
+        if sock is None:
+            return
+        data = self._pending + data if self._pending else data
+        try:
+            sent = sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            # The agent is gone (it ended, or closed a connection it did not like).
+            self._sock = None
+            self._off = True
+            sock.close()
+            return
+        self._pending = data[sent:]
+        if len(self._pending) > _MAX_PENDING:
+            self._sock = None
+            self._off = True
+            sock.close()
+
+    def stop(self, why=None):
+        """Turns the reporter off for good (the hook stays registered and returns at once)."""
+        if self._off:
+            return
+        self._off = True
+        if why:
+            _say_once(why)
+        if self._lock is None:
+            return
+        # Under the lock: a send in flight on another thread must not reach a descriptor number
+        # that the script reopened meanwhile.
+        with self._lock:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def after_fork(self):
+        """A forked child shares the parent's connection: it must never write to it."""
+        self._off = True
+        self._sock = None
+
+    def _register_faulthandler(self):
+        """The agent's fallback for reading stacks where py-spy cannot (as the helper does)."""
+        directory = os.environ.get(STACKS_DIR_ENV, "")
+        if not directory:
+            return
+        try:
+            import faulthandler
+            import signal
+
+            signum = signal.SIGUSR2
+            if signal.getsignal(signum) not in (signal.SIG_DFL, None):
+                return
+            path = os.path.join(directory, "stacks-%d.txt" % os.getpid())
+            self._stacks_file = open(path, "a")
+            faulthandler.register(signum, file=self._stacks_file, all_threads=True, chain=False)
+        except (OSError, ValueError, RuntimeError, AttributeError):
+            return
+        self._send(("faulthandler %d %s\n" % (int(signum), path)).encode("ascii", "replace"))
+
+    def _read_agent(self):
+        """The agent's lines so far (only `interval <ms>`)."""
+        sock = self._sock
+        if sock is None:
+            return
+        while True:
+            try:
+                chunk = sock.recv(4096)
+            except BlockingIOError:
+                break
+            except OSError:
+                self.stop()
+                return
+            if not chunk:
+                self.stop()
+                return
+            self._inbox += chunk
+        lines = self._inbox.split(b"\n")
+        self._inbox = lines.pop()[-1024:]
+        for line in lines:
+            words = line.split()
+            if len(words) == 2 and words[0] == b"interval":
+                self._interval = int(words[1]) / 1000.0
+
+    def _sample(self):
+        """The sampler thread: `alive` when the stepping thread's stack moved."""
+        try:
+            import select
+            import time
+
+            # poll, not select: a training process may hold more than 1024 descriptors.
+            poller = select.poll()
+            poller.register(self._sock, select.POLLIN)
+            last = None
+            moved = False
+            others = self._other_steps
+            step = self._step
+            due = time.monotonic() + self._interval
+            while not self._off:
+                if self._sock is None:
+                    return
+                if poller.poll(_SAMPLE_S * 1000.0):
+                    self._read_agent()
+                if self._sent != self._step:
+                    self._report_step()
+                elif self._pending:
+                    self._send(b"")
+                if self._interval <= 0:
+                    # The hang watch is off: nothing to say between steps.
+                    due = time.monotonic() + _SAMPLE_S
+                    continue
+                frame = sys._current_frames().get(self._thread)
+                if frame is None:
+                    # The stepping thread ended: nothing to watch (the agent sees its exit).
+                    return
+                back = frame.f_back
+                here = (
+                    id(frame),
+                    frame.f_lasti,
+                    id(back) if back is not None else 0,
+                    back.f_lasti if back is not None else -1,
+                )
+                # No frame may outlive the sample: it would keep the script's locals alive.
+                del frame, back
+                if here != last:
+                    moved = moved or last is not None
+                    last = here
+                if self._other_steps != others:
+                    others = self._other_steps
+                    moved = True
+                now = time.monotonic()
+                if now < due:
+                    continue
+                due = now + self._interval
+                if moved and self._step == step:
+                    self._send(b"alive\n")
+                moved = False
+                step = self._step
+        except Exception as err:  # the sampler is a helper thread: it must never be noisy
+            if not self._off and sys is not None and not sys.is_finalizing():
+                self.stop("liveness sampler: %r" % (err,))
+
+
+def _hook(module):
+    """Registers the step hook on torch.optim.optimizer, once it is imported."""
+    global _reporter
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if register is None or _reporter is not None or _standing_down:
+        return
+    path = os.environ.get(SOCKET_ENV, "")
+    if not path:
+        return
+    reporter = _Reporter(path)
+    register(reporter.on_step)
+    _reporter = reporter
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=reporter.after_fork)
+
+
+class _HookingLoader:
+    """Runs the real loader, then registers the hook; everything else goes to the real loader."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        try:
+            _hook(module)
+        except Exception as err:  # never break `import torch` over this
+            _say_once("cannot register the optimizer hook: %r" % (err,))
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+class _Finder:
+    """A meta-path finder that only answers for torch.optim.optimizer, once."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _TARGET:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        for finder in sys.meta_path:
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _HookingLoader(spec.loader)
+        return spec
+
+
+def install():
+    """Called by muster's sitecustomize: hooks torch's optimizer steps when torch is imported.
+    A no-op outside muster (no MUSTER_CHECKPOINT_SOCKET) and when switched off."""
+    if not os.environ.get(SOCKET_ENV):
+        return
+    if os.environ.get(SWITCH_ENV, "1").strip().lower() in _OFF:
+        return
+    module = sys.modules.get(_TARGET)
+    if module is not None:
+        _hook(module)
+        return
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+def stand_down():
+    """Called by muster_checkpoint.Checkpointer when it connects: the script reports its own
+    steps, so this reporter stops (or never starts)."""
+    global _standing_down
+    _standing_down = True
+    if _reporter is not None:
+        _reporter.stop()
