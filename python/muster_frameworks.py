@@ -95,6 +95,8 @@ class _Barrier:
         # The target step this rank must save at now (should_save said so), until confirmed.
         self.pending = None
         self._off = False
+        # The open section's context (evaluation between two steps), if any.
+        self._section = None
 
     def _disable(self, err):
         if not self._off:
@@ -128,6 +130,28 @@ class _Barrier:
                 _say("checkpoint at step %d aborted (%s); stopping" % (step, ckpt.aborted_reason))
             return "aborted"
         return "committed" if stop else "continue"
+
+    def begin_section(self, name):
+        """Marks the framework's evaluation as intended work between steps: the hang watch gives
+        it --section-timeout instead of the step limit (a rank that reports its steps through a
+        callback is watched by its steps, not by the optimizer hook's liveness)."""
+        if self._off or self._section is not None:
+            return
+        try:
+            section = _checkpointer().section(name)
+            section.__enter__()
+            self._section = section
+        except Exception as err:
+            self._disable(err)
+
+    def end_section(self):
+        section, self._section = self._section, None
+        if section is None:
+            return
+        try:
+            section.__exit__(None, None, None)
+        except Exception as err:
+            self._disable(err)
 
     def fail(self, err):
         """A save that raised: the gang aborts this checkpoint."""
@@ -172,6 +196,18 @@ def _hf_class():
 
         def on_train_begin(self, args, state, control, **kwargs):
             self._barrier.report(state.global_step)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._barrier.end_section()
+
+        def on_prediction_step(self, args, state, control, **kwargs):
+            self._barrier.begin_section("evaluate")
+
+        def on_evaluate(self, args, state, control, **kwargs):
+            self._barrier.end_section()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self._barrier.end_section()
 
         def on_step_end(self, args, state, control, **kwargs):
             if self._barrier.report(state.global_step):
@@ -226,6 +262,12 @@ def _lightning_class(package):
 
         def on_train_start(self, trainer, pl_module):
             self._barrier.report(trainer.global_step)
+
+        def on_validation_start(self, trainer, pl_module):
+            self._barrier.begin_section("validation")
+
+        def on_validation_end(self, trainer, pl_module):
+            self._barrier.end_section()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             step = trainer.global_step

@@ -227,3 +227,24 @@ def test_a_save_that_raises_is_reported_to_the_agent(tmp_path, script):
     assert failed and " ".join(failed[0][2:]) == "OSError: [Errno 28] No space left on device", (
         agent.lines, p.stderr[-3000:])
     assert not [w for w in agent.lines if w[0] == "saved"], agent.lines
+
+
+def test_a_long_hf_evaluation_is_a_section_not_a_hang(tmp_path):
+    """An unmodified Trainer whose one evaluation takes 3x --hang-timeout: the callback marks it as
+    a section (the stepping rank's liveness does not apply once the callback reports its steps),
+    so the watch gives it --section-timeout and the run ends 0."""
+    from conftest import muster_bin, muster_env
+    wrapper = tmp_path / "entry.py"
+    target = str(SCRIPTS / "hf_trainer.py")
+    wrapper.write_text(
+        "import runpy, sys\n"
+        f"sys.argv = [{target!r}, '--out', {str(tmp_path / 'out')!r}, '--max-steps', '4', "
+        "'--eval-seconds', '15']\n"
+        f"runpy.run_path({target!r}, run_name='__main__')\n")
+    p = subprocess.run([muster_bin(), "--standalone", "--nproc-per-node", "2",
+                        "--hang-timeout", "5", "--max-restarts", "0", str(wrapper)],
+                       env=muster_env(OFFLINE), capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "hang detected" not in out, out
+    assert out.count("FINAL ") == 2, out

@@ -19,6 +19,9 @@ p.add_argument("--step-seconds", type=float, default=0.0)
 p.add_argument("--resume", action="store_true")
 # The explicit form, on odd global ranks only: both forms meet in one run.
 p.add_argument("--explicit", action="store_true")
+# An evaluation of this many seconds once, half way: its batches load slowly (the main thread
+# sleeps in the data set, a stack that does not move), as a long evaluation looks to the agent.
+p.add_argument("--eval-seconds", type=float, default=0.0)
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
 
@@ -32,6 +35,17 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+class SlowEval(torch.utils.data.Dataset):
+    ITEMS = 8
+
+    def __len__(self):
+        return self.ITEMS
+
+    def __getitem__(self, i):
+        time.sleep(args.eval_seconds / self.ITEMS)
+        return {"input_ids": torch.zeros(16, dtype=torch.long), "labels": torch.zeros(16, dtype=torch.long)}
 
 
 class StepPrinter(TrainerCallback):
@@ -49,13 +63,16 @@ training = TrainingArguments(
     save_strategy="no", logging_strategy="no", report_to="none", use_cpu=True,
     ddp_find_unused_parameters=False,
     disable_tqdm=True, dataloader_num_workers=0, seed=0,
+    **({"eval_strategy": "steps", "eval_steps": max(1, args.max_steps // 2),
+        "per_device_eval_batch_size": 1} if args.eval_seconds else {}),
 )
 callbacks = [StepPrinter()]
 if args.explicit and rank % 2 == 1:
     from muster_frameworks import MusterHFCallback
 
     callbacks.append(MusterHFCallback())
-trainer = Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=callbacks)
+trainer = Trainer(model=model, args=training, train_dataset=Tokens(), callbacks=callbacks,
+                  eval_dataset=SlowEval() if args.eval_seconds else None)
 count = sum(type(cb).__name__ == "MusterHFCallback" for cb in trainer.callback_handler.callbacks)
 print(f"MUSTER_CALLBACKS {rank} {count}", flush=True)
 trainer.train(resume_from_checkpoint=True if args.resume else None)
