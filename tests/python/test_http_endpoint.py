@@ -341,7 +341,11 @@ def test_a_checkpoint_request_before_any_worker_ran_exits_201(tmp_path):
     try:
         # The rendezvous waits for node 1, which never comes.
         def waiting():
-            body = request(agent.addr, "GET", "/metrics")[1]
+            assert agent.proc.poll() is None, agent.output()
+            try:
+                body = request(agent.addr, "GET", "/metrics", timeout=30)[1]
+            except OSError:
+                return False
             return (re.search(r'^muster_agent_phase\{phase="rendezvous"\} 1$', body, re.M)
                     and re.search(r"^muster_rendezvous_nodes_waiting [1-9]", body, re.M))
         wait_until(waiting, 30, what="the agent to wait for its peer")
@@ -349,6 +353,7 @@ def test_a_checkpoint_request_before_any_worker_ran_exits_201(tmp_path):
         status, body, _ = request(agent.addr, "POST", "/checkpoint")
         assert (status, body) == (202, "checkpoint requested\n")
         assert agent.proc.wait(timeout=60) == 201, agent.output()
+        agent.reader.join(timeout=10)  # its last lines may still be in the pipe
         out = agent.output()
         assert "no attempt is running" in out and "nothing to save" in out, out
         assert "stopping without a checkpoint (exit 201)" in out, out
