@@ -4,7 +4,8 @@
 //!
 //! The pieces: [`split`] cuts bytes into segments, [`ansi`] reduces terminal escapes,
 //! [`progress`] keeps one progress update per interval, [`reader`] is the per-pipe task that
-//! drives them, [`stats`] counts what each rank wrote.
+//! drives them, [`stats`] counts what each rank wrote, [`file`] is a rank's log file and what
+//! happens when it cannot be written.
 //!
 //! Why one writer: every line reaches the agent's stdout/stderr in a single `write_all` from a
 //! single thread, so two ranks (or a rank and the agent's own messages) can never interleave
