@@ -327,3 +327,36 @@ def test_an_unusable_token_file_is_a_configuration_error(tmp_path, content):
         env=dict(os.environ, MUSTER_CHECKPOINT_TOKEN_FILE=str(token_file)))
     assert result.returncode == 202, result.stderr
     assert str(token_file) in result.stderr, result.stderr
+
+
+def test_a_checkpoint_request_before_any_worker_ran_exits_201(tmp_path):
+    """Issue #33: `POST /checkpoint` while the agent still waits in the rendezvous (its peer never
+    comes) has nothing to save. It is accepted (202), the agent says so in one line and exits 201,
+    "preempted without a committed checkpoint" — not 143, which would name a signal nobody sent."""
+    ran = tmp_path / "worker-ran"
+    agent = Agent(["--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1",
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                   "--rdzv-id", "lonely", "--local-addr", "127.0.0.1",
+                   "--rdzv-conf", "join_timeout=600", "--no-python", "touch", str(ran)])
+    try:
+        # The rendezvous waits for node 1, which never comes.
+        def waiting():
+            assert agent.proc.poll() is None, agent.output()
+            try:
+                body = request(agent.addr, "GET", "/metrics", timeout=30)[1]
+            except OSError:
+                return False
+            return (re.search(r'^muster_agent_phase\{phase="rendezvous"\} 1$', body, re.M)
+                    and re.search(r"^muster_rendezvous_nodes_waiting [1-9]", body, re.M))
+        wait_until(waiting, 30, what="the agent to wait for its peer")
+        assert agent.proc.poll() is None, agent.output()
+        status, body, _ = request(agent.addr, "POST", "/checkpoint")
+        assert (status, body) == (202, "checkpoint requested\n")
+        assert agent.proc.wait(timeout=60) == 201, agent.output()
+        agent.reader.join(timeout=10)  # its last lines may still be in the pipe
+        out = agent.output()
+        assert "no attempt is running" in out and "nothing to save" in out, out
+        assert "stopping without a checkpoint (exit 201)" in out, out
+        assert not ran.exists(), "no worker may have started"
+    finally:
+        agent.stop()

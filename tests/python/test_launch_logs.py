@@ -2,10 +2,15 @@
 JSON formats, torchrun's per-rank files with --log-dir/--redirects/--tee, --local-ranks-filter."""
 import json
 import os
+import re
 import subprocess
+import threading
+import time
 from pathlib import Path
 
-from conftest import muster_bin, muster_env
+import pytest
+
+from conftest import free_port, muster_bin, muster_env, wait_until
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -93,3 +98,114 @@ def test_json_root_cause_summary():
     (cause,) = [e for e in events if e.get("event") == "root_cause"]
     assert (cause["rank"], cause["local_rank"], cause["exit_code"], cause["signal"]) == (1, 1, 3, None)
     assert cause["agent_exit_code"] == 3 and cause["attempts"] == 1
+
+
+CHATTY_RANK = r'''
+import os, sys, time
+rank, go = os.environ["RANK"], sys.argv[1]
+for i in range(int(sys.argv[2])):
+    print(f"fill-{rank}-{i:05d}-" + rank * 60)
+deadline = time.monotonic() + 120
+while not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.05)
+# Paced over 2 s: a file that failed is tried again at most once a second.
+for i in range(int(sys.argv[3])):
+    print(f"after-{rank}-{i:03d}")
+    time.sleep(0.05)
+'''
+
+
+def _scrape(port):
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _metric(body, name, rank):
+    m = re.search(r'^%s\{rank="%d",stream="stdout"\} (\S+)$' % (name, rank), body, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_a_full_log_volume_warns_counts_keeps_the_console_and_resumes(tmp_path):
+    """Issue #33: `--log-dir` on a 1 MiB tmpfs that two chatty ranks fill. Each rank's file warns
+    once, naming itself and ENOSPC; the metrics count the lines it misses; the console has every
+    line; the job exits 0. When space returns the files are written again, with a marker line
+    saying how many lines are missing there."""
+    mnt = tmp_path / "logs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs (root and CAP_SYS_ADMIN needed): "
+                    f"{mounted.stderr.strip()}")
+    proc = None
+    try:
+        # 128 KiB left: each rank's 225 KB of lines fill it.
+        filler = mnt / "filler"
+        filler.write_bytes(b"\0" * (896 * 1024))
+        script = tmp_path / "chatty.py"
+        script.write_text(CHATTY_RANK)
+        go = tmp_path / "go"
+        fill, after, port = 3000, 40, free_port()
+        proc = subprocess.Popen(
+            [muster_bin(), "--nproc-per-node", "2", "--log-dir", str(mnt), "--tee", "1",
+             "--rdzv-id", "full", "--metrics-addr", f"127.0.0.1:{port}",
+             str(script), str(go), str(fill), str(after)],
+            env=muster_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = [], []
+        readers = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
+                   for s, into in ((proc.stdout, out), (proc.stderr, err))]
+        for r in readers:
+            r.start()
+
+        def dropping():
+            assert proc.poll() is None, "".join(err)
+            try:
+                body = _scrape(port)
+            except OSError:
+                return False
+            return all((_metric(body, "muster_worker_log_file_lines_dropped_total", r) or 0) > 0
+                       for r in (0, 1)) and sum("fill-" in l for l in out) == 2 * fill
+        wait_until(dropping, 90, what="both ranks' files to drop lines")
+        body = _scrape(port)
+        for r in (0, 1):
+            assert _metric(body, "muster_worker_log_file_write_failures_total", r) == 1, body
+        # Space returns; the ranks' next lines come over a second after the last failed try.
+        filler.unlink()
+        time.sleep(1.5)
+        go.touch()
+        assert proc.wait(timeout=90) == 0, "".join(err)
+        for r in readers:
+            r.join(timeout=10)
+        stdout, stderr = "".join(out), "".join(err)
+
+        (run_dir,) = [d for d in mnt.iterdir() if d.name.startswith("full_")]
+        for r in (0, 1):
+            path = run_dir / "attempt_0" / str(r) / "stdout.log"
+            # One warning per file, naming it and the error.
+            warned = [l for l in stderr.splitlines() if f"cannot write worker log {path}:" in l]
+            assert len(warned) == 1, stderr[-3000:]
+            assert "No space left on device" in warned[0], warned
+            assert "the console keeps every line" in warned[0], warned
+            # The console is complete, in order.
+            prefix = f"[{os.uname().nodename.split('.')[0]}:{r}] "
+            mine = [l[len(prefix):] for l in stdout.splitlines() if l.startswith(prefix)]
+            assert mine == ([f"fill-{r}-{i:05d}-" + str(r) * 60 for i in range(fill)]
+                            + [f"after-{r}-{i:03d}" for i in range(after)]), mine[-5:]
+            # The file: what fitted, a marker with the count of the rest, then the later lines.
+            text = path.read_text()
+            m = re.search(r"^\[muster\] (\d+) line\(s\) missing here: No space left on device",
+                          text, re.M)
+            assert m, text[-500:]
+            before, _, rest = text.partition(m.group(0))
+            whole = [l for l in before.splitlines() if l == f"fill-{r}-{l[7:12]}-" + str(r) * 60]
+            # (A rank whose first write found the volume full has no fill line at all.)
+            assert len(whole) + int(m.group(1)) == fill, (len(whole), m.group(1))
+            assert rest.splitlines()[1:] == [f"after-{r}-{i:03d}" for i in range(after)]
+            assert (f"worker log {path} is written again; {m.group(1)} line(s) are missing"
+                    in stderr), stderr[-3000:]
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)

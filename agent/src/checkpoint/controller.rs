@@ -11,6 +11,7 @@
 //! | committed | they stop by themselves (the helper told them); stragglers get SIGTERM at the deadline | `--preempted-exit-code` (200 by default) |
 //! | aborted | SIGTERM now, SIGKILL after `--shutdown-timeout` | 201 |
 //! | unsupported (no helper) | SIGTERM now, on every node at once | 0 if they all exit cleanly, else 143 |
+//! | no attempt running | none run; the launch stops | 201 for `POST /checkpoint`, 128+N for signal N |
 //!
 //! Whatever goes wrong on the way (no store reachable, no attempt running yet) degrades to the
 //! plain stop torchrun would do: the hook must never leave a signalled agent running.
@@ -336,7 +337,7 @@ impl Controller {
                         publish(&a.assignment, &trigger, deadline);
                     } else {
                         // No workers' store to agree through: stop as torchrun would.
-                        warn!("no attempt is running; stopping without a checkpoint");
+                        self.stop_between_attempts(&trigger);
                         stop_workers(stop.as_ref(), trigger.signal, &self.shutdown);
                     }
                     local = Some(Local { trigger, deadline, stop });
@@ -432,6 +433,27 @@ impl Controller {
             }
         }
         outcome
+    }
+
+    /// A request that came while no attempt runs (the first rendezvous, or between attempts):
+    /// nothing can be saved. An operator's request (`POST /checkpoint`) then ends the agent as
+    /// a preemption without a committed checkpoint (201): no signal came, so the 143 the launch
+    /// reports for its cancelled token would name one that never did. A signal keeps its
+    /// 128+N, as when torchrun is stopped by it.
+    fn stop_between_attempts(&self, trigger: &Trigger) {
+        if trigger.signal.is_some() {
+            warn!("no attempt is running; stopping without a checkpoint");
+            return;
+        }
+        warn!(
+            "{}: no attempt is running (the agent is still in the rendezvous or between \
+             attempts), so there is nothing to save; stopping without a checkpoint (exit {})",
+            trigger.reason,
+            exit_code::CHECKPOINT_ABORTED
+        );
+        *self.outcome.lock().unwrap_or_else(PoisonError::into_inner) = Some(Outcome::Aborted {
+            reason: "no attempt was running: nothing to save".to_owned(),
+        });
     }
 
     /// Ends the attempt according to the outcome.

@@ -390,7 +390,8 @@ pub fn help_text() -> String {
          Exit codes: 0 all workers succeeded; 1-127 the root-cause worker's code; 128+N the\n\
          root-cause worker died of signal N, or the agent was stopped by signal N (after SIGINT 0\n\
          if every worker still exited cleanly, after SIGTERM 201); 200 preempted, checkpoint committed (--preempted-exit-code);\n\
-         201 preempted, no checkpoint committed; 202 configuration error; 203 rendezvous timeout;\n\
+         201 preempted, no checkpoint committed (also POST /checkpoint before any worker ran);\n\
+         202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n\
          lost; 206 internal error; 207 a rank hung and the restarts were spent; 208 network check\n\
          failed.\n",

@@ -570,20 +570,21 @@ fn start_pump(
         what: "cannot watch a worker's output pipe",
         source,
     })?;
+    let console = spec.console_target(local_rank, rank, stream);
+    let counters = spec.logs.stats().stream(rank, stream_name(stream));
     // `wants_file` implies `--log-dir`, hence a run directory and a path.
     let file = match file_path.filter(|_| spec.wants_file(local_rank, stream)) {
-        Some(path) => {
-            let f = std::fs::File::create(&path)
-                .map_err(|source| LaunchError::LogDir { path, source })?;
-            Some(Arc::new(f))
-        }
+        Some(path) => Some(Arc::new(
+            logs::LogFile::create(path.clone(), console.is_some(), Arc::clone(&counters))
+                .map_err(|source| LaunchError::LogDir { path, source })?,
+        )),
         None => None,
     };
     let config = PumpConfig {
-        console: spec.console_target(local_rank, rank, stream),
+        console,
         file,
         progress_interval: spec.config.logs.progress_interval,
-        counters: spec.logs.stats().stream(rank, stream_name(stream)),
+        counters,
         exception,
     };
     Ok(logs::pump(

@@ -4,7 +4,8 @@
 //!
 //! The pieces: [`split`] cuts bytes into segments, [`ansi`] reduces terminal escapes,
 //! [`progress`] keeps one progress update per interval, [`reader`] is the per-pipe task that
-//! drives them, [`stats`] counts what each rank wrote.
+//! drives them, [`stats`] counts what each rank wrote, [`file`] is a rank's log file and what
+//! happens when it cannot be written.
 //!
 //! Why one writer: every line reaches the agent's stdout/stderr in a single `write_all` from a
 //! single thread, so two ranks (or a rank and the agent's own messages) can never interleave
@@ -15,6 +16,7 @@
 
 mod ansi;
 pub mod exception;
+pub mod file;
 mod prefix;
 mod progress;
 mod reader;
@@ -29,6 +31,7 @@ use std::thread::JoinHandle;
 use tokio::sync::{mpsc, Semaphore};
 
 pub use exception::ExceptionLine;
+pub use file::LogFile;
 pub use prefix::{render_template, utc_timestamp};
 pub use reader::{pump, LineTarget, PumpConfig};
 pub use stats::{OutputStats, StreamCounters};
@@ -112,7 +115,7 @@ enum Msg {
     },
     /// Raw bytes for a per-rank log file.
     File {
-        file: Arc<std::fs::File>,
+        file: Arc<LogFile>,
         bytes: Vec<u8>,
         budget: u32,
     },
@@ -145,7 +148,8 @@ pub fn start() -> std::io::Result<LogWriter> {
             let stderr = std::io::stderr();
             while let Some(msg) = rx.blocking_recv() {
                 // Errors writing the console (EPIPE when the reader went away) must not stop the
-                // agent from supervising; the bytes are dropped.
+                // agent from supervising; the bytes are dropped. A log file that cannot be
+                // written says so itself (see `file`).
                 match msg {
                     Msg::Write {
                         console,
@@ -163,10 +167,13 @@ pub fn start() -> std::io::Result<LogWriter> {
                         bytes,
                         budget,
                     } => {
-                        let _ = (&*file).write_all(&bytes);
+                        file.write(&bytes);
                         thread_budget.add_permits(budget as usize);
                     }
-                    Msg::Shutdown => break,
+                    // Closing makes later senders write directly (see `agent_line`); what is
+                    // already queued is still written, such as a log file's warning that came
+                    // while the writer was handling that file's last bytes.
+                    Msg::Shutdown => rx.close(),
                 }
             }
             let _ = stdout.lock().flush();
@@ -228,7 +235,7 @@ impl LogSink {
     }
 
     /// Queues raw worker bytes for a log file, waiting for budget.
-    pub async fn write_file(&self, file: Arc<std::fs::File>, bytes: Vec<u8>) {
+    pub async fn write_file(&self, file: Arc<LogFile>, bytes: Vec<u8>) {
         let budget = self.reserve(bytes.len()).await;
         let _ = self.tx.send(Msg::File {
             file,

@@ -35,7 +35,7 @@ pub struct LineTarget {
 pub struct PumpConfig {
     /// `None` when the stream is redirected without tee, or filtered by `--local-ranks-filter`.
     pub console: Option<LineTarget>,
-    pub file: Option<Arc<std::fs::File>>,
+    pub file: Option<Arc<super::LogFile>>,
     /// `--progress-interval`: at most one progress update per interval (zero: every one).
     pub progress_interval: Duration,
     /// Where the bytes, lines and progress updates of this pipe are counted.

@@ -2,7 +2,7 @@
 //! scrape time (nothing here knows about Prometheus), so an operator can find the noisy rank.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 /// The counters of one rank's stream.
@@ -14,6 +14,12 @@ pub struct StreamCounters {
     pub lines: AtomicU64,
     /// Progress updates (`\r`-terminated segments), before coalescing.
     pub progress: AtomicU64,
+    /// Whether the stream has had a log file (`--log-dir` with `--redirects`/`--tee`).
+    pub has_file: AtomicBool,
+    /// Lines the log file misses because writing it failed (see [`super::file`]).
+    pub file_lines_dropped: AtomicU64,
+    /// Times writing the log file began to fail.
+    pub file_failures: AtomicU64,
 }
 
 /// One reading of a rank's stream counters.
@@ -24,6 +30,8 @@ pub struct StreamSnapshot {
     pub bytes: u64,
     pub lines: u64,
     pub progress: u64,
+    /// `None` without a log file: (lines dropped, failures) of the file.
+    pub file: Option<(u64, u64)>,
 }
 
 /// Every rank's counters since the agent started (a restarted rank keeps counting).
@@ -50,6 +58,12 @@ impl OutputStats {
                 bytes: c.bytes.load(Ordering::Relaxed),
                 lines: c.lines.load(Ordering::Relaxed),
                 progress: c.progress.load(Ordering::Relaxed),
+                file: c.has_file.load(Ordering::Relaxed).then(|| {
+                    (
+                        c.file_lines_dropped.load(Ordering::Relaxed),
+                        c.file_failures.load(Ordering::Relaxed),
+                    )
+                }),
             })
             .collect()
     }
@@ -82,14 +96,16 @@ mod tests {
                     stream: "stderr",
                     bytes: 0,
                     lines: 0,
-                    progress: 2
+                    progress: 2,
+                    file: None,
                 },
                 StreamSnapshot {
                     rank: 1,
                     stream: "stdout",
                     bytes: 5,
                     lines: 1,
-                    progress: 0
+                    progress: 0,
+                    file: None,
                 },
             ]
         );

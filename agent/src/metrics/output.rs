@@ -16,6 +16,8 @@ use crate::logs::OutputStats;
 const BYTES: &str = "muster_worker_output_bytes_total";
 const LINES: &str = "muster_worker_output_lines_total";
 const PROGRESS: &str = "muster_worker_progress_updates_total";
+const FILE_DROPPED: &str = "muster_worker_log_file_lines_dropped_total";
+const FILE_FAILURES: &str = "muster_worker_log_file_write_failures_total";
 
 /// The collector, empty until the log pumps' counters are attached.
 pub(super) fn collector() -> Attached<Arc<OutputStats>> {
@@ -36,6 +38,18 @@ pub(super) fn collector() -> Attached<Arc<OutputStats>> {
             "Progress-bar updates (carriage-return segments) a worker wrote, before coalescing.",
             labels,
         ),
+        (
+            FILE_DROPPED,
+            "Lines a rank's --log-dir file misses because writing it failed (no space, quota, I/O \
+             error), by global rank and stream; only streams with a log file.",
+            labels,
+        ),
+        (
+            FILE_FAILURES,
+            "Times writing a rank's --log-dir file began to fail, by global rank and stream; only \
+             streams with a log file.",
+            labels,
+        ),
     ];
     Attached::new(&defs, families)
 }
@@ -54,7 +68,20 @@ fn families(stats: &Arc<OutputStats>, descs: &[Desc]) -> Vec<MetricFamily> {
             })
             .collect()
     };
-    vec![
+    let file_series = |value: fn((u64, u64)) -> u64| {
+        snapshot
+            .iter()
+            .filter_map(|s| {
+                let rank = s.rank.to_string();
+                let file = s.file?;
+                Some(counter(
+                    &[("rank", &rank), ("stream", s.stream)],
+                    value(file) as f64,
+                ))
+            })
+            .collect::<Vec<_>>()
+    };
+    let mut families = vec![
         family(
             BYTES,
             help(descs, BYTES),
@@ -73,5 +100,22 @@ fn families(stats: &Arc<OutputStats>, descs: &[Desc]) -> Vec<MetricFamily> {
             MetricType::COUNTER,
             series(|s| s.progress),
         ),
-    ]
+    ];
+    // Without --log-dir files the two families are left out rather than empty.
+    let dropped = file_series(|(dropped, _)| dropped);
+    if !dropped.is_empty() {
+        families.push(family(
+            FILE_DROPPED,
+            help(descs, FILE_DROPPED),
+            MetricType::COUNTER,
+            dropped,
+        ));
+        families.push(family(
+            FILE_FAILURES,
+            help(descs, FILE_FAILURES),
+            MetricType::COUNTER,
+            file_series(|(_, failures)| failures),
+        ));
+    }
+    families
 }

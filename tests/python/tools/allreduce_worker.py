@@ -3,10 +3,22 @@
 the environment names (env://), all-reduces and all-gathers, and checks the results.
 
 Exits 0 and prints "allreduce ok rank=R world=W sum=S" on success; any mismatch raises.
+
+After the barrier it prints its result and leaves with `os._exit(0)`, without
+`destroy_process_group()` and without the interpreter's shutdown. Everything that involves the
+store (the rendezvous in `init_process_group`, gloo's connection set-up through it) and every
+collective has returned by then, so the verdict is complete. What is skipped is torch's own
+teardown, where torch 2.4.1 deadlocks now and then (about 1 run in 3 of the 4-rank job on a loaded
+2-CPU machine, with torch's own libuv server as with muster's): `~ProcessGroupGloo` joins a gloo
+worker thread while holding the GIL, and that thread waits for the GIL to drop its last reference
+to a tensor (gdb: main thread in `std::thread::join` under `ProcessGroupGloo::~ProcessGroupGloo`,
+the other in `take_gil` under `ConcretePyInterpreterVTable::decref`). An upstream flake that says
+nothing about the store; it hangs in `destroy_process_group()`, or at exit when that is not called.
 """
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -26,8 +38,11 @@ def main() -> None:
     dist.all_gather(out, torch.tensor([float(rank)]))
     assert [int(x.item()) for x in out] == list(range(world)), out
     dist.barrier()
-    dist.destroy_process_group()
     print(f"allreduce ok rank={rank} world={world} sum={int(t[0].item())}", flush=True)
+    sys.stderr.flush()
+    # No destroy_process_group() and no interpreter shutdown: torch 2.4.1's teardown deadlock
+    # (see the docstring).
+    os._exit(0)
 
 
 if __name__ == "__main__":
