@@ -43,6 +43,9 @@ CONDITIONAL = {
     "muster_worker_last_step",
     "muster_worker_last_step_age_seconds",
     "muster_signals_received_total",
+    # Exported only for streams that have a log file (--log-dir with --redirects/--tee).
+    "muster_worker_log_file_lines_dropped_total",
+    "muster_worker_log_file_write_failures_total",
 }
 
 WORKER = r"""
