@@ -340,48 +340,8 @@ def _hook(module):
         os.register_at_fork(after_in_child=reporter.after_fork)
 
 
-class _HookingLoader:
-    """Runs the real loader, then registers the hook; everything else goes to the real loader."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            _hook(module)
-        except Exception as err:  # never break `import torch` over this
-            _say_once("cannot register the optimizer hook: %r" % (err,))
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _Finder:
-    """A meta-path finder that only answers for torch.optim.optimizer, once."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        for finder in sys.meta_path:
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _HookingLoader(spec.loader)
-        return spec
+def _hook_failed(module, err):
+    _say_once("cannot register the optimizer hook: %r" % (err,))
 
 
 def install():
@@ -391,12 +351,9 @@ def install():
         return
     if os.environ.get(SWITCH_ENV, "1").strip().lower() in _OFF:
         return
-    module = sys.modules.get(_TARGET)
-    if module is not None:
-        _hook(module)
-        return
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    from muster_importhook import after_import
+
+    after_import([_TARGET], _hook, _hook_failed)
 
 
 def stand_down():
