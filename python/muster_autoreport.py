@@ -49,7 +49,6 @@ __all__ = ["install", "stand_down"]
 
 SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
 SWITCH_ENV = "MUSTER_AUTO_STEP_REPORTS"
-STACKS_DIR_ENV = "MUSTER_STACKS_DIR"
 _TARGET = "torch.optim.optimizer"
 _OFF = ("0", "false", "no", "off")
 
@@ -106,7 +105,6 @@ class _Reporter:
         self._thread = None
         self._interval = _DEFAULT_INTERVAL_S
         self._inbox = b""
-        self._stacks_file = None
 
     # -- the optimizer hook: the only code on the training loop's path -----------------------
 
@@ -223,23 +221,15 @@ class _Reporter:
         self._sock = None
 
     def _register_faulthandler(self):
-        """The agent's fallback for reading stacks where py-spy cannot (as the helper does)."""
-        directory = os.environ.get(STACKS_DIR_ENV, "")
-        if not directory:
-            return
+        """The agent's fallback for reading stacks where py-spy cannot, shared with the helper
+        (shipped beside this module)."""
         try:
-            import faulthandler
-            import signal
-
-            signum = signal.SIGUSR2
-            if signal.getsignal(signum) not in (signal.SIG_DFL, None):
-                return
-            path = os.path.join(directory, "stacks-%d.txt" % os.getpid())
-            self._stacks_file = open(path, "a")
-            faulthandler.register(signum, file=self._stacks_file, all_threads=True, chain=False)
-        except (OSError, ValueError, RuntimeError, AttributeError):
+            import muster_checkpoint
+        except ImportError:
             return
-        self._send(("faulthandler %d %s\n" % (int(signum), path)).encode("ascii", "replace"))
+        message = muster_checkpoint.register_faulthandler()
+        if message is not None:
+            self._send((message + "\n").encode("ascii", "replace"))
 
     def _read_agent(self):
         """The agent's lines so far (only `interval <ms>`)."""
