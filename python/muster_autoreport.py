@@ -49,7 +49,6 @@ __all__ = ["install", "stand_down"]
 
 SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
 SWITCH_ENV = "MUSTER_AUTO_STEP_REPORTS"
-STACKS_DIR_ENV = "MUSTER_STACKS_DIR"
 _TARGET = "torch.optim.optimizer"
 _OFF = ("0", "false", "no", "off")
 
@@ -106,7 +105,6 @@ class _Reporter:
         self._thread = None
         self._interval = _DEFAULT_INTERVAL_S
         self._inbox = b""
-        self._stacks_file = None
 
     # -- the optimizer hook: the only code on the training loop's path -----------------------
 
@@ -223,23 +221,15 @@ class _Reporter:
         self._sock = None
 
     def _register_faulthandler(self):
-        """The agent's fallback for reading stacks where py-spy cannot (as the helper does)."""
-        directory = os.environ.get(STACKS_DIR_ENV, "")
-        if not directory:
-            return
+        """The agent's fallback for reading stacks where py-spy cannot, shared with the helper
+        (shipped beside this module)."""
         try:
-            import faulthandler
-            import signal
-
-            signum = signal.SIGUSR2
-            if signal.getsignal(signum) not in (signal.SIG_DFL, None):
-                return
-            path = os.path.join(directory, "stacks-%d.txt" % os.getpid())
-            self._stacks_file = open(path, "a")
-            faulthandler.register(signum, file=self._stacks_file, all_threads=True, chain=False)
-        except (OSError, ValueError, RuntimeError, AttributeError):
+            import muster_checkpoint
+        except ImportError:
             return
-        self._send(("faulthandler %d %s\n" % (int(signum), path)).encode("ascii", "replace"))
+        message = muster_checkpoint.register_faulthandler()
+        if message is not None:
+            self._send((message + "\n").encode("ascii", "replace"))
 
     def _read_agent(self):
         """The agent's lines so far (only `interval <ms>`)."""
@@ -340,48 +330,8 @@ def _hook(module):
         os.register_at_fork(after_in_child=reporter.after_fork)
 
 
-class _HookingLoader:
-    """Runs the real loader, then registers the hook; everything else goes to the real loader."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            _hook(module)
-        except Exception as err:  # never break `import torch` over this
-            _say_once("cannot register the optimizer hook: %r" % (err,))
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _Finder:
-    """A meta-path finder that only answers for torch.optim.optimizer, once."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        for finder in sys.meta_path:
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _HookingLoader(spec.loader)
-        return spec
+def _hook_failed(module, err):
+    _say_once("cannot register the optimizer hook: %r" % (err,))
 
 
 def install():
@@ -391,12 +341,9 @@ def install():
         return
     if os.environ.get(SWITCH_ENV, "1").strip().lower() in _OFF:
         return
-    module = sys.modules.get(_TARGET)
-    if module is not None:
-        _hook(module)
-        return
-    if not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    from muster_importhook import after_import
+
+    after_import([_TARGET], _hook, _hook_failed)
 
 
 def stand_down():

@@ -77,6 +77,38 @@ def _stand_down_autoreport():
         pass
 
 
+# This process's faulthandler registration: (pid, the message for the agent, the open file).
+_faulthandler = [None, None, None]
+
+
+def register_faulthandler():
+    """Registers `faulthandler` on SIGUSR2 into MUSTER_STACKS_DIR, the agent's fallback for
+    reading this process's stacks where py-spy cannot, unless the script handles SIGUSR2 itself;
+    once per process (the helper and the zero-code reporter both ask). Returns the message that
+    tells the agent ("faulthandler <signum> <path>"), or None."""
+    directory = os.environ.get(STACKS_DIR_ENV, "")
+    if not directory:
+        return None
+    if _faulthandler[0] == os.getpid():
+        return _faulthandler[1]
+    try:
+        import faulthandler
+        import signal
+
+        signum = signal.SIGUSR2
+        if signal.getsignal(signum) not in (signal.SIG_DFL, None):
+            return None
+        path = os.path.join(directory, "stacks-%d.txt" % os.getpid())
+        # Kept open for the process's life: faulthandler writes to its descriptor.
+        stacks_file = open(path, "a")
+        faulthandler.register(signum, file=stacks_file, all_threads=True, chain=False)
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        return None
+    message = "faulthandler %d %s" % (int(signum), path)
+    _faulthandler[:] = [os.getpid(), message, stacks_file]
+    return message
+
+
 class Checkpointer:
     """The worker's side of muster's checkpoint barrier."""
 
@@ -191,23 +223,9 @@ class Checkpointer:
 
     def _register_faulthandler(self):
         """The agent's fallback for dumping this rank's stacks (see the module's doc)."""
-        directory = os.environ.get(STACKS_DIR_ENV, "")
-        if not directory:
-            return
-        try:
-            import faulthandler
-            import signal
-
-            signum = signal.SIGUSR2
-            if signal.getsignal(signum) not in (signal.SIG_DFL, None):
-                return
-            path = os.path.join(directory, "stacks-%d.txt" % os.getpid())
-            # Kept open for the process's life: faulthandler writes to its descriptor.
-            self._stacks_file = open(path, "a")
-            faulthandler.register(signum, file=self._stacks_file, all_threads=True, chain=False)
-        except (OSError, ValueError, RuntimeError, AttributeError):
-            return
-        self._send("faulthandler %d %s" % (int(signum), path))
+        message = register_faulthandler()
+        if message is not None:
+            self._send(message)
 
     def _send(self, line):
         if self._sock is None:

@@ -360,54 +360,12 @@ def _patch(module, package):
         _wrap_init(cls, lambda trainer: _add_lightning(trainer, package))
 
 
-class _PatchingLoader:
-    """Runs the real loader, then patches the module; everything else goes to the real loader."""
-
-    def __init__(self, loader, package):
-        self._loader = loader
-        self._package = package
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            _patch(module, self._package)
-        except Exception as err:  # never break the user's import over this hook
-            _say("cannot add muster's callback to %s: %r" % (module.__name__, err))
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
+def _patch_named(module):
+    _patch(module, _TARGETS[module.__name__])
 
 
-class _Finder:
-    """A meta-path finder that answers only for the Trainer modules, each once."""
-
-    def __init__(self):
-        self._waiting = dict(_TARGETS)
-
-    def find_spec(self, name, path, target=None):
-        package = self._waiting.pop(name, None)
-        if package is None:
-            return None
-        if not self._waiting:
-            try:
-                sys.meta_path.remove(self)
-            except ValueError:
-                pass
-        for finder in list(sys.meta_path):
-            find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
-                continue
-            spec = find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, package)
-        return spec
+def _patch_failed(module, err):
+    _say("cannot add muster's callback to %s: %r" % (module.__name__, err))
 
 
 def install():
@@ -415,11 +373,6 @@ def install():
     doc). Called by muster's sitecustomize; a no-op unless `enabled()`."""
     if not enabled():
         return
-    finder = _Finder()
-    for name, package in _TARGETS.items():
-        module = sys.modules.get(name)
-        if module is not None:
-            finder._waiting.pop(name, None)
-            _patch(module, package)
-    if finder._waiting:
-        sys.meta_path.insert(0, finder)
+    from muster_importhook import after_import
+
+    after_import(_TARGETS, _patch_named, _patch_failed)

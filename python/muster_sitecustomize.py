@@ -8,8 +8,9 @@ a no-op with one log line, because muster already serves that process's metrics 
 from prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR) with `rank` and
 `local_rank` labels. Every other port, and every other use of prometheus_client, is untouched.
 
-It costs nothing until the script imports prometheus_client: it installs an import hook that
-patches `prometheus_client.exposition` right after that module runs (before
+It costs nothing until the script imports prometheus_client: it installs an import hook
+(`muster_importhook`, which muster writes next to this file) that patches
+`prometheus_client.exposition` right after that module runs (before
 `prometheus_client/__init__.py` copies `start_http_server` out of it), and removes itself.
 
 A `sitecustomize` of the user's own (later on sys.path: in site-packages, the distribution's, or
@@ -96,77 +97,36 @@ def _patch(module, port):
         module.start_wsgi_server = start_http_server
 
 
-class _PatchingLoader:
-    """Runs the real loader, then patches the module; everything else goes to the real loader."""
-
-    def __init__(self, loader, port):
-        self._loader = loader
-        self._port = port
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            _patch(module, self._port)
-        except Exception as err:  # never break the user's import over this hook
-            print(f"muster: cannot patch start_http_server: {err!r}", file=sys.stderr, flush=True)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _Finder:
-    """A meta-path finder that only answers for prometheus_client.exposition, once."""
-
-    def __init__(self, port):
-        self._port = port
-
-    def find_spec(self, name, path, target=None):
-        if name != _TARGET:
-            return None
-        try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        for finder in sys.meta_path:
-            find_spec = getattr(finder, "find_spec", None)
-            if find_spec is None:
-                continue
-            spec = find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _PatchingLoader(spec.loader, self._port)
-        return spec
+def _patch_failed(module, err):
+    print(f"muster: cannot patch start_http_server: {err!r}", file=sys.stderr, flush=True)
 
 
 def _install():
     port = _muster_port()
     if port is None:
         return
-    module = sys.modules.get(_TARGET)
-    if module is not None:
-        _patch(module, port)
+    try:
+        from muster_importhook import after_import
+    except ImportError as err:  # never skip the user's sitecustomize over this
+        _patch_failed(None, err)
         return
-    sys.meta_path.insert(0, _Finder(port))
+    after_import([_TARGET], lambda module: _patch(module, port), _patch_failed)
 
 
-def _install_step_reports():
-    """muster_autoreport's lazy optimizer hook; it is a no-op when switched off."""
+def _install_module(name, what):
+    """`name.install()` (a module next to the checkpoint helper on PYTHONPATH), under muster's
+    checkpoint barrier only; a no-op when switched off. `what` names it in the one line an error
+    prints."""
     if not os.environ.get("MUSTER_CHECKPOINT_SOCKET"):
         return
     try:
-        import muster_autoreport
+        module = __import__(name)
     except ImportError:
         return
     try:
-        muster_autoreport.install()
+        module.install()
     except Exception as err:  # never break the interpreter's start over this
-        print(f"muster: zero-code step reports off: {err!r}", file=sys.stderr, flush=True)
+        print(f"muster: {what} off: {err!r}", file=sys.stderr, flush=True)
 
 
 def _chain():
@@ -184,21 +144,7 @@ def _chain():
     spec.loader.exec_module(module)
 
 
-def _install_frameworks():
-    """muster's checkpoint callback for HF and Lightning Trainers; a no-op when switched off."""
-    if not os.environ.get("MUSTER_CHECKPOINT_SOCKET"):
-        return
-    try:
-        import muster_frameworks
-    except ImportError:
-        return
-    try:
-        muster_frameworks.install()
-    except Exception as err:  # never break the interpreter's start over this
-        print(f"muster: framework callbacks off: {err!r}", file=sys.stderr, flush=True)
-
-
 _install()
-_install_frameworks()
-_install_step_reports()
+_install_module("muster_frameworks", "framework callbacks")
+_install_module("muster_autoreport", "zero-code step reports")
 _chain()

@@ -204,7 +204,7 @@ def test_a_save_that_raises_is_reported_to_the_agent(tmp_path, script):
 
     python_dir = tmp_path / "python"
     python_dir.mkdir()
-    for name in ("muster_checkpoint.py", "muster_frameworks.py"):
+    for name in ("muster_checkpoint.py", "muster_frameworks.py", "muster_importhook.py"):
         (python_dir / name).write_text((REPO / "python" / name).read_text())
     (python_dir / "sitecustomize.py").write_text(
         (REPO / "python" / "muster_sitecustomize.py").read_text())

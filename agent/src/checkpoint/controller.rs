@@ -56,7 +56,8 @@ struct Local {
 
 /// The worker-side modules, shipped inside the binary and put on the workers' `PYTHONPATH`, by
 /// file name (what `import muster_checkpoint` finds): the helper, the framework callbacks that
-/// muster's `sitecustomize` installs (docs/frameworks.md), and the zero-code step reporter it loads.
+/// muster's `sitecustomize` installs (docs/frameworks.md), the zero-code step reporter it loads,
+/// and the import hook the last two wait for their modules with.
 const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "muster_checkpoint.py",
@@ -69,6 +70,10 @@ const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "muster_autoreport.py",
         include_str!("../../../python/muster_autoreport.py"),
+    ),
+    (
+        "muster_importhook.py",
+        include_str!("../../../python/muster_importhook.py"),
     ),
 ];
 

@@ -48,6 +48,8 @@ pub const METRICS_PORT_ENV: &str = "MUSTER_METRICS_PORT";
 
 /// The workers' start-up hook, shipped inside the binary.
 const SITECUSTOMIZE: &str = include_str!("../../../../python/muster_sitecustomize.py");
+/// The import hook `sitecustomize` patches prometheus_client with, written next to it.
+const IMPORT_HOOK: &str = include_str!("../../../../python/muster_importhook.py");
 
 /// Where the ranks' files are.
 #[derive(Debug)]
@@ -341,10 +343,12 @@ pub fn attach(
     }
 }
 
-/// Writes the workers' start-up hook as `dir/sitecustomize.py`. It also starts the zero-code
-/// step reports (`python/muster_autoreport.py`), so a launch without a metrics endpoint writes
-/// it into the helper's directory instead.
+/// Writes the workers' start-up hook as `dir/sitecustomize.py`, with the import hook it imports
+/// (`muster_importhook.py`). It also starts the zero-code step reports
+/// (`python/muster_autoreport.py`), so a launch without a metrics endpoint writes it into the
+/// helper's directory instead.
 pub fn write_sitecustomize(dir: &Path) -> io::Result<()> {
+    std::fs::write(dir.join("muster_importhook.py"), IMPORT_HOOK)?;
     std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE)
 }
 
