@@ -193,8 +193,7 @@ impl GangCause {
     /// "rank 1 on this node failed 40 ms later (exit code 1): RuntimeError: ... closed by peer".
     pub fn followed(&self) -> Option<String> {
         let own = self.this_node.as_ref()?;
-        let delta = i128::from(own.at_unix_ms) - i128::from(self.root.at_unix_ms);
-        let when = match delta {
+        let when = match self.followed_after_ms()? {
             0 => "at the same moment".to_owned(),
             d if d > 0 => format!("{} later", human_ms(d.unsigned_abs())),
             d => format!(
@@ -225,7 +224,7 @@ impl GangCause {
     }
 }
 
-fn human_ms(ms: u128) -> String {
+fn human_ms(ms: u64) -> String {
     if ms < 1_000 {
         format!("{ms} ms")
     } else {
