@@ -34,6 +34,14 @@ Where the agent cannot read a rank's memory to dump its stacks (py-spy), it fall
 `faulthandler`, which this helper registers on SIGUSR2 when the agent names a directory for it
 (MUSTER_STACKS_DIR) and the script has no handler of its own on that signal.
 
+Under Slurm every process of the step receives Slurm's signals (`scancel --signal=TERM`, a
+preemption, `#SBATCH --signal=USR1@120`), not only the agent. A rank that takes part in the
+barrier must live through it, so when the agent names the signals to hold (MUSTER_HOLD_FOREIGN_SIGNALS,
+the ones whose action is `checkpoint`) and its stop mark (MUSTER_STOP_MARK), the helper holds
+such a signal unless the agent marked the stop as its own: the agent's barrier, then its stop
+(and SIGKILL after --shutdown-timeout), decide when the rank ends. A script's own handler for
+the signal still runs for the agent's stop.
+
 Messages are newline-terminated ASCII words:
   worker -> agent: "hello <local_rank> <rank> <pid>", "step <n>", "saved <gen> <step> <id>",
                    "missed <gen> <step>", "failed <gen> <reason>", "section <name>",
@@ -107,6 +115,69 @@ def register_faulthandler():
     message = "faulthandler %d %s" % (int(signum), path)
     _faulthandler[:] = [os.getpid(), message, stacks_file]
     return message
+
+
+HOLD_ENV = "MUSTER_HOLD_FOREIGN_SIGNALS"
+STOP_MARK_ENV = "MUSTER_STOP_MARK"
+
+# The process that installed the hold (a forked child must not believe it holds).
+_held = [None]
+
+
+def hold_foreign_signals():
+    """Holds the signals the agent names in MUSTER_HOLD_FOREIGN_SIGNALS when they do not come
+    from the agent (no MUSTER_STOP_MARK file yet); once per process, main thread only. Returns
+    whether a hold is in place."""
+    if _held[0] == os.getpid():
+        return True
+    names = os.environ.get(HOLD_ENV, "")
+    mark = os.environ.get(STOP_MARK_ENV, "")
+    if not names or not mark:
+        return False
+    try:
+        import signal
+        import threading
+
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        signums = [int(n) for n in names.split(",") if n.strip()]
+        for signum in signums:
+            signal.signal(signum, _hold_handler(signum, signal.getsignal(signum), mark))
+    except (ValueError, OSError, RuntimeError):
+        return False
+    _held[0] = os.getpid()
+    return True
+
+
+def _hold_handler(signum, previous, mark):
+    import signal
+
+    said = [False]
+
+    def handler(received, frame):
+        if os.path.exists(mark):
+            # The agent's own stop: what the signal did before the hold.
+            if callable(previous):
+                return previous(received, frame)
+            if previous == signal.SIG_IGN:
+                return None
+            signal.signal(received, signal.SIG_DFL)
+            os.kill(os.getpid(), received)
+            return None
+        if not said[0]:
+            said[0] = True
+            try:
+                sys.stderr.write(
+                    "muster_checkpoint: holding %s from outside the agent (Slurm signals every "
+                    "rank); the agent's checkpoint barrier decides when this rank stops\n"
+                    % signal.Signals(received).name
+                )
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+        return None
+
+    return handler
 
 
 class Checkpointer:
@@ -219,6 +290,7 @@ class Checkpointer:
             % (os.environ.get("LOCAL_RANK", "0"), os.environ.get("RANK", "0"), os.getpid())
         )
         self._register_faulthandler()
+        hold_foreign_signals()
         _stand_down_autoreport()
 
     def _register_faulthandler(self):

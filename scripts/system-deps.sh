@@ -8,6 +8,9 @@ NEEDED=(
   "unshare util-linux"
   "ip iproute2"
   "promtool prometheus"
+  # tests/python/test_slurm.py: a real Slurm 22.05 (slurmctld + one slurmd per node) and munge.
+  "slurmctld slurm-wlm"
+  "munged munge"
 )
 
 missing=()

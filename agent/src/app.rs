@@ -38,6 +38,9 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     for warning in &config.warnings {
         tracing::warn!("{warning}");
     }
+    if let Some(slurm) = &config.slurm {
+        tracing::info!("{slurm}");
+    }
     let shutdown = CancellationToken::new();
     let metrics = Metrics::new();
     metrics.attach_worker_output(writer.sink().stats());
@@ -124,6 +127,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         .with_worker_env(checkpoint::local::AUTO_STEP_REPORTS_ENV, auto_step_reports)
         .on_terminate(preemption.terminate_hook());
     launch = watch_hangs(launch, &preemption, &metrics);
+    launch = hold_foreign_signals(launch, &preemption);
     if let Some(dir) = preemption.writable_base().and_then(|base| {
         crate::scratch::workers_tmpdir(
             base,
@@ -237,3 +241,34 @@ fn watch_hangs(launch: Launch, preemption: &Preemption, metrics: &Metrics) -> La
     }
     launch
 }
+
+/// Under Slurm every process of the step gets Slurm's signals: the ranks that take part in the
+/// checkpoint barrier are told to hold the `checkpoint` signals unless the agent marked the stop
+/// as its own ([`crate::launch::stop_mark`]); without a private directory for the mark, nothing
+/// is held (today's behaviour, said once).
+fn hold_foreign_signals(launch: Launch, preemption: &Preemption) -> Launch {
+    if launch.config().slurm.is_none() {
+        return launch;
+    }
+    let held: Vec<String> = launch
+        .config()
+        .signals
+        .actions
+        .iter()
+        .filter(|(_, action)| *action == crate::launch::config::SignalAction::Checkpoint)
+        .map(|(sig, _)| (*sig as i32).to_string())
+        .collect();
+    if held.is_empty() {
+        return launch;
+    }
+    let Some(dir) = preemption.helper_dir() else {
+        tracing::warn!(
+            "no private directory for the stop mark: ranks are not told to hold Slurm's signals, so a signal Slurm sends every rank ends them during the checkpoint"
+        );
+        return launch;
+    };
+    launch
+        .with_worker_env(crate::slurm::HOLD_ENV, held.join(","))
+        .with_worker_env(crate::launch::stop_mark::ENV, dir.join("stop"))
+}
+

@@ -48,6 +48,7 @@ pub mod logs;
 pub mod metrics;
 pub mod netcheck;
 pub mod scratch;
+pub mod slurm;
 pub mod sys;
 pub mod watch;
 

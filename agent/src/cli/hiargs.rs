@@ -614,6 +614,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         network_check,
         hang,
         auto_step_reports,
+        slurm: None,
     })
 }
 

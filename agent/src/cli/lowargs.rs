@@ -133,6 +133,8 @@ pub const FLAGS: &[FlagDef] = &[
 pub enum Source {
     CommandLine,
     Env(String),
+    /// The Slurm step muster runs in, with the variable(s) it read ([`crate::slurm`]).
+    Slurm(String),
 }
 
 impl std::fmt::Display for Source {
@@ -140,6 +142,7 @@ impl std::fmt::Display for Source {
         match self {
             Source::CommandLine => f.write_str("command line"),
             Source::Env(var) => write!(f, "environment variable {var}"),
+            Source::Slurm(var) => write!(f, "Slurm ({var})"),
         }
     }
 }
@@ -383,7 +386,9 @@ pub fn help_text() -> String {
     out.push_str(
         "  -h, --help\n        Print this help\n  --version\n        Print the version\n\n\
          Precedence: the command line wins, then MUSTER_<NAME>, then PET_<NAME> (what Kubeflow\n\
-         injects), then the legacy torch variable where torchrun reads one, then the default.\n\
+         injects), then the legacy torch variable where torchrun reads one, then, in a Slurm\n\
+         step (srun), Slurm: node count, node rank, rendezvous on the step's first node, run id\n\
+         <job>.<step>, and the GPUs for gpu|auto (docs/slurm.md); then the default.\n\
          An empty variable counts as unset. Switches read 1/0, true/false, yes/no, on/off.\n\n\
          A script ending in .py runs as `$PYTHON_EXEC -u script.py` (else python3, else python on\n\
          PATH); -m runs `python -u -m module`; --no-python execs the program directly.\n\n\
@@ -534,5 +539,6 @@ mod tests {
             assert!(help.contains(&format!("--{}", def.name)), "{}", def.name);
         }
         assert!(help.contains("MUSTER_<NAME>, then PET_<NAME>"));
+        assert!(help.contains("in a Slurm\nstep (srun), Slurm"), "{help}");
     }
 }

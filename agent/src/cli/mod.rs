@@ -5,6 +5,7 @@
 
 pub mod hiargs;
 pub mod lowargs;
+pub mod slurm;
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -21,13 +22,22 @@ pub fn parse(args: &[OsString]) -> Result<Parsed, hiargs::ConfigError> {
     if low.version {
         return Ok(Parsed::Version);
     }
+    let mut low = low;
+    let slurm = slurm::apply(&mut low, &env, &slurm::Lookup::system())
+        .map_err(|e| hiargs::ConfigError(e.to_string()))?;
+    // In a Slurm step `gpu`/`auto` count the GPUs Slurm gave the step, not the device nodes
+    // (which a node shows whatever the step was given).
+    let slurm_gpus = slurm.as_ref().and_then(|s| s.gpus).map(|(n, _)| n);
+    let gpu_count = || slurm_gpus.unwrap_or_else(crate::gpu::gpu_count);
     let probe = hiargs::Probe {
-        gpu_count: &crate::gpu::gpu_count,
+        gpu_count: &gpu_count,
         cpu_count: &hiargs::cpu_count,
         env: &env,
         is_file: &|p: &Path| p.is_file(),
     };
-    hiargs::build(&low, &probe).map(|c| Parsed::Launch(Box::new(c)))
+    let mut config = hiargs::build(&low, &probe)?;
+    config.slurm = slurm.map(|s| s.summary);
+    Ok(Parsed::Launch(Box::new(config)))
 }
 
 /// What the command line asked for.

@@ -298,6 +298,11 @@ pub struct Config {
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
     /// scripts that do not use the helper (`python/muster_autoreport.py`).
     pub auto_step_reports: bool,
+    /// The Slurm job this launch runs in: one line saying where each value of the job's shape
+    /// came from (logged at INFO). `Some` also tells the ranks to hold a `checkpoint` signal that
+    /// did not come from the agent ([`crate::slurm::HOLD_ENV`]), since Slurm signals every
+    /// process of the step, and makes a lost store host final (no replacement comes in a step).
+    pub slurm: Option<String>,
 }
 
 impl Config {
@@ -345,6 +350,7 @@ impl Config {
             network_check: crate::netcheck::Settings::default_for(1),
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
+            slurm: None,
         }
     }
 }

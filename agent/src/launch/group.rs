@@ -257,6 +257,7 @@ pub async fn run_group(
     let restart_count = assignment.restart_count;
     // Taken before the first worker exists: every process of the attempt starts after it.
     let tree = Scope::starting_now().filter(|_| !config.keep_strays);
+    super::stop_mark::clear(&spec.extra_env);
     let attempt_dir = spec
         .run_dir
         .as_ref()
@@ -455,6 +456,7 @@ pub async fn run_group(
         if let Some(hang) = &hung {
             tracing::info!("rank {} hung: stopping every worker with {sig}", hang.rank);
         }
+        super::stop_mark::announce(&spec.extra_env);
         let mut pending = PendingExits {
             exits: &mut exits,
             publisher: &spec.publisher,

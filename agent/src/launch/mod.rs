@@ -37,6 +37,7 @@ pub mod rdzv;
 pub mod reaper;
 mod repeat;
 pub mod signals;
+pub mod stop_mark;
 mod store_host;
 pub mod strays;
 pub mod summary;

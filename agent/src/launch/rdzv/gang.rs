@@ -80,6 +80,9 @@ pub struct GangRendezvous {
     host_loss: Arc<HostLossStats>,
     /// The gang's root cause of the last failed attempt (the failure board's verdict).
     cause: Option<GangCause>,
+    /// Whether a lost store host can come back: not in a Slurm step, whose tasks Slurm never
+    /// restarts, so a survivor waiting for one would only wait out the join timeout.
+    host_replaceable: bool,
 }
 
 /// A survivor between the loss of the store host and its next round.
@@ -157,6 +160,7 @@ impl GangRendezvous {
             recovering: None,
             host_loss: Arc::default(),
             cause: None,
+            host_replaceable: config.slurm.is_none(),
         })
     }
 
@@ -301,6 +305,13 @@ impl GangRendezvous {
         let gone = LaunchError::StoreHostLost;
         if self.hosted.is_some() {
             return Err(gone(why));
+        }
+        if !self.host_replaceable {
+            self.host_loss.lost(Instant::now());
+            self.host_loss.gave_up();
+            return Err(gone(format!(
+                "{why}; under Slurm a lost node 0 is not replaced within the step, so this node stops now"
+            )));
         }
         let now = Instant::now();
         if let Some(r) = &self.recovering {
