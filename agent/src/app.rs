@@ -271,4 +271,3 @@ fn hold_foreign_signals(launch: Launch, preemption: &Preemption) -> Launch {
         .with_worker_env(crate::slurm::HOLD_ENV, held.join(","))
         .with_worker_env(crate::launch::stop_mark::ENV, dir.join("stop"))
 }
-

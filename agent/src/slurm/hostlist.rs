@@ -47,10 +47,7 @@ pub fn expand(list: &str) -> Result<Vec<String>, HostlistError> {
 /// The first host of `list` without expanding the rest (the rendezvous host of a step).
 pub fn first(list: &str) -> Result<String, HostlistError> {
     // The whole list is checked, so a malformed one never yields a plausible first name.
-    expand(list)?
-        .into_iter()
-        .next()
-        .ok_or(HostlistError::Empty)
+    expand(list)?.into_iter().next().ok_or(HostlistError::Empty)
 }
 
 /// Splits on the commas outside brackets.
@@ -164,10 +161,7 @@ mod tests {
 
     #[test]
     fn several_groups_multiply_left_to_right() {
-        assert_eq!(
-            ok("r[1-2]-n[1-2]"),
-            ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]
-        );
+        assert_eq!(ok("r[1-2]-n[1-2]"), ["r1-n1", "r1-n2", "r2-n1", "r2-n2"]);
         assert_eq!(ok("c[1-2]n,d"), ["c1n", "c2n", "d"]);
     }
 

@@ -110,7 +110,13 @@ fn number(env: Env<'_>, names: &[&'static str]) -> Result<Option<(&'static str, 
 fn max_tasks_per_node(value: &str) -> Option<u32> {
     value
         .split(',')
-        .map(|part| part.split('(').next().unwrap_or_default().trim().parse::<u32>())
+        .map(|part| {
+            part.split('(')
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .parse::<u32>()
+        })
         .try_fold(0, |most, n| n.ok().map(|n| most.max(n)))
 }
 
@@ -119,7 +125,12 @@ fn max_tasks_per_node(value: &str) -> Option<u32> {
 /// Slurm's GPU plugin sets). `None` when the step asked for no GPUs.
 fn gpus(env: Env<'_>) -> Option<(u32, &'static str)> {
     let count = |list: &str| list.split(',').filter(|s| !s.trim().is_empty()).count();
-    for name in ["SLURM_STEP_GPUS", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"] {
+    for name in [
+        "SLURM_STEP_GPUS",
+        "SLURM_GPUS_ON_NODE",
+        "SLURM_JOB_GPUS",
+        "CUDA_VISIBLE_DEVICES",
+    ] {
         let Some(value) = var(env, name) else {
             continue;
         };
@@ -192,9 +203,15 @@ pub fn apply(
             value: local.to_string(),
         });
     }
-    let (nnodes_var, nnodes) =
-        number(env, &["SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"])?
-            .unwrap_or(("SLURM_NNODES", 1));
+    let (nnodes_var, nnodes) = number(
+        env,
+        &[
+            "SLURM_STEP_NUM_NODES",
+            "SLURM_JOB_NUM_NODES",
+            "SLURM_NNODES",
+        ],
+    )?
+    .unwrap_or(("SLURM_NNODES", 1));
     let node_rank: u32 = node_id.parse().map_err(|_| SlurmError::Bad {
         var: "SLURM_NODEID",
         value: node_id.clone(),
@@ -214,9 +231,14 @@ pub fn apply(
     );
     // The rendezvous is taken as a whole or not at all: a user who names any part of it (a
     // backend, an endpoint, a static master) has chosen it.
-    let user_rdzv = ["rdzv-backend", "rdzv-endpoint", "master-addr", "master-port"]
-        .iter()
-        .any(|k| low.values.contains_key(k));
+    let user_rdzv = [
+        "rdzv-backend",
+        "rdzv-endpoint",
+        "master-addr",
+        "master-port",
+    ]
+    .iter()
+    .any(|k| low.values.contains_key(k));
     let mut endpoint_note = String::new();
     // One node needs no shared endpoint: it stays standalone on a free port, so one-node jobs
     // that share a machine never fight over 29400.
@@ -234,8 +256,10 @@ pub fn apply(
             None => (DEFAULT_PORT, "the c10d default"),
         };
         let endpoint = crate::discovery::Endpoint { host, port };
-        low.values
-            .insert("rdzv-backend", slurm_value("c10d".into(), "a multi-node step"));
+        low.values.insert(
+            "rdzv-backend",
+            slurm_value("c10d".into(), "a multi-node step"),
+        );
         endpoint_note = format!("{note}; port from {port_from}");
         low.values.insert(
             "rdzv-endpoint",
@@ -244,7 +268,13 @@ pub fn apply(
     }
     let gpus = gpus(env);
     let mut parts = Vec::new();
-    for key in ["nnodes", "node-rank", "rdzv-backend", "rdzv-endpoint", "rdzv-id"] {
+    for key in [
+        "nnodes",
+        "node-rank",
+        "rdzv-backend",
+        "rdzv-endpoint",
+        "rdzv-id",
+    ] {
         let Some(raw) = low.values.get(key) else {
             continue;
         };
@@ -259,7 +289,10 @@ pub fn apply(
     }
     let node = var(env, "SLURMD_NODENAME").unwrap_or_else(|| format!("node {node_rank}"));
     Ok(Some(Applied {
-        summary: format!("Slurm job {job} step {step} on {node}: {}", parts.join(", ")),
+        summary: format!(
+            "Slurm job {job} step {step} on {node}: {}",
+            parts.join(", ")
+        ),
         gpus,
     }))
 }
@@ -271,17 +304,28 @@ fn rendezvous_host(env: Env<'_>, lookup: &Lookup<'_>) -> Result<(String, String)
     if let Some(addr) = var(env, "MASTER_ADDR") {
         return Ok((addr, "host from MASTER_ADDR".to_owned()));
     }
-    let (list_var, list) = first_var(env, &["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"])
-        .ok_or_else(|| SlurmError::Bad {
-            var: "SLURM_JOB_NODELIST",
-            value: String::new(),
-            what: "set (the step's nodes)",
-        })?;
+    let (list_var, list) = first_var(
+        env,
+        &[
+            "SLURM_STEP_NODELIST",
+            "SLURM_JOB_NODELIST",
+            "SLURM_NODELIST",
+        ],
+    )
+    .ok_or_else(|| SlurmError::Bad {
+        var: "SLURM_JOB_NODELIST",
+        value: String::new(),
+        what: "set (the step's nodes)",
+    })?;
     let first = hostlist::first(&list)?;
     if (lookup.resolves)(&first) {
-        return Ok((first.clone(), format!("{first}, the first node of {list_var}, by DNS")));
+        return Ok((
+            first.clone(),
+            format!("{first}, the first node of {list_var}, by DNS"),
+        ));
     }
-    let conf_path = var(env, "SLURM_CONF").map_or_else(|| PathBuf::from(conf::DEFAULT_PATH), PathBuf::from);
+    let conf_path =
+        var(env, "SLURM_CONF").map_or_else(|| PathBuf::from(conf::DEFAULT_PATH), PathBuf::from);
     match (lookup.read)(&conf_path).and_then(|text| conf::node_addr(&text, &first)) {
         Some(addr) => Ok((
             addr,

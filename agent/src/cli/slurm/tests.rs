@@ -1,4 +1,4 @@
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::path::Path;
 
@@ -26,7 +26,7 @@ const CONF: &str = "NodeName=mnode[1-2] NodeAddr=10.9.0.[1-2] Port=7001\n";
 
 struct World {
     env: BTreeMap<String, String>,
-    dns: Vec<&'static str>,
+    dns: BTreeSet<String>,
 }
 
 impl World {
@@ -36,7 +36,7 @@ impl World {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
-            dns: Vec::new(),
+            dns: BTreeSet::new(),
         }
     }
 
@@ -54,8 +54,9 @@ impl World {
         let env = |name: &str| self.env.get(name).map(OsString::from);
         let args: Vec<OsString> = args.iter().map(OsString::from).collect();
         let mut low = lowargs::parse(&args, &env).expect("parse");
-        let resolves = |name: &str| self.dns.iter().any(|d| *d == name);
-        let read = |p: &Path| (p == Path::new("/etc/slurm-test/slurm.conf")).then(|| CONF.to_owned());
+        let resolves = |name: &str| self.dns.contains(name);
+        let read =
+            |p: &Path| (p == Path::new("/etc/slurm-test/slurm.conf")).then(|| CONF.to_owned());
         let lookup = Lookup {
             resolves: &resolves,
             read: &read,
@@ -75,7 +76,7 @@ fn value(low: &LowArgs, key: &str) -> Option<(String, String)> {
 fn outside_slurm_nothing_changes() {
     let world = World {
         env: BTreeMap::new(),
-        dns: Vec::new(),
+        dns: BTreeSet::new(),
     };
     let (low, applied) = world.run(&["t.py"]);
     assert_eq!(applied, Ok(None));
@@ -94,7 +95,10 @@ fn a_step_gives_the_whole_shape_with_its_sources() {
         value(&low, "node-rank"),
         Some(("1".into(), "Slurm (SLURM_NODEID)".into()))
     );
-    assert_eq!(value(&low, "rdzv-backend").map(|v| v.0), Some("c10d".into()));
+    assert_eq!(
+        value(&low, "rdzv-backend").map(|v| v.0),
+        Some("c10d".into())
+    );
     // mnode1 is unknown to DNS: Slurm's own address for it, and torchrun's c10d port.
     assert_eq!(
         value(&low, "rdzv-endpoint").map(|v| v.0),
@@ -103,7 +107,10 @@ fn a_step_gives_the_whole_shape_with_its_sources() {
     assert_eq!(value(&low, "rdzv-id").map(|v| v.0), Some("12.0".into()));
     let s = &applied.summary;
     assert!(s.starts_with("Slurm job 12 step 0 on mnode2: "), "{s}");
-    assert!(s.contains("--nnodes 2 (Slurm (SLURM_STEP_NUM_NODES))"), "{s}");
+    assert!(
+        s.contains("--nnodes 2 (Slurm (SLURM_STEP_NUM_NODES))"),
+        "{s}"
+    );
     assert!(
         s.contains("which DNS does not know: its NodeAddr in /etc/slurm-test/slurm.conf; port from the c10d default"),
         "{s}"
@@ -113,7 +120,7 @@ fn a_step_gives_the_whole_shape_with_its_sources() {
 #[test]
 fn dns_first_then_master_addr_and_master_port_win() {
     let mut world = World::step();
-    world.dns.push("mnode1");
+    world.dns.insert("mnode1".to_owned());
     let (low, _) = world.run(&["t.py"]);
     assert_eq!(
         value(&low, "rdzv-endpoint").map(|v| v.0),
@@ -128,9 +135,18 @@ fn dns_first_then_master_addr_and_master_port_win() {
         Some("10.0.0.7:6000".into())
     );
     let s = applied.expect("ok").expect("slurm").summary;
-    assert!(s.contains("host from MASTER_ADDR; port from MASTER_PORT"), "{s}");
+    assert!(
+        s.contains("host from MASTER_ADDR; port from MASTER_PORT"),
+        "{s}"
+    );
     let (_, err) = World::step().set("MASTER_PORT", "x").run(&["t.py"]);
-    assert!(matches!(err, Err(SlurmError::Bad { var: "MASTER_PORT", .. })));
+    assert!(matches!(
+        err,
+        Err(SlurmError::Bad {
+            var: "MASTER_PORT",
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -148,9 +164,13 @@ fn a_name_slurm_cannot_place_stays_a_name_and_says_what_to_do() {
 
 #[test]
 fn the_command_line_and_the_environment_stay_above_slurm() {
-    let (low, applied) = World::step()
-        .set("PET_NNODES", "4")
-        .run(&["--node-rank", "3", "--rdzv-endpoint", "h:1", "t.py"]);
+    let (low, applied) = World::step().set("PET_NNODES", "4").run(&[
+        "--node-rank",
+        "3",
+        "--rdzv-endpoint",
+        "h:1",
+        "t.py",
+    ]);
     assert_eq!(
         value(&low, "nnodes"),
         Some(("4".into(), "environment variable PET_NNODES".into()))
@@ -160,7 +180,10 @@ fn the_command_line_and_the_environment_stay_above_slurm() {
         Some(("3".into(), "command line".into()))
     );
     // Naming any part of the rendezvous keeps all of it the user's.
-    assert_eq!(value(&low, "rdzv-endpoint").map(|v| v.0), Some("h:1".into()));
+    assert_eq!(
+        value(&low, "rdzv-endpoint").map(|v| v.0),
+        Some("h:1".into())
+    );
     assert_eq!(value(&low, "rdzv-backend"), None);
     let s = applied.expect("ok").expect("slurm").summary;
     assert!(s.contains("--node-rank 3 (command line)"), "{s}");
@@ -176,7 +199,11 @@ fn one_node_steps_stay_standalone_and_standalone_ignores_slurm() {
     assert_eq!(value(&low, "rdzv-endpoint"), None);
     let (low, applied) = World::step().run(&["--standalone", "t.py"]);
     assert_eq!(value(&low, "nnodes"), None);
-    assert!(applied.expect("ok").expect("slurm").summary.contains("--standalone"));
+    assert!(applied
+        .expect("ok")
+        .expect("slurm")
+        .summary
+        .contains("--standalone"));
 }
 
 #[test]
@@ -196,12 +223,18 @@ fn more_than_one_task_per_node_is_a_clear_error() {
         .set("SLURM_STEP_TASKS_PER_NODE", "2(x2)")
         .run(&["t.py"]);
     let err = err.expect_err("two tasks per node");
-    assert!(err.to_string().contains("srun --ntasks-per-node=1"), "{err}");
+    assert!(
+        err.to_string().contains("srun --ntasks-per-node=1"),
+        "{err}"
+    );
     let (_, err) = World::step()
         .unset("SLURM_STEP_TASKS_PER_NODE")
         .set("SLURM_LOCALID", "1")
         .run(&["t.py"]);
-    assert!(matches!(err, Err(SlurmError::TasksPerNode { tasks: 2, .. })));
+    assert!(matches!(
+        err,
+        Err(SlurmError::TasksPerNode { tasks: 2, .. })
+    ));
     assert_eq!(max_tasks_per_node("2(x3),1"), Some(2));
     assert_eq!(max_tasks_per_node("1,3"), Some(3));
     assert_eq!(max_tasks_per_node("x"), None);
@@ -215,7 +248,9 @@ fn gpus_counted_from_what_slurm_gave_the_step() {
         .run(&["t.py"]);
     let applied = applied.expect("ok").expect("slurm");
     assert_eq!(applied.gpus, Some((2, "SLURM_STEP_GPUS")));
-    assert!(applied.summary.contains("2 GPU(s) for gpu|auto (SLURM_STEP_GPUS)"));
+    assert!(applied
+        .summary
+        .contains("2 GPU(s) for gpu|auto (SLURM_STEP_GPUS)"));
     let (_, applied) = World::step().set("SLURM_GPUS_ON_NODE", "8").run(&["t.py"]);
     assert_eq!(
         applied.expect("ok").expect("slurm").gpus,
