@@ -150,23 +150,27 @@ def test_more_than_one_task_per_node_is_a_clear_202(cluster, tmp_path):
     assert "srun --ntasks-per-node=1" in texts, texts
 
 
-def test_scancel_term_commits_one_step_on_every_rank(cluster, tmp_path):
+# SIGTERM: a cancel or a preemption; SIGUSR1: `#SBATCH --signal=USR1@120`, the time-limit
+# warning, made a checkpoint with --signals-to-handle USR1:checkpoint.
+@pytest.mark.parametrize("sig", ["TERM", "USR1"])
+def test_scancel_signal_commits_one_step_on_every_rank(cluster, tmp_path, sig):
     cluster.wait_idle()
     env = job_env(cluster, tmp_path)
+    extra = ["--signals-to-handle", "USR1:checkpoint"] if sig == "USR1" else []
     proc = srun(cluster, tmp_path, "cancel",
-                ["--nproc-per-node", "2", "--grace-period", str(KILL_WAIT_S), TRAIN_CKPT,
+                ["--nproc-per-node", "2", "--grace-period", str(KILL_WAIT_S), *extra, TRAIN_CKPT,
                  "--steps", "100000", "--step-seconds", "0.05", "--log-every", "5"], env)
     dump = lambda: "\n".join(outputs(tmp_path).values())
     job = job_id(cluster, "cancel")
     wait_for(lambda: len(steps_seen(dump())) >= 2 and max(steps_seen(dump())) >= 10,
              "training", 180, proc, dump)
-    cluster.run(["scancel", "--signal=TERM", job])
+    cluster.run(["scancel", f"--signal={sig}", job])
     rc, out = finish(proc, 120)
     text = dump()
     saves = committed(text)
     assert len(saves) == 4 and len(set(saves)) == 1, out + text
-    # Every rank held Slurm's SIGTERM through the barrier instead of dying of it.
-    assert text.count("holding SIGTERM from outside the agent") == 4, text
+    # Every rank held Slurm's signal through the barrier instead of dying of it.
+    assert text.count(f"holding SIG{sig} from outside the agent") == 4, text
     assert rc == PREEMPTED_OK, out + text
     assert (tmp_path / "ckpt" / "LATEST").read_text().strip() == str(saves[0])
 
