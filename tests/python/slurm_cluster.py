@@ -200,6 +200,10 @@ class Cluster:
 
 
 if __name__ == "__main__":
+    import signal
+
+    # A SIGTERM (`timeout`, a closed terminal) stops the daemons too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/muster-slurm")
     root.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(root)
