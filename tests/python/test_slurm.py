@@ -211,6 +211,45 @@ def test_requeue_resumes_from_the_committed_step(cluster, tmp_path):
     assert "Restarts=1" in state, state
 
 
+HOLDER = """
+import os, signal, sys, time
+sys.path.insert(0, {python_dir!r})
+import muster_checkpoint
+assert muster_checkpoint.hold_foreign_signals()
+print("ready", flush=True)
+for line in sys.stdin:
+    print("alive", flush=True)
+"""
+
+
+def test_a_held_rank_survives_a_foreign_signal_and_dies_of_the_agents(tmp_path):
+    """The helper's hold on its own (no Slurm needed): a SIGTERM without the agent's stop mark
+    is held, and with the mark it does what it did before the hold (death by SIGTERM)."""
+    mark = tmp_path / "stop"
+    env = dict(os.environ, MUSTER_HOLD_FOREIGN_SIGNALS="15,10", MUSTER_STOP_MARK=str(mark))
+    proc = subprocess.Popen(
+        [torch_python(), "-c", HOLDER.format(python_dir=str(REPO / "python"))], env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGTERM):
+            proc.send_signal(sig)
+            proc.stdin.write("?\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "alive"
+        mark.touch()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        err = proc.stderr.read()
+        # Said once per signal, not once per delivery.
+        assert err.count("holding SIGTERM from outside the agent") == 1, err
+        assert err.count("holding SIGUSR1 from outside the agent") == 1, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def agent_pid(job, node_id):
     """The muster agent of `job` on node `node_id` (read from /proc, our own processes)."""
     binary = os.path.realpath(muster_bin())
@@ -252,3 +291,6 @@ def test_a_lost_node0_agent_ends_the_step_without_waiting_for_a_replacement(clus
     # srun names each task's end; it returns the largest code, the killed agent's 137.
     assert f"task 1: Exited with exit code {STORE_HOST_LOST}" in out, out + survivor
     assert rc == 128 + signal.SIGKILL, out
+    # The survivor's own stop is marked as the agent's: its held ranks end on the SIGTERM, not
+    # at the SIGKILL after --shutdown-timeout.
+    assert "sending SIGKILL" not in survivor, survivor
