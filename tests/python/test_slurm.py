@@ -18,7 +18,8 @@ import pytest
 from conftest import REPO, free_port, muster_bin, muster_env, torch_python
 import slurm_cluster
 
-TRAIN_DDP = str(REPO / "examples" / "train_ddp.py")
+# examples/train_ddp.py, with an exit that skips torch's teardown (see the script).
+TRAIN_DDP = str(REPO / "tests" / "python" / "scripts" / "train_ddp_exit.py")
 TRAIN_CKPT = str(REPO / "examples" / "train_checkpoint.py")
 PREEMPTED_OK = 200
 STORE_HOST_LOST = 205
