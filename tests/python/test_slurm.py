@@ -176,6 +176,31 @@ def test_scancel_signal_commits_one_step_on_every_rank(cluster, tmp_path, sig):
     assert (tmp_path / "ckpt" / "LATEST").read_text().strip() == str(saves[0])
 
 
+def test_an_unmodified_hf_trainer_holds_slurms_sigterm_and_commits(cluster, tmp_path):
+    """The zero-code path: a Hugging Face Trainer script that never imports muster gets the
+    framework callback, whose ranks hold Slurm's SIGTERM like the helper's."""
+    pytest.importorskip("transformers")
+    cluster.wait_idle()
+    out_dir = tmp_path / "hf"
+    proc = srun(cluster, tmp_path, "hf",
+                ["--nproc-per-node", "2", "--grace-period", str(KILL_WAIT_S),
+                 str(REPO / "tests" / "python" / "scripts" / "hf_trainer.py"),
+                 "--out", str(out_dir), "--max-steps", "400", "--step-seconds", "0.3"],
+                job_env(cluster, tmp_path))
+    dump = lambda: "\n".join(outputs(tmp_path).values())
+    job = job_id(cluster, "hf")
+    wait_for(lambda: len(re.findall(r"\] STEP \d+ [2-9]\b", dump())) >= 4, "training", 240,
+             proc, dump)
+    cluster.run(["scancel", "--signal=TERM", job])
+    rc, out = finish(proc, 120)
+    text = dump()
+    assert text.count("holding SIGTERM from outside the agent") == 4, text
+    assert rc == PREEMPTED_OK, out + text
+    step = re.search(r"checkpoint at step (\d+) committed on every rank", text)
+    assert step, text
+    assert (out_dir / f"checkpoint-{step.group(1)}" / "trainer_state.json").is_file(), text
+
+
 def test_requeue_resumes_from_the_committed_step(cluster, tmp_path):
     cluster.wait_idle()
     log = tmp_path / "job.out"
