@@ -185,7 +185,7 @@ def test_an_unmodified_hf_trainer_holds_slurms_sigterm_and_commits(cluster, tmp_
     proc = srun(cluster, tmp_path, "hf",
                 ["--nproc-per-node", "2", "--grace-period", str(KILL_WAIT_S),
                  str(REPO / "tests" / "python" / "scripts" / "hf_trainer.py"),
-                 "--out", str(out_dir), "--max-steps", "400", "--step-seconds", "0.3"],
+                 "--out", str(out_dir), "--max-steps", "400", "--step-seconds", "0.1"],
                 job_env(cluster, tmp_path))
     dump = lambda: "\n".join(outputs(tmp_path).values())
     job = job_id(cluster, "hf")
