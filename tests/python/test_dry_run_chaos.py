@@ -17,13 +17,15 @@ from conftest import REPO, finish, muster_bin, muster_env
 EXAMPLE = str(REPO / "examples" / "train_checkpoint.py")
 # Quick liveness so a lost node is noticed in seconds, and a join window a replacement fits in.
 CONF = "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3"
-# Seed 12, 5 strikes, 12-14 s apart: a preemption, two pods at once, node 0 lost, a crashed rank
-# and a frozen rank (each kind once; `--chaos-plan` prints it).
+# Seed 12, 5 strikes, each 4-6 s after the gang recovered from the one before: a preemption, two
+# pods at once, node 0 lost, a crashed rank and a frozen rank (each kind once; `--chaos-plan`
+# prints it).
 SEED = "12:5"
-INTERVAL = "12:14"
-# 0.1 s steps: at most 10 steps a second, so 800 steps outlast the last strike (at most 70 s into
-# training); a save every 20 steps bounds what a crash costs.
-SCRIPT = ["--steps", "800", "--step-seconds", "0.1", "--log-every", "1", "--save-every", "20"]
+INTERVAL = "4:6"
+# 0.1 s steps: at most 10 steps a second, and the gang trains only between a recovery and the next
+# strike (at most 30 s in all), so 500 steps outlast the last strike; a save every 20 steps bounds
+# what a crash costs.
+SCRIPT = ["--steps", "500", "--step-seconds", "0.1", "--log-every", "1", "--save-every", "20"]
 KINDS = {"kill-rank", "kill", "term", "stop-rank", "two-pods"}
 # The report samples the agents' step reports every 100 ms (one step); the ranks print theirs.
 STEP_TOLERANCE = 3
@@ -51,8 +53,8 @@ def test_a_seed_is_one_schedule_and_chaos_plan_runs_nothing(tmp_path):
     assert first[0].startswith("muster dry-run: chaos schedule of seed 12 for 3 node(s), 3 rank(s)")
     kinds = {re.search(r"\): (\S+?):", line).group(1) for line in first[1:]}
     assert kinds == {"kill-rank", "kill", "term", "stop-rank"}, first
-    assert any(re.search(r"two-pods .*: kill:\d@[\d.]+ \+ kill:\d@", line) for line in first)
-    assert any(re.search(r"\(a lost pod, replaced\): kill:0@", line) for line in first), first
+    assert any(re.search(r"two-pods .*: kill:\d \+ kill:\d$", line) for line in first), first
+    assert any(re.search(r"\(a lost pod, replaced\): kill:0$", line) for line in first), first
     # Nothing ran: no checkpoint directory, no agent.
     assert not (tmp_path / "ckpt").exists()
 
@@ -88,7 +90,8 @@ def test_a_chaos_run_recovers_every_strike_and_its_report_matches_the_ranks_outp
     # The schedule the run printed is the plan's.
     plan = subprocess.run([*base("--chaos-plan"), EXAMPLE], capture_output=True, text=True,
                           timeout=60, env=muster_env()).stdout
-    printed = [r["msg"] for r in records if r.get("msg", "").startswith("muster dry-run: chaos ")]
+    printed = [r["msg"] for r in records
+               if re.match(r"muster dry-run: chaos (schedule|#)", r.get("msg", ""))]
     assert printed == plan.splitlines(), (printed, plan)
 
     strikes = [r for r in records if r.get("fields", {}).get("kind") == "chaos_strike"]
@@ -107,7 +110,8 @@ def test_a_chaos_run_recovers_every_strike_and_its_report_matches_the_ranks_outp
     world = {0, 1, 2}
     for s in strikes:
         f = s["fields"]
-        hit = start + f["t_seconds"]
+        # Seconds are written as strings of the number (as the timeline's t_seconds).
+        hit = start + float(f["t_seconds"])
         resume = next(((t, c) for t, c in resumes if t > hit), None)
         if f["fault"] == "stop-rank":
             # The gang waited the frozen rank out: nothing lost, every rank steps after SIGCONT.
@@ -129,10 +133,10 @@ def test_a_chaos_run_recovers_every_strike_and_its_report_matches_the_ranks_outp
                 firsts[rank] = t
         assert set(firsts) == world, (f, firsts)
         mine = max(firsts.values()) - hit
-        assert abs(f["recovery_seconds"] - mine) <= SECONDS_TOLERANCE, (f, mine)
+        assert abs(float(f["recovery_seconds"]) - mine) <= SECONDS_TOLERANCE, (f, mine)
     # A preemption commits at the agreed step and resumes right after it.
     term = next(s["fields"] for s in strikes if s["fields"]["fault"] == "term")
     assert term["steps_lost"] <= STEP_TOLERANCE, term
     assert "barrier: checkpoint committed" in term["reaction"], term
-    finished = [r for r in ranks if r["msg"] == "finished 800 steps"]
+    finished = [r for r in ranks if r["msg"] == "finished 500 steps"]
     assert sorted(r["rank"] for r in finished)[-3:] == [0, 1, 2], text[-5000:]

@@ -65,6 +65,7 @@ const STOP_SIGNALS: [Signal; 4] = [
 /// What the dry run takes from the agents' command line.
 struct Plan {
     nnodes: u32,
+    nproc_per_node: u32,
     format: LogFormat,
     /// `--metrics-addr none` (or `MUSTER_METRICS_ADDR=none`): no agent serves metrics.
     metrics_off: bool,
@@ -74,6 +75,7 @@ impl Plan {
     fn of(config: &Config) -> Self {
         Self {
             nnodes: config.nnodes.max,
+            nproc_per_node: config.nproc_per_node,
             format: config.logs.format,
             metrics_off: config.metrics_addr.is_some_and(|a| a.addr().is_none()),
         }
@@ -119,26 +121,12 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             logs::Diagnostics::Console(writer.sink()),
             crate::app::LAUNCH_LOG_FILTER,
         );
-        let chaos = chaos.map(|(settings, strikes)| Chaos {
-            settings,
-            strikes,
-            world: world as usize,
-            steps: chaos::steps::Steps::default(),
-        });
         drive(&rest, &Plan::of(&config), &writer.sink(), &faults, chaos).await
     })
 }
 
-/// A chaos run's schedule and what it measured.
-struct Chaos {
-    settings: chaos::Settings,
-    strikes: Vec<chaos::plan::Strike>,
-    world: usize,
-    steps: chaos::steps::Steps,
-}
-
-/// With `--chaos`: the schedule, turned into the rehearsal's faults (and `--replace-after`'s
-/// default), Job-like replacement on.
+/// With `--chaos`: the settings and the schedule, with `--replace-after`'s default and Job-like
+/// replacement on; the runner hands the strikes to the rehearsal as they come due.
 fn chaos_plan(
     faults: &mut fault::Options,
     nnodes: u32,
@@ -155,7 +143,6 @@ fn chaos_plan(
         return Err(Exit::config(chaos::ChaosError::WithFaults.to_string()).into());
     }
     let strikes = chaos::plan::plan(&settings, nnodes, world);
-    faults.faults = strikes.iter().flat_map(|s| s.faults.clone()).collect();
     faults.replace_after = faults
         .replace_after
         .or(Some(chaos::DEFAULT_REPLACE_AFTER));
@@ -172,7 +159,7 @@ fn chaos_plan_lines(
 ) -> Vec<String> {
     let kinds: Vec<&str> = settings.kinds.iter().map(|k| k.name()).collect();
     let mut lines = vec![format!(
-        "muster dry-run: chaos schedule of seed {} for {nnodes} node(s), {world} rank(s): {} strike(s) of {}, {:.1}-{:.1} s apart, from the first worker output (replay: --chaos {}:{})",
+        "muster dry-run: chaos schedule of seed {} for {nnodes} node(s), {world} rank(s): {} strike(s) of {}, each {:.1}-{:.1} s after the gang recovered from the one before (the first: after the first worker output; replay: --chaos {}:{})",
         settings.seed,
         strikes.len(),
         kinds.join(","),
@@ -340,7 +327,7 @@ async fn drive(
     plan: &Plan,
     sink: &LogSink,
     faults: &fault::Options,
-    mut chaos: Option<Chaos>,
+    chaos: Option<(chaos::Settings, Vec<chaos::plan::Strike>)>,
 ) -> anyhow::Result<u8> {
     let me = std::env::current_exe().context("cannot find the muster binary")?;
     let port = free_port()?;
@@ -367,15 +354,19 @@ async fn drive(
         "muster dry-run: {} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
         agents(plan.nnodes as usize)
     );
-    if let Some(c) = &chaos {
-        let world = u32::try_from(c.world).unwrap_or(u32::MAX);
-        for line in chaos_plan_lines(&c.settings, &c.strikes, plan.nnodes, world) {
+    if let Some((settings, strikes)) = &chaos {
+        let world = plan.nnodes.saturating_mul(plan.nproc_per_node);
+        for line in chaos_plan_lines(settings, strikes, plan.nnodes, world) {
             tracing::info!("{line}");
         }
     }
     let started = Instant::now();
-    let mut rehearsal =
-        (!faults.is_empty()).then(|| Rehearsal::new(faults, plan.nnodes, started, plan.format));
+    let mut rehearsal = (!faults.is_empty() || chaos.is_some())
+        .then(|| Rehearsal::new(faults, plan.nnodes, started, plan.format));
+    let mut chaos = chaos.map(|(settings, strikes)| {
+        let world = plan.nnodes.saturating_mul(plan.nproc_per_node) as usize;
+        chaos::runner::Runner::new(settings, strikes, world, started)
+    });
     let (lines_tx, mut lines) = mpsc::unbounded_channel::<(Instant, u32, String)>();
     let (exit_tx, mut exits) = mpsc::unbounded_channel::<(usize, u32, u8)>();
     let spawner = Spawner {
@@ -440,14 +431,14 @@ async fn drive(
                 }
                 if let Some(c) = chaos.as_mut() {
                     if let Some(msg) = timeline::agent_message(&line, plan.format) {
-                        c.steps.learn(node, &msg);
+                        c.agent_message(node, &msg);
                     }
                 }
             }
             _ = ticks.tick(), if rehearsal.is_some() => {
                 let Some(r) = rehearsal.as_mut() else { continue };
                 if let Some(c) = chaos.as_mut() {
-                    c.steps.sample(Instant::now());
+                    c.tick(Instant::now(), r);
                 }
                 for node in r.tick(Instant::now(), &pids) {
                     let index = node as usize;
@@ -523,23 +514,7 @@ async fn drive(
         let timeline = r.finish(ended, job);
         print_timeline(&timeline);
         if let Some(c) = chaos {
-            let steps: Vec<chaos::report::Step> = c
-                .steps
-                .samples()
-                .iter()
-                .map(|s| chaos::report::Step::of(s, started))
-                .collect();
-            let entries = timeline.entries();
-            let report = chaos::report::build(&chaos::report::Inputs {
-                seed: c.settings.seed,
-                bound: c.settings.recovery_bound,
-                strikes: &c.strikes,
-                entries: &entries,
-                steps: &steps,
-                world: c.world,
-                job_code: job,
-                end: ended.saturating_duration_since(started).as_secs_f64(),
-            });
+            let report = c.report(&timeline.entries(), job, ended);
             print_chaos_report(&report);
             return Ok(report.exit_code());
         }

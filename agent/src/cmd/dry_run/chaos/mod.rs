@@ -3,8 +3,9 @@
 //!
 //! The parts, each with one job:
 //! - [`rng`]: the seeded generator (SplitMix64), so one seed is one schedule everywhere.
-//! - [`plan`]: the schedule, a pure function of the seed and the job's size; it becomes the
-//!   dry run's ordinary `--fault`s, injected by [`crate::cmd::dry_run::fault`].
+//! - [`plan`]: the schedule, a pure function of the seed and the job's size.
+//! - [`runner`]: hands each strike, once the gang recovered from the one before and its gap is
+//!   over, to the dry run's fault rehearsal ([`crate::cmd::dry_run::fault`]), which injects it.
 //! - [`steps`]: the ranks' step reports as each agent's metrics endpoint serves them
 //!   (`muster_worker_last_step`), sampled with the workers.
 //! - [`report`]: per strike, when it hit, how the gang reacted, the time to recovery and the
@@ -19,6 +20,7 @@
 pub mod plan;
 pub mod report;
 pub mod rng;
+pub mod runner;
 pub mod steps;
 
 use std::time::Duration;
@@ -27,8 +29,8 @@ use crate::exit_code;
 
 /// The default number of strikes when `--chaos SEED` names none.
 pub const DEFAULT_COUNT: u32 = 6;
-/// Default `--chaos-interval`: long enough for a gang of a few nodes to re-form and take some
-/// steps between strikes, so each strike's cost is measured on its own.
+/// Default `--chaos-interval`, the training between the gang's recovery from one strike and the
+/// next strike: long enough for some steps (and the script's saves) to happen in between.
 pub const DEFAULT_INTERVAL: (Duration, Duration) =
     (Duration::from_secs(20), Duration::from_secs(40));
 /// Default `--chaos-recovery-bound`: the time from a strike to every rank reporting a step again

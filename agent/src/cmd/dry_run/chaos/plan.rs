@@ -2,9 +2,11 @@
 //! schedule, printed before the run (and alone with `--chaos-plan`) and replayable with the
 //! same `--chaos` value.
 //!
-//! Each strike comes `--chaos-interval` after the one before (the first one after the faults'
-//! clock starts: training under way), of a kind drawn from `--chaos-kinds`, at a target drawn
-//! from the job: any node (node 0, the store's host, included), or any global rank.
+//! Each strike comes its gap (drawn from `--chaos-interval`) after the gang recovered from the
+//! strike before (the first one: after the faults' clock starts, training under way; see
+//! [`super::runner`]), so each strike's cost is measured alone; it is of a kind drawn from
+//! `--chaos-kinds`, at a target drawn from the job: any node (node 0, the store's host,
+//! included), or any global rank. The faults' own times are set when they are injected.
 
 use std::fmt;
 use std::time::Duration;
@@ -19,16 +21,14 @@ pub struct Strike {
     /// Its place in the schedule, from 1.
     pub number: usize,
     pub kind: Kind,
-    /// The faults it injects, at the same time.
+    /// How long after the previous strike's recovery (the first: after training is under way).
+    pub gap: Duration,
+    /// The faults it injects, at the same time (their `at`: from the faults' clock, set when
+    /// injected; zero in the plan).
     pub faults: Vec<Fault>,
 }
 
 impl Strike {
-    /// When it strikes, from the faults' clock.
-    pub fn at(&self) -> Duration {
-        self.faults.first().map_or(Duration::ZERO, |f| f.at)
-    }
-
     /// What it hits: `node 2`, `nodes 0 and 2`, `rank 3`.
     pub fn target(&self) -> String {
         let what = match self.kind {
@@ -45,12 +45,16 @@ impl Strike {
 
 impl fmt::Display for Strike {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let specs: Vec<String> = self.faults.iter().map(ToString::to_string).collect();
+        let specs: Vec<String> = self
+            .faults
+            .iter()
+            .map(|f| format!("{}:{}", f.kind.name(), f.target))
+            .collect();
         write!(
             f,
-            "#{} at {:.1} s: {} ({}): {}",
+            "#{} +{:.1} s: {} ({}): {}",
             self.number,
-            self.at().as_secs_f64(),
+            self.gap.as_secs_f64(),
             self.kind.name(),
             self.kind.meaning(),
             specs.join(" + ")
@@ -70,14 +74,13 @@ pub fn plan(settings: &Settings, nnodes: u32, world: u32) -> Vec<Strike> {
         .copied()
         .filter(|k| *k != Kind::TwoPods || nnodes >= 2)
         .collect();
-    let mut at_ms: u64 = 0;
     let mut strikes = Vec::new();
     if kinds.is_empty() {
         return strikes;
     }
     for number in 1..=settings.count as usize {
-        at_ms = at_ms.saturating_add(rng.millis_between(lo_ms, hi_ms));
-        let at = Duration::from_millis(at_ms);
+        let gap = Duration::from_millis(rng.millis_between(lo_ms, hi_ms));
+        let at = Duration::ZERO;
         let kind = kinds[usize::try_from(rng.below(kinds.len() as u64)).unwrap_or(0)];
         let pick = |rng: &mut SplitMix64, n: u32| {
             u32::try_from(rng.below(u64::from(n))).unwrap_or(0)
@@ -97,6 +100,7 @@ pub fn plan(settings: &Settings, nnodes: u32, world: u32) -> Vec<Strike> {
         strikes.push(Strike {
             number,
             kind,
+            gap,
             faults,
         });
     }
@@ -125,23 +129,19 @@ mod tests {
         assert_eq!(a.len(), 20);
         assert_ne!(a, plan(&settings(43, 20, Kind::ALL), 3, 6));
         // The rendering is stable too: a printed schedule names its faults.
-        assert!(a[0].to_string().starts_with("#1 at "), "{}", a[0]);
+        assert!(a[0].to_string().starts_with("#1 +1"), "{}", a[0]);
     }
 
     #[test]
     fn strikes_are_spaced_by_the_interval_and_hit_real_targets() {
         let s = settings(7, 200, Kind::ALL);
         let strikes = plan(&s, 3, 6);
-        let mut last = Duration::ZERO;
         let mut seen = std::collections::HashSet::new();
         for strike in &strikes {
-            let gap = strike.at() - last;
-            assert!(gap >= Duration::from_secs(10) && gap <= Duration::from_secs(20));
-            last = strike.at();
+            assert!(strike.gap >= Duration::from_secs(10) && strike.gap <= Duration::from_secs(20));
             seen.insert(strike.kind);
             for f in &strike.faults {
                 assert!(fault::spec::check(f, 3, 6).is_ok(), "{f}");
-                assert_eq!(f.at, strike.at());
             }
             if strike.kind == Kind::TwoPods {
                 assert_ne!(strike.faults[0].target, strike.faults[1].target);
@@ -152,6 +152,32 @@ mod tests {
         assert!(strikes
             .iter()
             .any(|s| s.kind == Kind::Kill && s.faults[0].target == 0));
+    }
+
+    #[test]
+    fn a_strike_prints_its_gap_kind_and_targets() {
+        let two = Strike {
+            number: 2,
+            kind: Kind::TwoPods,
+            gap: Duration::from_millis(12_500),
+            faults: vec![
+                Fault {
+                    kind: fault::Kind::Kill,
+                    target: 2,
+                    at: Duration::ZERO,
+                },
+                Fault {
+                    kind: fault::Kind::Kill,
+                    target: 0,
+                    at: Duration::ZERO,
+                },
+            ],
+        };
+        assert_eq!(
+            two.to_string(),
+            "#2 +12.5 s: two-pods (two pods lost at once, replaced): kill:2 + kill:0"
+        );
+        assert_eq!(two.target(), "nodes 2 and 0");
     }
 
     #[test]

@@ -93,8 +93,6 @@ pub struct Report {
     pub job_code: u8,
     /// Whether step reports were seen at all (none: metrics off, or a script without steps).
     pub steps_seen: bool,
-    /// The steps at which checkpoints were committed.
-    pub committed: Vec<u64>,
 }
 
 /// What the inputs of [`build`] are.
@@ -140,21 +138,12 @@ pub fn build(inputs: &Inputs<'_>) -> Report {
             outcome(inputs, strike, hits.get(i).copied().flatten(), next)
         })
         .collect();
-    let committed = inputs
-        .entries
-        .iter()
-        .filter_map(|(_, e)| match e {
-            Entry::Committed { step } => Some(*step),
-            _ => None,
-        })
-        .collect();
     Report {
         seed: inputs.seed,
         bound: inputs.bound,
         outcomes,
         job_code: inputs.job_code,
         steps_seen: !inputs.steps.is_empty(),
-        committed,
     }
 }
 
@@ -169,7 +158,8 @@ fn outcome(inputs: &Inputs<'_>, strike: &Strike, hit: Option<f64>, next: f64) ->
                 }
                 _ => None,
             })
-            .unwrap_or_else(|| "never due".to_owned());
+            // A strike not yet struck when the run ended.
+            .unwrap_or_else(|| "the job ended first".to_owned());
         return Outcome {
             strike: strike.clone(),
             hit: None,
@@ -191,6 +181,16 @@ fn outcome(inputs: &Inputs<'_>, strike: &Strike, hit: Option<f64>, next: f64) ->
         .iter()
         .find(|(_, e)| matches!(e, Entry::Stopped { .. }))
         .map(|(t, _)| *t);
+    // A frozen rank the gang waited out: every rank stepped after its release, before any stop
+    // (the one at the job's end, say), so the gang did not stop for it.
+    let stopped = if strike.kind == Kind::StopRank {
+        let released = first_steps_after(inputs.steps, hit + STOP_HOLD.as_secs_f64());
+        let went_on = (released.len() >= inputs.world && inputs.world > 0)
+            .then(|| released.iter().map(|s| s.t).fold(f64::MIN, f64::max));
+        stopped.filter(|stop| went_on.is_none_or(|t| t > *stop))
+    } else {
+        stopped
+    };
     // The next gang: the first one running after the stop (also past the next strike: a gang
     // that came back late is still this strike's recovery).
     let resumed = stopped.and_then(|stop| {
@@ -298,6 +298,14 @@ fn reaction(window: &[(f64, &Entry)], stopped: bool) -> String {
     }
 }
 
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
 fn median(values: &mut [f64]) -> Option<f64> {
     if values.is_empty() {
         return None;
@@ -385,16 +393,11 @@ impl Report {
         if !crashes.is_empty() {
             let mut as_f64: Vec<f64> = crashes.iter().map(|l| *l as f64).collect();
             let m = median(&mut as_f64).unwrap_or_default();
-            let saves = if self.committed.is_empty() {
-                "no checkpoint was committed in this run".to_owned()
-            } else {
-                let steps: Vec<String> = self.committed.iter().map(ToString::to_string).collect();
-                format!("checkpoints were committed at steps {}", steps.join(", "))
-            };
             advice.push(format!(
                 "each crash cost a median of {m:.0} steps: the script resumes from its last \
-                 committed checkpoint and {saves}; save more often (every few minutes of \
-                 training), or save on muster's request with the checkpoint helper"
+                 checkpoint; {}; save more often, or also save when muster asks (the checkpoint \
+                 helper) so that a preemption costs nothing",
+                self.save_cadence()
             ));
         }
         if self
@@ -428,6 +431,32 @@ impl Report {
             );
         }
         advice
+    }
+
+    /// What the resume points say of the script's saves: "your script seems to save every 20
+    /// steps (it resumed after steps 100, 120, 160)". The steps it resumed after are its saves;
+    /// their greatest common divisor is its period when it saves at multiples of one.
+    fn save_cadence(&self) -> String {
+        let mut saves: Vec<u64> = self
+            .outcomes
+            .iter()
+            .filter_map(|o| o.resumed_at)
+            .filter_map(|a| a.checked_sub(1))
+            .filter(|s| *s > 0)
+            .collect();
+        saves.sort_unstable();
+        saves.dedup();
+        let list: Vec<String> = saves.iter().map(ToString::to_string).collect();
+        let period = saves.iter().copied().reduce(gcd).unwrap_or(0);
+        match saves.len() {
+            0 => "it resumed from the start every time: no save was found to resume from".to_owned(),
+            1 => format!("it resumed after step {}", list.join("")),
+            _ if period >= 2 => format!(
+                "your script seems to save every {period} steps (it resumed after steps {})",
+                list.join(", ")
+            ),
+            _ => format!("it resumed after steps {}", list.join(", ")),
+        }
     }
 
     /// The one-line summary of the totals.
@@ -520,6 +549,7 @@ mod tests {
         Strike {
             number,
             kind,
+            gap: Duration::from_secs(5),
             faults: specs.iter().map(|s| parse(s).unwrap()).collect(),
         }
     }
@@ -591,7 +621,28 @@ mod tests {
         assert_eq!(o.reaction, "gang re-formed, gang restarted");
         assert_eq!(r.exit_code(), 0);
         assert!(o.line().contains("40 steps lost (reached 120, resumed at 81)"), "{}", o.line());
-        assert!(r.advice()[0].starts_with("each crash cost a median of 40 steps"));
+        assert!(
+            r.advice()[0].starts_with(
+                "each crash cost a median of 40 steps: the script resumes from its last \
+                 checkpoint; it resumed after step 80;"
+            ),
+            "{:?}",
+            r.advice()
+        );
+        let mut more = r.clone();
+        for (resumed_at, lost) in [(101, 12), (161, 7)] {
+            let mut o = more.outcomes[0].clone();
+            o.resumed_at = Some(resumed_at);
+            o.steps_lost = Some(lost);
+            more.outcomes.push(o);
+        }
+        assert!(
+            more.advice()[0].contains(
+                "your script seems to save every 20 steps (it resumed after steps 80, 100, 160)"
+            ),
+            "{:?}",
+            more.advice()
+        );
         assert!(r.totals().contains("kill-rank 40 (1 strike(s))"), "{}", r.totals());
     }
 
@@ -634,8 +685,9 @@ mod tests {
     #[test]
     fn a_frozen_rank_waited_out_loses_nothing_and_counts_from_its_release() {
         let s = [strike(1, Kind::StopRank, &["stop-rank:0@5"])];
-        let e = [hit("stop-rank:0@5")];
-        let entries: Vec<(f64, &Entry)> = vec![(10.0, &e[0])];
+        // The gang stops only at the job's end.
+        let e = [hit("stop-rank:0@5"), Entry::Stopped { workers: 2 }];
+        let entries: Vec<(f64, &Entry)> = vec![(10.0, &e[0]), (39.0, &e[1])];
         let hold = STOP_HOLD.as_secs_f64();
         let steps = [
             step(9.9, 0, 0, 50),

@@ -3,6 +3,8 @@
 //! replaced now; the dry run spawns those agents (it owns their command line and output) and
 //! tells it what happened, and at the end it hands over the timeline.
 
+use std::time::Duration;
+
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::time::Instant;
@@ -177,6 +179,35 @@ impl Rehearsal {
         if let Some(lost) = self.lost.get_mut(node as usize) {
             *lost = true;
         }
+    }
+
+    /// When the faults' clock started (training under way), if it has.
+    pub fn clock(&mut self, now: Instant) -> Option<Instant> {
+        self.timeline.clock(now)
+    }
+
+    /// Adds `faults` to be injected at once (their clock having started): returns them with
+    /// their time, which is now.
+    pub fn strike(&mut self, now: Instant, faults: &[Fault]) -> Vec<Fault> {
+        let Some(clock) = self.timeline.clock(now) else {
+            return Vec::new();
+        };
+        // Whole milliseconds: the spec printed in the timeline replays it.
+        let since = now.saturating_duration_since(clock);
+        let at = Duration::from_millis(u64::try_from(since.as_millis()).unwrap_or(u64::MAX));
+        faults
+            .iter()
+            .map(|f| {
+                let fault = Fault { at, ..*f };
+                self.schedule.add(fault);
+                fault
+            })
+            .collect()
+    }
+
+    /// The timeline so far.
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
     }
 
     /// One line of an agent's output.
