@@ -143,9 +143,7 @@ fn chaos_plan(
         return Err(Exit::config(chaos::ChaosError::WithFaults.to_string()).into());
     }
     let strikes = chaos::plan::plan(&settings, nnodes, world);
-    faults.replace_after = faults
-        .replace_after
-        .or(Some(chaos::DEFAULT_REPLACE_AFTER));
+    faults.replace_after = faults.replace_after.or(Some(chaos::DEFAULT_REPLACE_AFTER));
     faults.job_like = true;
     Ok(Some((settings, strikes)))
 }
@@ -720,7 +718,7 @@ mod tests {
         let help = help_text();
         for flag in fault::DRY_RUN_FLAGS {
             assert!(
-                help.contains(&format!("--{} {}", flag.name, flag.value_name).trim_end()),
+                help.contains(format!("--{} {}", flag.name, flag.value_name).trim_end()),
                 "{help}"
             );
         }

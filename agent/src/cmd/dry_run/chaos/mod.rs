@@ -142,7 +142,9 @@ pub enum ChaosError {
     Bound(String),
     #[error("{0} without --chaos SEED: there is no schedule to shape")]
     WithoutChaos(&'static str),
-    #[error("--chaos with --fault: a rehearsal is either the faults you name or a seeded schedule")]
+    #[error(
+        "--chaos with --fault: a rehearsal is either the faults you name or a seeded schedule"
+    )]
     WithFaults,
 }
 

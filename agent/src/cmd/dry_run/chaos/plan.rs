@@ -82,9 +82,8 @@ pub fn plan(settings: &Settings, nnodes: u32, world: u32) -> Vec<Strike> {
         let gap = Duration::from_millis(rng.millis_between(lo_ms, hi_ms));
         let at = Duration::ZERO;
         let kind = kinds[usize::try_from(rng.below(kinds.len() as u64)).unwrap_or(0)];
-        let pick = |rng: &mut SplitMix64, n: u32| {
-            u32::try_from(rng.below(u64::from(n))).unwrap_or(0)
-        };
+        let pick =
+            |rng: &mut SplitMix64, n: u32| u32::try_from(rng.below(u64::from(n))).unwrap_or(0);
         let one = |kind: fault::Kind, target: u32| Fault { kind, target, at };
         let faults = match kind {
             Kind::KillRank => vec![one(fault::Kind::KillRank, pick(&mut rng, world))],

@@ -118,7 +118,9 @@ pub fn build(inputs: &Inputs<'_>) -> Report {
             inputs
                 .entries
                 .iter()
-                .filter(|(_, e)| matches!(e, Entry::FaultHit { fault, .. } if s.faults.contains(fault)))
+                .filter(
+                    |(_, e)| matches!(e, Entry::FaultHit { fault, .. } if s.faults.contains(fault)),
+                )
                 .map(|(t, _)| *t)
                 .reduce(f64::min)
         })
@@ -202,11 +204,12 @@ fn outcome(inputs: &Inputs<'_>, strike: &Strike, hit: Option<f64>, next: f64) ->
     });
     let reaction = reaction(&window, stopped.is_some());
     // From when a step counts as recovery: the next gang running, or the frozen rank let go.
+    // Every other kind stops the gang (a preemption's ranks step on to the agreed step first):
+    // no recovery before it stopped and ran again.
     let from = match (stopped, resumed) {
         (Some(_), Some(r)) => Some(r),
-        (Some(_), None) => None,
         (None, _) if strike.kind == Kind::StopRank => Some(hit + STOP_HOLD.as_secs_f64()),
-        (None, _) => Some(hit),
+        _ => None,
     };
     let firsts = from.map(|f| first_steps_after(inputs.steps, f));
     let recovered_at = firsts
@@ -229,15 +232,16 @@ fn outcome(inputs: &Inputs<'_>, strike: &Strike, hit: Option<f64>, next: f64) ->
             };
             (reached, resumed_at, lost)
         }
+        // A frozen rank waited out.
         (None, _) if recovery.is_some() => (None, None, Some(0)),
         _ => (None, None, None),
     };
     let bound = inputs.bound.as_secs_f64();
     let verdict = match recovery {
         Some(r) if r <= bound => Verdict::Recovered,
-        Some(_) => Verdict::NotRecovered,
         None if inputs.end - hit <= bound && inputs.job_code == 0 => Verdict::NotMeasured,
-        None => Verdict::NotRecovered,
+        // Too slow, or never.
+        _ => Verdict::NotRecovered,
     };
     Outcome {
         strike: strike.clone(),
@@ -421,9 +425,11 @@ impl Report {
                  re-forms sooner, a replacement pod's start-up (image pull, imports) adds to it"
             ));
         }
-        if self.outcomes.iter().any(|o| {
-            matches!(&o.verdict, Verdict::NotInjected(why) if why.contains("ended first"))
-        }) {
+        if self
+            .outcomes
+            .iter()
+            .any(|o| matches!(&o.verdict, Verdict::NotInjected(why) if why.contains("ended first")))
+        {
             advice.push(
                 "some strikes never came: the job ended first; give it more steps or a shorter \
                  --chaos-interval"
@@ -449,7 +455,9 @@ impl Report {
         let list: Vec<String> = saves.iter().map(ToString::to_string).collect();
         let period = saves.iter().copied().reduce(gcd).unwrap_or(0);
         match saves.len() {
-            0 => "it resumed from the start every time: no save was found to resume from".to_owned(),
+            0 => {
+                "it resumed from the start every time: no save was found to resume from".to_owned()
+            }
             1 => format!("it resumed after step {}", list.join("")),
             _ if period >= 2 => format!(
                 "your script seems to save every {period} steps (it resumed after steps {})",
@@ -617,10 +625,18 @@ mod tests {
         let o = &r.outcomes[0];
         assert_eq!(o.verdict, Verdict::Recovered);
         assert!((o.recovery.unwrap() - 3.5).abs() < 1e-9);
-        assert_eq!((o.reached, o.resumed_at, o.steps_lost), (Some(120), Some(81), Some(40)));
+        assert_eq!(
+            (o.reached, o.resumed_at, o.steps_lost),
+            (Some(120), Some(81), Some(40))
+        );
         assert_eq!(o.reaction, "gang re-formed, gang restarted");
         assert_eq!(r.exit_code(), 0);
-        assert!(o.line().contains("40 steps lost (reached 120, resumed at 81)"), "{}", o.line());
+        assert!(
+            o.line()
+                .contains("40 steps lost (reached 120, resumed at 81)"),
+            "{}",
+            o.line()
+        );
         assert!(
             r.advice()[0].starts_with(
                 "each crash cost a median of 40 steps: the script resumes from its last \
@@ -643,7 +659,11 @@ mod tests {
             "{:?}",
             more.advice()
         );
-        assert!(r.totals().contains("kill-rank 40 (1 strike(s))"), "{}", r.totals());
+        assert!(
+            r.totals().contains("kill-rank 40 (1 strike(s))"),
+            "{}",
+            r.totals()
+        );
     }
 
     #[test]
@@ -678,8 +698,61 @@ mod tests {
             Verdict::NotInjected("the job ended first".into())
         );
         assert_eq!(r.exit_code(), super::super::NOT_RECOVERED);
-        assert!(r.verdict().contains("1 strike(s) were not recovered within 60 s"));
+        assert!(r
+            .verdict()
+            .contains("1 strike(s) were not recovered within 60 s"));
         assert_eq!(r.injected(), 1);
+    }
+
+    #[test]
+    fn a_preemption_is_not_recovered_while_its_ranks_step_on_to_the_agreed_step() {
+        let s = [strike(1, Kind::Term, &["term:2@5"])];
+        let e = [
+            hit("term:2@5"),
+            Entry::Committed { step: 60 },
+            Entry::Stopped { workers: 2 },
+            resumed(),
+        ];
+        let steps = [
+            step(9.9, 0, 0, 57),
+            step(9.9, 1, 0, 57),
+            step(10.2, 0, 0, 60),
+            step(10.2, 1, 0, 60),
+            step(20.0, 0, 0, 61),
+            step(20.1, 1, 0, 61),
+        ];
+        let inputs = |entries: &[(f64, &Entry)]| {
+            build(&Inputs {
+                seed: 1,
+                bound: Duration::from_secs(60),
+                strikes: &s,
+                entries,
+                steps: &steps[..4],
+                world: 2,
+                job_code: 0,
+                end: f64::INFINITY,
+            })
+        };
+        // Seen while it runs: the commit, no stop yet.
+        let so_far: Vec<(f64, &Entry)> = [10.0, 10.3].into_iter().zip(&e).collect();
+        assert_eq!(inputs(&so_far).outcomes[0].recovery, None);
+        let all: Vec<(f64, &Entry)> = [10.0, 10.3, 12.0, 19.0].into_iter().zip(&e).collect();
+        let r = build(&Inputs {
+            seed: 1,
+            bound: Duration::from_secs(60),
+            strikes: &s,
+            entries: &all,
+            steps: &steps,
+            world: 2,
+            job_code: 0,
+            end: 30.0,
+        });
+        let o = &r.outcomes[0];
+        assert!((o.recovery.unwrap() - 10.1).abs() < 1e-9);
+        assert_eq!(
+            (o.reached, o.resumed_at, o.steps_lost),
+            (Some(60), Some(61), Some(0))
+        );
     }
 
     #[test]

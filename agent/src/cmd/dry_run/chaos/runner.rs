@@ -94,10 +94,11 @@ impl Runner {
                 Some(self.started + std::time::Duration::from_secs_f64(hit + recovery))
             }
             // Missed (its target was gone): the next gap counts from the attempt.
-            (_, None, _) if entries.iter().any(|(_, e)| {
-                matches!(e, crate::cmd::dry_run::timeline::Entry::FaultMissed { fault, .. }
+            (_, None, _)
+                if entries.iter().any(|(_, e)| {
+                    matches!(e, crate::cmd::dry_run::timeline::Entry::FaultMissed { fault, .. }
                     if strike.faults.contains(fault))
-            }) =>
+                }) =>
             {
                 Some(struck_at)
             }

@@ -150,7 +150,13 @@ mod tests {
         let got: Vec<(u64, u32, u64)> = s
             .samples()
             .iter()
-            .map(|x| (x.at.duration_since(t0).as_millis() as u64, x.local_rank, x.step))
+            .map(|x| {
+                (
+                    x.at.duration_since(t0).as_millis() as u64,
+                    x.local_rank,
+                    x.step,
+                )
+            })
             .collect();
         assert_eq!(got, [(0, 0, 5), (0, 1, 5), (100, 1, 6), (300, 0, 5)]);
     }

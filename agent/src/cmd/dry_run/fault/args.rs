@@ -40,7 +40,8 @@ pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
     DryRunFlag {
         name: "chaos",
         value_name: "SEED[:COUNT]",
-        help: "Rehearse COUNT (6) seeded random strikes: crashed and frozen ranks, lost pods (node \
+        help:
+            "Rehearse COUNT (6) seeded random strikes: crashed and frozen ranks, lost pods (node \
                0 included, replaced after --replace-after, 3 s by default), two pods at once, \
                preemptions; pods come back as a Job's podFailurePolicy brings them back. The same \
                seed is the same schedule. Ends with a report: recovery time and steps lost per \

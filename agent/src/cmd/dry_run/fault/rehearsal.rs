@@ -158,8 +158,7 @@ impl Rehearsal {
     /// Sends SIGCONT to every stopped worker whose hold is over and that still runs (a gang
     /// restart may have ended it already).
     fn release_stopped(&mut self, now: Instant, workers: &[Worker]) {
-        let (due, later): (Vec<_>, Vec<_>) =
-            self.stopped.iter().partition(|(at, _)| *at <= now);
+        let (due, later): (Vec<_>, Vec<_>) = self.stopped.iter().partition(|(at, _)| *at <= now);
         self.stopped = later;
         for (_, id) in due {
             if let Some(w) = workers.iter().find(|w| w.id() == id) {

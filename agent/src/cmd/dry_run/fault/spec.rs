@@ -76,7 +76,9 @@ pub enum SpecError {
         "--fault `{0}`: expected KIND:TARGET@SECS, e.g. kill:0@15, term:1@10, kill-rank:3@20 or stop-rank:1@30"
     )]
     Shape(String),
-    #[error("--fault `{spec}`: unknown kind `{kind}` (expected kill, term, kill-rank or stop-rank)")]
+    #[error(
+        "--fault `{spec}`: unknown kind `{kind}` (expected kill, term, kill-rank or stop-rank)"
+    )]
     Kind { spec: String, kind: String },
     #[error("--fault `{spec}`: the {what} must be a whole number, not `{value}`")]
     Target {
