@@ -56,7 +56,8 @@ pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
     DryRunFlag {
         name: "chaos-interval",
         value_name: "MIN:MAX",
-        help: "Seconds between strikes, drawn evenly from MIN to MAX (default 20:40)",
+        help: "Each strike comes MIN to MAX seconds (drawn evenly) after the gang recovered from \
+               the one before, so each strike's cost is its own (default 20:40)",
     },
     DryRunFlag {
         name: "chaos-recovery-bound",
