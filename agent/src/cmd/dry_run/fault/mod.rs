@@ -16,6 +16,10 @@
 //!
 //! The dry run ([`crate::cmd::dry_run`]) does the effects (signals, spawning a replacement) and feeds
 //! what it observes to [`crate::cmd::dry_run::timeline`].
+//!
+//! `--chaos` ([`crate::cmd::dry_run::chaos`]) uses the same machinery: its strikes are added as
+//! they come due ([`Rehearsal::strike`]), `stop-rank` freezes a worker for [`spec::STOP_HOLD`], and
+//! [`Options::job_like`] replaces agents as a Job's `podFailurePolicy` would.
 
 pub mod args;
 pub mod procs;
