@@ -352,6 +352,13 @@ async fn drive(
         "muster dry-run: {} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
         agents(plan.nnodes as usize)
     );
+    if chaos.is_some() && plan.metrics_off {
+        tracing::warn!(
+            "muster dry-run: --metrics-addr none: chaos cannot read the ranks' step reports, so \
+             recovery and steps lost go unmeasured and each strike waits out \
+             --chaos-recovery-bound before the next"
+        );
+    }
     if let Some((settings, strikes)) = &chaos {
         let world = plan.nnodes.saturating_mul(plan.nproc_per_node);
         for line in chaos_plan_lines(settings, strikes, plan.nnodes, world) {
