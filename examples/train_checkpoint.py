@@ -31,6 +31,9 @@ def parse_args():
     p.add_argument("--ckpt-dir", default=os.environ.get("CKPT_DIR", "/tmp/muster-example-ckpt"))
     p.add_argument("--step-seconds", type=float, default=0.02, help="simulated work per step")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=int, default=0,
+                   help="also save every N steps (0: only when muster asks, on preemption), so a "
+                        "crash costs at most N steps")
     return p.parse_args()
 
 
@@ -79,6 +82,17 @@ def main():
         time.sleep(args.step_seconds)
         if step % args.log_every == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+
+        if args.save_every and step > start and step % args.save_every == 0:
+            # A periodic save, without muster's barrier: every rank saves, the collective
+            # barrier says they all did, and only then rank 0 points LATEST at it.
+            step_dir = os.path.join(args.ckpt_dir, f"step_{step}")
+            os.makedirs(step_dir, exist_ok=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+                       os.path.join(step_dir, f"rank_{rank}.pt"))
+            dist.barrier()
+            if rank == 0:
+                commit_pointer(args.ckpt_dir, step)
 
         if ckpt.should_save(step):
             step_dir = os.path.join(args.ckpt_dir, f"step_{step}")

@@ -19,6 +19,7 @@
 //! | 206 | internal agent error |
 //! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
 //! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
+//! | 220 | `muster dry-run --chaos` only: the job finished, but a strike was not recovered within `--chaos-recovery-bound` |
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
@@ -51,6 +52,10 @@ pub const HUNG: u8 = 207;
 /// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
 /// with it while the others train on).
 pub const NETWORK_CHECK_FAILED: u8 = 208;
+/// `muster dry-run --chaos` only (an agent never exits with it): the job finished, but a strike
+/// was not recovered within `--chaos-recovery-bound`. Set apart from the agents' sequential codes
+/// (200 up) so that a new agent outcome never takes it, and above every 128+N a real signal makes.
+pub const CHAOS_NOT_RECOVERED: u8 = 220;
 
 /// Exit code for a process that died of `signal` (the shell convention).
 pub fn for_signal(signal: i32) -> u8 {

@@ -136,7 +136,7 @@ def test_a_fault_after_the_end_is_reported_not_injected(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--fault", "kill:3@1"], "--fault `kill:3@1`: there is no node 3 in a dry run of 3 node(s)"),
     (["--fault", "kill-rank:6@1"], "there is no rank 6 in a job of at most 6 worker(s)"),
-    (["--fault", "stop:0@1"], "unknown kind `stop` (expected kill, term or kill-rank)"),
+    (["--fault", "stop:0@1"], "unknown kind `stop` (expected kill, term, kill-rank or stop-rank)"),
     (["--fault", "kill:0"], "expected KIND:TARGET@SECS"),
     (["--fault", "term:0@1", "--replace-after", "3"], "--replace-after without a kill:NODE@SECS"),
     (["--replace-after", "-1"], "--replace-after `-1`: expected a number of seconds"),

@@ -21,6 +21,10 @@
 //! With `--fault` (see [`crate::cmd::dry_run::fault`]) it rehearses failures: it signals an agent or a worker
 //! when due, starts a killed node's replacement after `--replace-after`, and prints a timeline
 //! ([`crate::cmd::dry_run::timeline`]) at the end. A node a fault killed for good does not make the job's code.
+//!
+//! With `--chaos SEED[:COUNT]` (see [`crate::cmd::dry_run::chaos`]) the faults are a seeded
+//! schedule, pods come back as a Job would bring them back, and a report of what each strike
+//! cost follows the timeline.
 
 use std::ffi::OsString;
 use std::fmt::Write as _;
@@ -35,6 +39,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+pub mod chaos;
 pub mod fault;
 pub mod timeline;
 
@@ -60,6 +65,7 @@ const STOP_SIGNALS: [Signal; 4] = [
 /// What the dry run takes from the agents' command line.
 struct Plan {
     nnodes: u32,
+    nproc_per_node: u32,
     format: LogFormat,
     /// `--metrics-addr none` (or `MUSTER_METRICS_ADDR=none`): no agent serves metrics.
     metrics_off: bool,
@@ -69,6 +75,7 @@ impl Plan {
     fn of(config: &Config) -> Self {
         Self {
             nnodes: config.nnodes.max,
+            nproc_per_node: config.nproc_per_node,
             format: config.logs.format,
             metrics_off: config.metrics_addr.is_some_and(|a| a.addr().is_none()),
         }
@@ -79,7 +86,7 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
     // args: muster dry-run [options] script [args]
     let after: Vec<OsString> = args.iter().skip(2).cloned().collect();
     // `--fault` and `--replace-after` are the dry run's; the rest goes to every agent.
-    let (faults, rest) = fault::split(&after).map_err(|e| Exit::config(e.to_string()))?;
+    let (mut faults, rest) = fault::split(&after).map_err(|e| Exit::config(e.to_string()))?;
     let config = match cli::parse(&rest)? {
         Parsed::Launch(c) => *c,
         Parsed::Help | Parsed::Version => {
@@ -87,11 +94,18 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             return Ok(exit_code::SUCCESS);
         }
     };
+    let world = config.nnodes.max.saturating_mul(config.nproc_per_node);
+    let chaos = chaos_plan(&mut faults, config.nnodes.max, world)?;
+    if let Some((settings, strikes)) = &chaos {
+        if settings.plan_only {
+            for line in chaos_plan_lines(settings, strikes, config.nnodes.max, world) {
+                println!("{line}");
+            }
+            return Ok(exit_code::SUCCESS);
+        }
+    }
     faults
-        .check(
-            config.nnodes.max,
-            config.nnodes.max.saturating_mul(config.nproc_per_node),
-        )
+        .check(config.nnodes.max, world)
         .map_err(|e| Exit::config(e.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -107,8 +121,53 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             logs::Diagnostics::Console(writer.sink()),
             crate::app::LAUNCH_LOG_FILTER,
         );
-        drive(&rest, &Plan::of(&config), &writer.sink(), &faults).await
+        drive(&rest, &Plan::of(&config), &writer.sink(), &faults, chaos).await
     })
+}
+
+/// With `--chaos`: the settings and the schedule, with `--replace-after`'s default and Job-like
+/// replacement on; the runner hands the strikes to the rehearsal as they come due.
+fn chaos_plan(
+    faults: &mut fault::Options,
+    nnodes: u32,
+    world: u32,
+) -> anyhow::Result<Option<(chaos::Settings, Vec<chaos::plan::Strike>)>> {
+    let Some(settings) = faults
+        .chaos
+        .settings()
+        .map_err(|e| Exit::config(e.to_string()))?
+    else {
+        return Ok(None);
+    };
+    if !faults.faults.is_empty() {
+        return Err(Exit::config(chaos::ChaosError::WithFaults.to_string()).into());
+    }
+    let strikes = chaos::plan::plan(&settings, nnodes, world);
+    faults.replace_after = faults.replace_after.or(Some(chaos::DEFAULT_REPLACE_AFTER));
+    faults.job_like = true;
+    Ok(Some((settings, strikes)))
+}
+
+/// The schedule as printed (before a run, and alone with `--chaos-plan`).
+fn chaos_plan_lines(
+    settings: &chaos::Settings,
+    strikes: &[chaos::plan::Strike],
+    nnodes: u32,
+    world: u32,
+) -> Vec<String> {
+    let kinds: Vec<&str> = settings.kinds.iter().map(|k| k.name()).collect();
+    let mut lines = vec![format!(
+        "muster dry-run: chaos schedule of seed {} for {nnodes} node(s), {world} rank(s): {} strike(s) of {}, each {:.1}-{:.1} s after the gang recovered from the one before (the first: after the first worker output; replay: --chaos {}:{})",
+        settings.seed,
+        strikes.len(),
+        kinds.join(","),
+        settings.interval.0.as_secs_f64(),
+        settings.interval.1.as_secs_f64(),
+        settings.seed,
+        settings.count
+    )];
+    lines.extend(strikes.iter().map(|s| format!("muster dry-run: chaos {s}")));
+    lines
 }
 
 /// `muster dry-run --help`.
@@ -120,11 +179,12 @@ fn help_text() -> String {
          a killed dry run takes its agents and ranks with it.\n\nDry-run options:\n",
     );
     for flag in fault::DRY_RUN_FLAGS {
-        let _ = writeln!(
-            text,
-            "  --{} {}\n      {}",
-            flag.name, flag.value_name, flag.help
-        );
+        let value = if flag.value_name.is_empty() {
+            String::new()
+        } else {
+            format!(" {}", flag.value_name)
+        };
+        let _ = writeln!(text, "  --{}{value}\n      {}", flag.name, flag.help);
     }
     text.push_str(
         "With a fault the dry run prints a timeline at the end (faults, gang stopped, re-formed,\n\
@@ -197,8 +257,9 @@ struct Spawner<'a> {
     plan: &'a Plan,
     rest: &'a [OsString],
     sink: &'a LogSink,
-    /// Agent lines for the timeline, stamped when read (only when rehearsing faults).
-    lines: Option<mpsc::UnboundedSender<(Instant, String)>>,
+    /// Agent lines for the timeline, stamped when read and tagged with their node (only when
+    /// rehearsing faults).
+    lines: Option<mpsc::UnboundedSender<(Instant, u32, String)>>,
     /// `(node, incarnation, exit code)`: a replaced node's old agent is a past incarnation.
     exits: mpsc::UnboundedSender<(usize, u32, u8)>,
 }
@@ -264,6 +325,7 @@ async fn drive(
     plan: &Plan,
     sink: &LogSink,
     faults: &fault::Options,
+    chaos: Option<(chaos::Settings, Vec<chaos::plan::Strike>)>,
 ) -> anyhow::Result<u8> {
     let me = std::env::current_exe().context("cannot find the muster binary")?;
     let port = free_port()?;
@@ -290,10 +352,27 @@ async fn drive(
         "muster dry-run: {} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
         agents(plan.nnodes as usize)
     );
+    if chaos.is_some() && plan.metrics_off {
+        tracing::warn!(
+            "muster dry-run: --metrics-addr none: chaos cannot read the ranks' step reports, so \
+             recovery and steps lost go unmeasured and each strike waits out \
+             --chaos-recovery-bound before the next"
+        );
+    }
+    if let Some((settings, strikes)) = &chaos {
+        let world = plan.nnodes.saturating_mul(plan.nproc_per_node);
+        for line in chaos_plan_lines(settings, strikes, plan.nnodes, world) {
+            tracing::info!("{line}");
+        }
+    }
     let started = Instant::now();
-    let mut rehearsal =
-        (!faults.is_empty()).then(|| Rehearsal::new(faults, plan.nnodes, started, plan.format));
-    let (lines_tx, mut lines) = mpsc::unbounded_channel::<(Instant, String)>();
+    let mut rehearsal = (!faults.is_empty() || chaos.is_some())
+        .then(|| Rehearsal::new(faults, plan.nnodes, started, plan.format));
+    let mut chaos = chaos.map(|(settings, strikes)| {
+        let world = plan.nnodes.saturating_mul(plan.nproc_per_node) as usize;
+        chaos::runner::Runner::new(settings, strikes, world, started)
+    });
+    let (lines_tx, mut lines) = mpsc::unbounded_channel::<(Instant, u32, String)>();
     let (exit_tx, mut exits) = mpsc::unbounded_channel::<(usize, u32, u8)>();
     let spawner = Spawner {
         me,
@@ -351,13 +430,21 @@ async fn drive(
                     r.agent_exited(Instant::now(), node, code);
                 }
             }
-            Some((at, line)) = lines.recv(), if rehearsal.is_some() => {
+            Some((at, node, line)) = lines.recv(), if rehearsal.is_some() => {
                 if let Some(r) = rehearsal.as_mut() {
                     r.line(at, &line);
+                }
+                if let Some(c) = chaos.as_mut() {
+                    if let Some(msg) = timeline::agent_message(&line, plan.format) {
+                        c.agent_message(node, &msg);
+                    }
                 }
             }
             _ = ticks.tick(), if rehearsal.is_some() => {
                 let Some(r) = rehearsal.as_mut() else { continue };
+                if let Some(c) = chaos.as_mut() {
+                    c.tick(Instant::now(), r);
+                }
                 for node in r.tick(Instant::now(), &pids) {
                     let index = node as usize;
                     let incarnation = incarnations.get(index).map_or(0, |i| i + 1);
@@ -425,12 +512,65 @@ async fn drive(
     tracing::info!("muster dry-run: agents exited with {codes:?}; job exit code {job}");
     if let Some(mut r) = rehearsal {
         // The agents' last lines (a commit, an abort) are in the channel still.
-        while let Ok((at, line)) = lines.try_recv() {
+        while let Ok((at, _, line)) = lines.try_recv() {
             r.line(at, &line);
         }
-        print_timeline(&r.finish(Instant::now(), job));
+        let ended = Instant::now();
+        let timeline = r.finish(ended, job);
+        print_timeline(&timeline);
+        if let Some(c) = chaos {
+            let report = c.report(&timeline.entries(), job, ended);
+            print_chaos_report(&report);
+            return Ok(report.exit_code());
+        }
     }
     Ok(job)
+}
+
+/// Writes the chaos report as the dry run's own log lines; with `--log-format json` each is a
+/// record whose fields carry the figures.
+fn print_chaos_report(report: &chaos::report::Report) {
+    tracing::info!(
+        "muster dry-run: chaos report (seed {}; recovery: strike -> every rank's next step; steps lost: steps trained twice):",
+        report.seed
+    );
+    for o in &report.outcomes {
+        let round = |v: f64| (v * 10.0).round() / 10.0;
+        tracing::info!(
+            kind = "chaos_strike",
+            strike = o.strike.number,
+            fault = o.strike.kind.name(),
+            target = o.strike.target().as_str(),
+            t_seconds = o.hit.map(round),
+            reaction = o.reaction.as_str(),
+            recovery_seconds = o.recovery.map(round),
+            steps_lost = o.steps_lost,
+            reached_step = o.reached,
+            resumed_step = o.resumed_at,
+            verdict = o.verdict.name(),
+            "muster dry-run: {}",
+            o.line()
+        );
+    }
+    let (median, worst) = report.recovery();
+    tracing::info!(
+        kind = "chaos_totals",
+        injected = report.injected(),
+        recovered = report.recovered(),
+        recovery_median_seconds = median,
+        recovery_worst_seconds = worst,
+        "muster dry-run: totals: {}",
+        report.totals()
+    );
+    for advice in report.advice() {
+        tracing::warn!(kind = "chaos_advice", "muster dry-run: advice: {advice}");
+    }
+    tracing::info!(
+        kind = "chaos_verdict",
+        exit_code = report.exit_code(),
+        "muster dry-run: {}",
+        report.verdict()
+    );
 }
 
 /// Writes the timeline as the dry run's own log lines (text, or JSON records with the entry's
@@ -509,7 +649,7 @@ async fn pump<R>(
     console: Console,
     node: u32,
     format: LogFormat,
-    timeline: Option<mpsc::UnboundedSender<(Instant, String)>>,
+    timeline: Option<mpsc::UnboundedSender<(Instant, u32, String)>>,
 ) where
     R: AsyncRead + Unpin,
 {
@@ -524,7 +664,7 @@ async fn pump<R>(
         let text = String::from_utf8_lossy(&raw);
         let line = text.trim_end_matches(['\n', '\r']);
         if let Some(tx) = &timeline {
-            let _ = tx.send((Instant::now(), line.to_owned()));
+            let _ = tx.send((Instant::now(), node, line.to_owned()));
         }
         let mut out = tag_line(line, node, format);
         out.push('\n');
@@ -585,7 +725,7 @@ mod tests {
         let help = help_text();
         for flag in fault::DRY_RUN_FLAGS {
             assert!(
-                help.contains(&format!("--{} {}", flag.name, flag.value_name)),
+                help.contains(format!("--{} {}", flag.name, flag.value_name).trim_end()),
                 "{help}"
             );
         }

@@ -1,4 +1,5 @@
-//! The dry run's own flags among the agents' flags: `--fault` and `--replace-after` are taken out
+//! The dry run's own flags among the agents' flags: `--fault`, `--replace-after` and the
+//! `--chaos` family ([`crate::cmd::dry_run::chaos`]) are taken out
 //! of the launch options (before the training script, as every launch option), and everything
 //! else is passed to each agent unchanged. The launch form's flag table says which options take
 //! a value, so `--rdzv-conf x --fault ...` and the script's own `--fault` are both read right.
@@ -14,6 +15,7 @@ use crate::cli::lowargs::{Kind as FlagKind, FLAGS};
 pub struct DryRunFlag {
     /// The dash spelling without `--` (the underscore twin is accepted too, as everywhere).
     pub name: &'static str,
+    /// Empty for a switch (a flag without a value).
     pub value_name: &'static str,
     pub help: &'static str,
 }
@@ -35,7 +37,52 @@ pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
         help: "Start a killed agent's replacement (same flags) SECS after the kill; without it a \
                killed node stays lost",
     },
+    DryRunFlag {
+        name: "chaos",
+        value_name: "SEED[:COUNT]",
+        help:
+            "Rehearse COUNT (6) seeded random strikes: crashed and frozen ranks, lost pods (node \
+               0 included, replaced after --replace-after, 3 s by default), two pods at once, \
+               preemptions; pods come back as a Job's podFailurePolicy brings them back. The same \
+               seed is the same schedule. Ends with a report: recovery time and steps lost per \
+               strike. Docs: docs/chaos.md",
+    },
+    DryRunFlag {
+        name: "chaos-kinds",
+        value_name: "LIST",
+        help: "The kinds of strike to draw from (comma-separated): kill-rank, kill, term, \
+               stop-rank, two-pods (default: all)",
+    },
+    DryRunFlag {
+        name: "chaos-interval",
+        value_name: "MIN:MAX",
+        help: "Each strike comes MIN to MAX seconds (drawn evenly) after the gang recovered from \
+               the one before, so each strike's cost is its own (default 20:40)",
+    },
+    DryRunFlag {
+        name: "chaos-recovery-bound",
+        value_name: "SECS",
+        help: "A strike not followed by a step of every rank within SECS is not recovered: the \
+               dry run exits 220 (default 120)",
+    },
+    DryRunFlag {
+        name: "chaos-plan",
+        value_name: "",
+        help: "Print the --chaos schedule for this job's size and exit without running anything",
+    },
 ];
+
+/// `--NAME` of one of our flags, for messages.
+fn dashed(name: &str) -> &'static str {
+    match name {
+        "fault" => "--fault",
+        "replace-after" => "--replace-after",
+        "chaos" => "--chaos",
+        "chaos-kinds" => "--chaos-kinds",
+        "chaos-interval" => "--chaos-interval",
+        _ => "--chaos-recovery-bound",
+    }
+}
 
 /// Which of our flags `arg` is, and its inline value (`--fault=kill:0@3`).
 fn ours(arg: &str) -> Option<(&'static str, Option<&str>)> {
@@ -81,6 +128,11 @@ pub fn split(args: &[OsString]) -> Result<(Options, Vec<OsString>), SpecError> {
     while let Some(arg) = args.get(i) {
         let text = arg.to_str().unwrap_or_default();
         if let Some((flag, inline)) = ours(text) {
+            if flag == "chaos-plan" {
+                options.chaos.plan_only = true;
+                i += 1;
+                continue;
+            }
             let value = if let Some(v) = inline {
                 v.to_owned()
             } else {
@@ -88,19 +140,18 @@ pub fn split(args: &[OsString]) -> Result<(Options, Vec<OsString>), SpecError> {
                 args.get(i)
                     .and_then(|v| v.to_str())
                     .map(str::to_owned)
-                    .ok_or(SpecError::MissingValue {
-                        flag: if flag == "fault" {
-                            "--fault"
-                        } else {
-                            "--replace-after"
-                        },
-                    })?
+                    .ok_or(SpecError::MissingValue { flag: dashed(flag) })?
             };
-            if flag == "fault" {
-                options.faults.push(spec::parse(&value)?);
-            } else {
-                options.replace_after =
-                    Some(spec::parse_seconds(&value).ok_or(SpecError::ReplaceAfter(value))?);
+            match flag {
+                "fault" => options.faults.push(spec::parse(&value)?),
+                "replace-after" => {
+                    options.replace_after =
+                        Some(spec::parse_seconds(&value).ok_or(SpecError::ReplaceAfter(value))?);
+                }
+                "chaos" => options.chaos.chaos = Some(value),
+                "chaos-kinds" => options.chaos.kinds = Some(value),
+                "chaos-interval" => options.chaos.interval = Some(value),
+                _ => options.chaos.recovery_bound = Some(value),
             }
             i += 1;
             continue;
@@ -173,6 +224,35 @@ mod tests {
                 "--fault",
                 "kill:1@1"
             ])
+        );
+    }
+
+    #[test]
+    fn the_chaos_flags_come_out_too() {
+        let (opts, rest) = split(&os(&[
+            "--chaos",
+            "42:3",
+            "--chaos-plan",
+            "--chaos_kinds=kill,term",
+            "--chaos-interval",
+            "2:4",
+            "--chaos-recovery-bound",
+            "30",
+            "--nnodes",
+            "2",
+            "x.py",
+            "--chaos-plan",
+        ]))
+        .unwrap();
+        assert_eq!(opts.chaos.chaos.as_deref(), Some("42:3"));
+        assert_eq!(opts.chaos.kinds.as_deref(), Some("kill,term"));
+        assert_eq!(opts.chaos.interval.as_deref(), Some("2:4"));
+        assert_eq!(opts.chaos.recovery_bound.as_deref(), Some("30"));
+        assert!(opts.chaos.plan_only);
+        assert_eq!(rest, os(&["--nnodes", "2", "x.py", "--chaos-plan"]));
+        assert_eq!(
+            split(&os(&["--chaos"])).unwrap_err().to_string(),
+            "--chaos needs a value"
         );
     }
 

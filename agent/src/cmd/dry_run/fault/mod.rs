@@ -16,6 +16,10 @@
 //!
 //! The dry run ([`crate::cmd::dry_run`]) does the effects (signals, spawning a replacement) and feeds
 //! what it observes to [`crate::cmd::dry_run::timeline`].
+//!
+//! `--chaos` ([`crate::cmd::dry_run::chaos`]) uses the same machinery: its strikes are added as
+//! they come due ([`Rehearsal::strike`]), `stop-rank` freezes a worker for [`spec::STOP_HOLD`], and
+//! [`Options::job_like`] replaces agents as a Job's `podFailurePolicy` would.
 
 pub mod args;
 pub mod procs;
@@ -41,6 +45,11 @@ pub struct Options {
     /// After a `kill` fault, start the node's replacement agent this much later; `None`: the
     /// node stays lost.
     pub replace_after: Option<Duration>,
+    /// The `--chaos` flags as given.
+    pub chaos: crate::cmd::dry_run::chaos::Args,
+    /// Replace agents as a Job with muster's `podFailurePolicy` would (`--chaos`): also one that
+    /// exited preempted (200, 201) or after losing the store host (205), not only a killed one.
+    pub job_like: bool,
 }
 
 impl Options {
@@ -55,7 +64,10 @@ impl Options {
         for fault in &self.faults {
             spec::check(fault, nnodes, world)?;
         }
-        if self.replace_after.is_some() && !self.faults.iter().any(|f| f.kind == Kind::Kill) {
+        if self.replace_after.is_some()
+            && !self.job_like
+            && !self.faults.iter().any(|f| f.kind == Kind::Kill)
+        {
             return Err(SpecError::NothingToReplace);
         }
         Ok(())
@@ -87,6 +99,7 @@ mod tests {
         Options {
             faults: specs.iter().map(|s| spec::parse(s).unwrap()).collect(),
             replace_after: replace_after.map(Duration::from_secs),
+            ..Options::default()
         }
     }
 

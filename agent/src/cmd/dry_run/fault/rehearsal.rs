@@ -3,15 +3,18 @@
 //! replaced now; the dry run spawns those agents (it owns their command line and output) and
 //! tells it what happened, and at the end it hands over the timeline.
 
+use std::time::Duration;
+
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::time::Instant;
 
 use super::procs::{self, Worker};
 use super::schedule::{Due, Schedule};
-use super::spec::{Fault, Kind};
+use super::spec::{Fault, Kind, STOP_HOLD};
 use super::Options;
 use crate::cmd::dry_run::timeline::{Entry, Timeline};
+use crate::exit_code;
 use crate::launch::config::LogFormat;
 
 /// One dry run's faults and what they did.
@@ -22,6 +25,10 @@ pub struct Rehearsal {
     /// Nodes a fault killed for good (no replacement, or none possible).
     lost: Vec<bool>,
     format: LogFormat,
+    /// Replace as a Job would (see [`Options::job_like`]).
+    job_like: bool,
+    /// Workers a `stop-rank` stopped, by identity, and when each is to get SIGCONT.
+    stopped: Vec<(Instant, (i32, u64))>,
 }
 
 impl Rehearsal {
@@ -31,6 +38,8 @@ impl Rehearsal {
             timeline: Timeline::new(start),
             lost: vec![false; nnodes as usize],
             format,
+            job_like: options.job_like,
+            stopped: Vec::new(),
         }
     }
 
@@ -44,6 +53,7 @@ impl Rehearsal {
             .collect();
         let workers = procs::workers(&running, self.timeline.watching_joins());
         self.timeline.observe_workers(now, &workers);
+        self.release_stopped(now, &workers);
         let mut replace = Vec::new();
         let clock = self.timeline.clock(now);
         for due in self.schedule.due(now, clock) {
@@ -58,7 +68,9 @@ impl Rehearsal {
                         .iter()
                         .enumerate()
                         .any(|(n, pid)| n != node as usize && pid.is_some());
-                    if others_left || agents.len() == 1 {
+                    // A Job recreates every pod it lost, even all of them (a preemption ends every
+                    // node with 200).
+                    if others_left || agents.len() == 1 || self.job_like {
                         replace.push(node);
                     } else {
                         self.mark_lost(node);
@@ -109,18 +121,31 @@ impl Rehearsal {
                     },
                 }
             }
-            Kind::KillRank => {
+            Kind::KillRank | Kind::StopRank => {
                 let Some(worker) = workers.iter().find(|w| w.rank == Some(fault.target)) else {
                     return false;
                 };
-                match kill(Pid::from_raw(worker.pid), Signal::SIGKILL) {
-                    Ok(()) => Entry::FaultHit {
-                        fault,
-                        what: format!(
-                            "SIGKILL to rank {} (pid {}, node {})",
-                            fault.target, worker.pid, worker.node
-                        ),
-                    },
+                let signal = if fault.kind == Kind::KillRank {
+                    Signal::SIGKILL
+                } else {
+                    Signal::SIGSTOP
+                };
+                match kill(Pid::from_raw(worker.pid), signal) {
+                    Ok(()) => {
+                        let hold = if fault.kind == Kind::StopRank {
+                            self.stopped.push((now + STOP_HOLD, worker.id()));
+                            format!(", SIGCONT in {} s", STOP_HOLD.as_secs())
+                        } else {
+                            String::new()
+                        };
+                        Entry::FaultHit {
+                            fault,
+                            what: format!(
+                                "{signal} to rank {} (pid {}, node {}){hold}",
+                                fault.target, worker.pid, worker.node
+                            ),
+                        }
+                    }
                     // It exited between the sample and the signal: try the next one.
                     Err(_) => return false,
                 }
@@ -130,10 +155,58 @@ impl Rehearsal {
         true
     }
 
+    /// Sends SIGCONT to every stopped worker whose hold is over and that still runs (a gang
+    /// restart may have ended it already).
+    fn release_stopped(&mut self, now: Instant, workers: &[Worker]) {
+        let (due, later): (Vec<_>, Vec<_>) = self.stopped.iter().partition(|(at, _)| *at <= now);
+        self.stopped = later;
+        for (_, id) in due {
+            if let Some(w) = workers.iter().find(|w| w.id() == id) {
+                let _ = kill(Pid::from_raw(w.pid), Signal::SIGCONT);
+                tracing::info!(
+                    "muster dry-run: SIGCONT to rank {} (pid {}, node {}) after {} s stopped",
+                    w.rank.map_or_else(|| "?".to_owned(), |r| r.to_string()),
+                    w.pid,
+                    w.node,
+                    STOP_HOLD.as_secs()
+                );
+            }
+        }
+    }
+
     fn mark_lost(&mut self, node: u32) {
         if let Some(lost) = self.lost.get_mut(node as usize) {
             *lost = true;
         }
+    }
+
+    /// When the faults' clock started (training under way), if it has.
+    pub fn clock(&mut self, now: Instant) -> Option<Instant> {
+        self.timeline.clock(now)
+    }
+
+    /// Adds `faults` to be injected at once (their clock having started): returns them with
+    /// their time, which is now.
+    pub fn strike(&mut self, now: Instant, faults: &[Fault]) -> Vec<Fault> {
+        let Some(clock) = self.timeline.clock(now) else {
+            return Vec::new();
+        };
+        // Whole milliseconds: the spec printed in the timeline replays it.
+        let since = now.saturating_duration_since(clock);
+        let at = Duration::from_millis(u64::try_from(since.as_millis()).unwrap_or(u64::MAX));
+        faults
+            .iter()
+            .map(|f| {
+                let fault = Fault { at, ..*f };
+                self.schedule.add(fault);
+                fault
+            })
+            .collect()
+    }
+
+    /// The timeline so far.
+    pub fn timeline(&self) -> &Timeline {
+        &self.timeline
     }
 
     /// One line of an agent's output.
@@ -154,6 +227,20 @@ impl Rehearsal {
 
     pub fn agent_exited(&mut self, at: Instant, node: u32, code: u8) {
         self.timeline.record(at, Entry::AgentExited { node, code });
+        // The podFailurePolicy of examples/kubernetes: Ignore (the pod is recreated) for a
+        // preemption and for the followers of a lost store host; a killed agent's replacement
+        // is already due; 0 completes the pod; anything else counts against the Job and is not
+        // replaced here.
+        if self.job_like
+            && matches!(
+                code,
+                exit_code::PREEMPTED_CHECKPOINTED
+                    | exit_code::CHECKPOINT_ABORTED
+                    | exit_code::STORE_HOST_LOST
+            )
+        {
+            self.schedule.killed(node, at);
+        }
     }
 
     /// The run is being stopped (a stop signal): nothing more is injected or replaced.

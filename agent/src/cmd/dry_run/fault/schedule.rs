@@ -73,6 +73,12 @@ impl Schedule {
         due
     }
 
+    /// One more fault (a chaos strike, whose time is known only when it comes).
+    pub fn add(&mut self, fault: Fault) {
+        self.faults.push(fault);
+        self.done.push(false);
+    }
+
     /// Fault `index` was injected, or cannot be: it is not due again.
     pub fn done(&mut self, index: usize) {
         if let Some(d) = self.done.get_mut(index) {

@@ -13,7 +13,16 @@ pub enum Kind {
     Term,
     /// `kill-rank:RANK`: SIGKILL the worker with that global rank, as a crashed rank.
     KillRank,
+    /// `stop-rank:RANK`: SIGSTOP the worker with that global rank for [`STOP_HOLD`], then
+    /// SIGCONT it, as a rank frozen by a stuck driver call or a swapping node: a `--hang-timeout`
+    /// below the hold makes the hang watch restart the gang first.
+    StopRank,
 }
+
+/// How long `stop-rank` keeps its worker stopped before it sends SIGCONT: longer than the
+/// few-second `--hang-timeout` a rehearsal uses, far shorter than the default (`auto`), so both
+/// outcomes can be rehearsed.
+pub const STOP_HOLD: Duration = Duration::from_secs(8);
 
 impl Kind {
     /// The spelling in a spec.
@@ -22,6 +31,7 @@ impl Kind {
             Kind::Kill => "kill",
             Kind::Term => "term",
             Kind::KillRank => "kill-rank",
+            Kind::StopRank => "stop-rank",
         }
     }
 
@@ -29,7 +39,7 @@ impl Kind {
     fn target_name(self) -> &'static str {
         match self {
             Kind::Kill | Kind::Term => "node",
-            Kind::KillRank => "rank",
+            Kind::KillRank | Kind::StopRank => "rank",
         }
     }
 }
@@ -63,10 +73,12 @@ impl fmt::Display for Fault {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
     #[error(
-        "--fault `{0}`: expected KIND:TARGET@SECS, e.g. kill:0@15, term:1@10 or kill-rank:3@20"
+        "--fault `{0}`: expected KIND:TARGET@SECS, e.g. kill:0@15, term:1@10, kill-rank:3@20 or stop-rank:1@30"
     )]
     Shape(String),
-    #[error("--fault `{spec}`: unknown kind `{kind}` (expected kill, term or kill-rank)")]
+    #[error(
+        "--fault `{spec}`: unknown kind `{kind}` (expected kill, term, kill-rank or stop-rank)"
+    )]
     Kind { spec: String, kind: String },
     #[error("--fault `{spec}`: the {what} must be a whole number, not `{value}`")]
     Target {
@@ -111,6 +123,7 @@ pub fn parse(spec: &str) -> Result<Fault, SpecError> {
         "kill" => Kind::Kill,
         "term" => Kind::Term,
         "kill-rank" => Kind::KillRank,
+        "stop-rank" => Kind::StopRank,
         "" => return Err(shape()),
         other => {
             return Err(SpecError::Kind {
@@ -144,7 +157,7 @@ pub fn check(fault: &Fault, nnodes: u32, world: u32) -> Result<(), SpecError> {
             node: fault.target,
             nnodes,
         }),
-        Kind::KillRank if fault.target >= world => Err(SpecError::NoSuchRank {
+        Kind::KillRank | Kind::StopRank if fault.target >= world => Err(SpecError::NoSuchRank {
             spec,
             rank: fault.target,
             world,
@@ -208,6 +221,10 @@ mod tests {
                 spec: "stop:0@3".into(),
                 kind: "stop".into()
             })
+        );
+        assert_eq!(
+            parse("stop-rank:2@3").map(|f| (f.kind, f.to_string())),
+            Ok((Kind::StopRank, "stop-rank:2@3".into()))
         );
         let err = parse("kill:x@3").unwrap_err();
         assert_eq!(
