@@ -297,7 +297,8 @@ pub struct Config {
     pub hang: crate::watch::hang::Policy,
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
     /// scripts that do not use the helper (`python/muster_autoreport.py`).
-    pub auto_step_reports: bool,
+    pub auto_step_reports: bool,    /// `--straggler-threshold`, `--straggler-action`, `--straggler-interval`.
+    pub straggler: crate::watch::straggler::Settings,
 }
 
 impl Config {
@@ -345,6 +346,7 @@ impl Config {
             network_check: crate::netcheck::Settings::default_for(1),
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
+            straggler: crate::watch::straggler::Settings::default(),
         }
     }
 }
