@@ -34,10 +34,11 @@ SLOW_NODE_EXCLUDED = 210
 def dry_run(slow_rank, seconds, *extra, nnodes="3", timeout=150):
     cmd = [muster_bin(), "dry-run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-conf", CONF, *FAST, *extra, SCRIPT, str(slow_rank), str(seconds)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # One stream, so that the order of the agents' lines and the ranks' output is kept.
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=muster_env(), start_new_session=True)
-    out, err = finish(p, timeout)
-    return p.returncode, out + err
+    out, _ = finish(p, timeout)
+    return p.returncode, out
 
 
 def findings(text):
@@ -72,8 +73,7 @@ def test_a_healthy_gang_names_nobody():
 
 @pytest.mark.timeout(180)
 def test_the_slow_node_leaves_with_210_and_the_gang_finishes_without_it():
-    code, text = dry_run(2, 30, "--straggler-action", "exclude", "--max-restarts", "2",
-                         nnodes="2:3", timeout=170)
+    code, text = dry_run(2, 14, "--straggler-action", "exclude", nnodes="2:3", timeout=170)
     assert code == SLOW_NODE_EXCLUDED, text
     assert re.search(r"^\[node 2\]\s+ERROR straggler node: node 2 \(\S+\) leaves the gang "
                      r"\(exit 210\) so that it re-forms without it: rank 2 ", text, re.M), text
@@ -128,10 +128,8 @@ def test_a_throttled_gpu_is_named_with_its_index_clocks_and_reason(tmp_path):
             and "used by local rank 1 (rank 1): GPU 1 clocks 1,110 MHz of 1,980 MHz, "
                 "throttled: hw_slowdown (97 % busy)" in named[0]), named[0]
     assert "slow gpu: GPU 1 (" in gangz, gangz
-    assert re.search(r'muster_straggler_finding_info\{[^}]*gpu="1"[^}]*kind="gpu"', metrics) \
-        or re.search(r'muster_straggler_finding_info\{[^}]*kind="gpu"[^}]*gpu="1"', metrics) \
-        or 'gpu="1"' in next((l for l in metrics.splitlines()
-                             if l.startswith("muster_straggler_finding_info{")), ""), metrics
+    info = [l for l in metrics.splitlines() if l.startswith("muster_straggler_finding_info{")]
+    assert len(info) == 1 and 'kind="gpu"' in info[0] and 'gpu="1"' in info[0], metrics
     assert "muster_straggler_findings 1" in metrics, metrics
     # The other GPUs are not named.
     assert not any(f"GPU {i} (" in l for l in named for i in (0, 2, 3, 4, 5, 6, 7)), named

@@ -252,6 +252,18 @@ async fn run(parts: Parts, ctx: Ctx) {
         let own = sampler.figures(ctx.node_rank, &readings);
         let all = exchange.figures(&own).await;
         let judged = tracker.judge(threshold, ctx.node_rank, &all);
+        if !judged.ratios.is_empty() {
+            let ratios: Vec<String> = judged
+                .ratios
+                .iter()
+                .map(|(_, rank, ratio)| format!("rank {rank} {ratio:.2}x"))
+                .collect();
+            debug!(
+                "straggler interval: {} ranks compared; {}",
+                all.len(),
+                ratios.join(", ")
+            );
+        }
         let samples: Vec<GpuSample> = parts
             .gpus
             .as_ref()
