@@ -89,47 +89,52 @@ def scrape(port, path):
         return r.read().decode()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(150)
 def test_a_throttled_gpu_is_named_with_its_index_clocks_and_reason(tmp_path):
-    """One node, two CPU ranks; the fake NVML's GPU 1 runs at 1,110 of 1,980 MHz with
-    HW_SLOWDOWN: named once with index, clocks and reason, on /gangz and in the metrics."""
+    """One node, three CPU ranks, local rank 1 doing 3x the compute; the fake NVML's GPU 1 runs
+    at 1,110 of 1,980 MHz with HW_SLOWDOWN. The GPU is named once on its own (index, clocks,
+    reason), the slow rank's finding carries its GPU's evidence, and /gangz and the metrics
+    show both."""
     port = free_port()
-    ctl = tmp_path / "ctl"
-    ctl.mkdir()
     env = muster_env({
         "MUSTER_NVML_LIBRARY": fake_nvml(),
         "MUSTER_FAKE_NVML_FIXTURE": str(WATCH / "throttled-gpu1-hw-slowdown.json"),
     })
     p = subprocess.Popen(
-        [muster_bin(), "--gpu-watch-interval", "0.2", "--nproc-per-node", "2",
-         "--metrics-addr", f"127.0.0.1:{port}", *FAST, SCRIPT, "-1", "60"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [muster_bin(), "--gpu-watch-interval", "0.2", "--nproc-per-node", "3",
+         "--metrics-addr", f"127.0.0.1:{port}", *FAST, SCRIPT, "1", "90"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     lines = []
     try:
         for line in p.stderr:
             lines.append(line)
-            if "WARN slow GPU:" in line:
+            if any("WARN slow GPU:" in l for l in lines) and any("WARN slow rank:" in l for l in lines):
                 break
         gangz = scrape(port, "/gangz")
         metrics = scrape(port, "/metrics")
     finally:
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
     text = "".join(lines)
     uuid, bus = identity(1)
-    named = [l for l in lines if "WARN slow GPU:" in l]
-    assert len(named) == 1, text
-    assert (f"slow GPU: GPU 1 ({uuid}, {bus}) on node 0 (" in named[0]
-            and "used by local rank 1 (rank 1): GPU 1 clocks 1,110 MHz of 1,980 MHz, "
-                "throttled: hw_slowdown (97 % busy)" in named[0]), named[0]
-    assert "slow gpu: GPU 1 (" in gangz, gangz
+    evidence = "GPU 1 clocks 1,110 MHz of 1,980 MHz, throttled: hw_slowdown (97 % busy)"
+    gpu = [l for l in lines if "WARN slow GPU:" in l]
+    assert len(gpu) == 1, text
+    assert f"slow GPU: GPU 1 ({uuid}, {bus}) on node 0 (" in gpu[0], gpu[0]
+    assert f"used by local rank 1 (rank 1): {evidence}" in gpu[0], gpu[0]
+    rank = [l for l in lines if "WARN slow rank:" in l]
+    assert len(rank) == 1, text
+    assert re.search(r"slow rank: rank 1 \(node 0, host \S+, local rank 1, GPU 1\) computes "
+                     r"\d+\.\dx longer per step than the gang median .*; " + re.escape(evidence),
+                     rank[0]), rank[0]
+    assert "slow gpu: GPU 1 (" in gangz and "slow rank: rank 1 (" in gangz, gangz
+    assert gangz.startswith("gang running\n"), gangz
     info = [l for l in metrics.splitlines() if l.startswith("muster_straggler_finding_info{")]
-    assert len(info) == 1 and 'kind="gpu"' in info[0] and 'gpu="1"' in info[0], metrics
-    assert "muster_straggler_findings 1" in metrics, metrics
-    # The other GPUs are not named.
-    assert not any(f"GPU {i} (" in l for l in named for i in (0, 2, 3, 4, 5, 6, 7)), named
+    assert len(info) == 2, metrics
+    assert any('kind="gpu"' in l and 'gpu="1"' in l for l in info), info
+    assert any('kind="rank"' in l and 'rank="1"' in l and 'gpu="1"' in l for l in info), info
+    assert "muster_straggler_findings 2" in metrics, metrics
+    ratio = [l for l in metrics.splitlines()
+             if l.startswith("muster_straggler_slowness_ratio{") and 'local_rank="1"' in l]
+    assert len(ratio) == 1 and float(ratio[0].rsplit(" ", 1)[1]) > 1.0, metrics
