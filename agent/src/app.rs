@@ -177,7 +177,13 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         metrics.attach_gpu_watch(watch.clone());
         launch = launch.with_gpu_watch(watch.clone());
     }
-    launch = watch_stragglers(launch, hang_watch, &preemption, gpu_watch.as_ref(), &metrics);
+    launch = watch_stragglers(
+        launch,
+        hang_watch,
+        &preemption,
+        gpu_watch.as_ref(),
+        &metrics,
+    );
     let launch = metrics::agent::meter_rendezvous(launch, gang, &metrics);
     metrics.advance_readiness(if hosts_rendezvous {
         Readiness::HostingStore

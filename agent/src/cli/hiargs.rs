@@ -651,7 +651,9 @@ fn straggler(
         }
         settings.interval = interval;
     }
-    if settings.action == Action::Exclude && settings.threshold.is_some() && nnodes.min == nnodes.max
+    if settings.action == Action::Exclude
+        && settings.threshold.is_some()
+        && nnodes.min == nnodes.max
     {
         warnings.push(format!(
             "--straggler-action exclude needs --nnodes MIN:MAX (a gang that can re-form without a node); with --nnodes {} a slow node is named, not excluded",

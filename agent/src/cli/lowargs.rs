@@ -397,7 +397,7 @@ pub fn help_text() -> String {
          202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n\
          lost; 206 internal error; 207 a rank hung and the restarts were spent; 208 network check\n\
-         failed.\n",
+         failed; 210 a straggler node left the gang (--straggler-action exclude).\n",
     );
     out
 }

@@ -297,7 +297,8 @@ pub struct Config {
     pub hang: crate::watch::hang::Policy,
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
     /// scripts that do not use the helper (`python/muster_autoreport.py`).
-    pub auto_step_reports: bool,    /// `--straggler-threshold`, `--straggler-action`, `--straggler-interval`.
+    pub auto_step_reports: bool,
+    /// `--straggler-threshold`, `--straggler-action`, `--straggler-interval`.
     pub straggler: crate::watch::straggler::Settings,
 }
 

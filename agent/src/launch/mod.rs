@@ -547,8 +547,8 @@ impl Launch {
             gpu_watch.as_ref(),
             leave.as_ref(),
         )
-            .await
-            .map_err(|e| e.naming_log_dir(&config.logs));
+        .await
+        .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
             // The gang's root cause, when it is another node's: named first, on every node.
             let elsewhere = rendezvous

@@ -62,7 +62,12 @@ fn families(board: &Board, descs: &[Desc]) -> Vec<MetricFamily> {
         out.push(family(RATIO, help(descs, RATIO), MetricType::GAUGE, ratios));
     }
     if !info.is_empty() {
-        out.push(family(FINDING, help(descs, FINDING), MetricType::GAUGE, info));
+        out.push(family(
+            FINDING,
+            help(descs, FINDING),
+            MetricType::GAUGE,
+            info,
+        ));
     }
     out.push(family(
         FINDINGS,

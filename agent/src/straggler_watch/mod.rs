@@ -285,7 +285,14 @@ async fn run(parts: Parts, ctx: Ctx) {
             );
         }
         gpus.look(&ctx, &samples);
-        publish(&parts.board, &ctx, &judged.ratios, &tracker, &gpus, &samples);
+        publish(
+            &parts.board,
+            &ctx,
+            &judged.ratios,
+            &tracker,
+            &gpus,
+            &samples,
+        );
         if let (Some(finding), Action::Exclude) = (&judged.sustained, parts.settings.action) {
             let what = format!(
                 "{}{finding}",
@@ -361,7 +368,9 @@ fn straggler_throttle_mask() -> u64 {
 /// `GPU 1 clocks 1,110 MHz of 1,980 MHz, throttled: hw_slowdown`.
 fn describe_gpu(g: &GpuSample) -> String {
     let clocks = match (g.sm_clock_mhz, g.sm_clock_max_mhz) {
-        (Some(now), Some(max)) => format!(" clocks {} MHz of {} MHz,", thousands(now), thousands(max)),
+        (Some(now), Some(max)) => {
+            format!(" clocks {} MHz of {} MHz,", thousands(now), thousands(max))
+        }
         (Some(now), None) => format!(" clocks {} MHz,", thousands(now)),
         _ => String::new(),
     };
@@ -508,7 +517,11 @@ fn publish(
 async fn read_ranks(ctx: &Ctx, reports: &[RankWatch]) -> Vec<Reading> {
     let exited = ctx.exited.borrow().clone();
     let mut out = Vec::with_capacity(ctx.workers.len());
-    for w in ctx.workers.iter().filter(|w| !exited.contains(&w.local_rank)) {
+    for w in ctx
+        .workers
+        .iter()
+        .filter(|w| !exited.contains(&w.local_rank))
+    {
         let report = reports
             .iter()
             .find(|r| r.local_rank == w.local_rank && r.connected_at >= ctx.started);
@@ -640,6 +653,9 @@ mod tests {
             throttle_reasons: Some(0x1),
             ..g
         };
-        assert!(gpu_evidence(&[idle_only], 1).is_none(), "gpu_idle is not watched");
+        assert!(
+            gpu_evidence(&[idle_only], 1).is_none(),
+            "gpu_idle is not watched"
+        );
     }
 }

@@ -409,7 +409,8 @@ mod tests {
 
     #[test]
     fn cpu_ticks_read_past_a_command_with_spaces() {
-        let stat = "4242 (py thon (x)) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 17 0 0 20 0 3 0 100 0 0";
+        let stat =
+            "4242 (py thon (x)) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 17 0 0 20 0 3 0 100 0 0";
         assert_eq!(cpu_ticks(stat), Some(267));
         assert_eq!(cpu_ticks("garbage"), None);
     }
@@ -426,13 +427,19 @@ mod tests {
         assert!(s.figures(1, &[r(None, 10)]).is_empty());
         assert!(s.figures(1, &[r(Some(1), 20)]).is_empty(), "first look");
         assert!(s.figures(1, &[r(Some(4), 50)]).is_empty(), "warm-up");
-        assert!(s.figures(1, &[r(Some(6), 70)]).is_empty(), "from step 4: warm-up");
+        assert!(
+            s.figures(1, &[r(Some(6), 70)]).is_empty(),
+            "from step 4: warm-up"
+        );
         let f = s.figures(1, &[r(Some(10), 110)]);
         assert_eq!(f.len(), 1);
         assert_eq!((f[0].node_rank, f[0].rank, f[0].steps), (1, 4, 4));
         assert!((f[0].cpu_per_step - 0.1).abs() < 1e-9);
         assert!(s.figures(1, &[r(Some(10), 150)]).is_empty(), "no step");
-        assert!(s.figures(1, &[r(Some(2), 160)]).is_empty(), "step went back");
+        assert!(
+            s.figures(1, &[r(Some(2), 160)]).is_empty(),
+            "step went back"
+        );
     }
 
     #[test]
@@ -460,7 +467,9 @@ mod tests {
         let finding = &j.found[0];
         assert_eq!(finding.rank, 2);
         assert!((finding.ratio - 2.9 / 1.1).abs() < 1e-6);
-        assert!(finding.to_string().starts_with("computes 2.6x longer per step"));
+        assert!(finding
+            .to_string()
+            .starts_with("computes 2.6x longer per step"));
         // Other nodes' ranks are theirs to name.
         assert!(t.judge(1.5, 0, &gang(0.3)).found.is_empty());
         // Between the clear ratio (1.25) and the threshold it stands; below it clears after three.
@@ -477,7 +486,11 @@ mod tests {
         let mut t = Tracker::default();
         for i in 0..50 {
             let jitter = f64::from(i % 5) * 0.02;
-            let gang = [fig(0, 0.1 + jitter), fig(1, 0.12 - jitter / 2.0), fig(2, 0.11)];
+            let gang = [
+                fig(0, 0.1 + jitter),
+                fig(1, 0.12 - jitter / 2.0),
+                fig(2, 0.11),
+            ];
             for node in 0..3 {
                 let j = t.judge(1.5, node, &gang);
                 assert!(j.found.is_empty(), "{j:?}");

@@ -827,7 +827,10 @@ mod tests {
         t.observe_line(Instant::now(), &format!(" WARN {msg}"), LogFormat::Text);
         let entries = t.entries();
         assert_eq!(entries[0].1.kind(), "straggler");
-        assert!(entries[0].1.to_string().starts_with("straggler: rank 2 (node 2"));
+        assert!(entries[0]
+            .1
+            .to_string()
+            .starts_with("straggler: rank 2 (node 2"));
     }
 
     #[test]
