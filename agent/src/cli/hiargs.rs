@@ -1087,6 +1087,55 @@ mod tests {
     }
 
     #[test]
+    fn the_straggler_flags() {
+        use crate::watch::straggler::{Action, DEFAULT_INTERVAL, DEFAULT_THRESHOLD};
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.straggler.threshold, Some(DEFAULT_THRESHOLD));
+        assert_eq!(c.straggler.action, Action::Warn);
+        assert_eq!(c.straggler.interval, DEFAULT_INTERVAL);
+        let c = build_with(
+            &[
+                "--nnodes",
+                "2:3",
+                "--straggler-threshold",
+                "2",
+                "--straggler-action",
+                "exclude",
+                "train.py",
+            ],
+            &[PATH, ("MUSTER_STRAGGLER_INTERVAL", "0.5")],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.straggler.threshold, Some(2.0));
+        assert_eq!(c.straggler.action, Action::Exclude);
+        assert_eq!(c.straggler.interval, Duration::from_millis(500));
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        // A fixed gang cannot re-form without the node: named, not excluded, and said so.
+        let c = build_with(
+            &["--nnodes", "3", "--straggler-action", "exclude", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert!(
+            c.warnings[0].contains("--straggler-action exclude needs --nnodes MIN:MAX"),
+            "{:?}",
+            c.warnings
+        );
+        let c = build_with(&["--straggler-threshold", "0", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.straggler.threshold, None);
+        for bad in [
+            &["--straggler-threshold", "0.9", "train.py"][..],
+            &["--straggler-action", "kill", "train.py"][..],
+            &["--straggler-interval", "0", "train.py"][..],
+        ] {
+            let err = build_with(bad, &[PATH], 0).unwrap_err();
+            assert!(err.0.contains(bad[0]), "{err}");
+        }
+    }
+
+    #[test]
     fn auto_step_reports_are_on_unless_switched_off() {
         let c = build_with(&["train.py"], &[PATH], 0).unwrap();
         assert!(c.auto_step_reports);

@@ -600,13 +600,13 @@ impl Exchange {
         let Some(addr) = self.store else {
             return Ok(Vec::new());
         };
-        let client = match &mut self.client {
-            Some(c) => c,
-            None => {
-                let mut c = Client::connect(addr, STORE_TIMEOUT).await?;
-                c.set_timeout(STORE_TIMEOUT);
-                self.client.insert(c)
-            }
+        if self.client.is_none() {
+            let mut c = Client::connect(addr, STORE_TIMEOUT).await?;
+            c.set_timeout(STORE_TIMEOUT);
+            self.client = Some(c);
+        }
+        let Some(client) = self.client.as_mut() else {
+            return Ok(Vec::new());
         };
         client
             .set(

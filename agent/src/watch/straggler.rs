@@ -210,15 +210,18 @@ pub fn median(values: &[f64]) -> Option<f64> {
 /// <cpu_us_per_step>` per rank. `seq` grows with every interval, so a reader can tell a node
 /// that stopped publishing (its figures are not compared again).
 pub fn encode(seq: u64, figures: &[Figure]) -> Vec<u8> {
+    use std::fmt::Write as _;
     let mut text = format!("{seq}\n");
     for f in figures {
-        text.push_str(&format!(
-            "{} {} {} {}\n",
+        // Writing into a String cannot fail.
+        let _ = writeln!(
+            text,
+            "{} {} {} {}",
             f.local_rank,
             f.rank,
             f.steps,
             (f.cpu_per_step * 1e6).round() as u64
-        ));
+        );
     }
     text.into_bytes()
 }

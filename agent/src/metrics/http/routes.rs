@@ -283,7 +283,7 @@ fn gangz(metrics: &Metrics) -> Reply {
     let findings: String = metrics
         .straggler_findings()
         .iter()
-        .map(|f| format!("{f}\n"))
+        .flat_map(|f| [f.as_str(), "\n"])
         .collect();
     if metrics.is_gang_running() {
         Reply::text(200, format!("gang running\n{findings}"))
