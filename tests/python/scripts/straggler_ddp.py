@@ -5,7 +5,10 @@ Every rank does the same compute per step (a chain of matrix products, then the 
 and backward), except rank SLOW_RANK (-1: none), which does FACTOR (default 3) times as much, as a
 rank on a throttled GPU or a starved host would. Rank 0 decides when SECONDS are up and tells the
 others through the step's all-reduce, so every rank stops at the same step. Prints `RESULT rank=R
-world=W steps=S step_ms=M`."""
+world=W steps=S step_ms=M`.
+
+With SLOW_AFTER=SECS in the environment the slow rank turns slow only that long after the start
+and prints `SLOWDOWN at=<unix time>` then (the bench's time-to-finding)."""
 
 import os
 import sys
@@ -30,11 +33,16 @@ model = DDP(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torc
 opt = torch.optim.SGD(model.parameters(), lr=0.001)
 x = torch.randn(32, 128)
 a = torch.randn(256, 256)
-reps = factor if rank == slow_rank else 1
+slow_after = float(os.environ.get("SLOW_AFTER", "0"))
+reps = 1
 started = time.monotonic()
 done = torch.zeros(1)
 steps = 0
 while True:
+    if rank == slow_rank and reps == 1 and time.monotonic() - started >= slow_after:
+        reps = factor
+        if slow_after > 0:
+            print(f"SLOWDOWN at={time.time():.3f}", flush=True)
     for _ in range(reps):
         b = a
         for _ in range(12):
