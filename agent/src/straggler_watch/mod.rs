@@ -118,6 +118,15 @@ impl Board {
     }
 }
 
+/// Empties the board when an attempt's watch ends.
+struct ClearOnDrop(Board);
+
+impl Drop for ClearOnDrop {
+    fn drop(&mut self) {
+        self.0.set(Vec::new(), Vec::new());
+    }
+}
+
 /// The straggler watch around the hang watch: one [`Watchdog`] for the launch loop, whose
 /// verdicts are the inner watch's (a straggler is not a hang).
 pub struct StragglerWatch {
@@ -245,7 +254,8 @@ async fn run(parts: Parts, ctx: Ctx) {
     let mut exchange = Exchange::new(&ctx);
     let mut gpus = GpuTracker::default();
     let mut told_cannot_leave = false;
-    parts.board.set(Vec::new(), Vec::new());
+    // An attempt's findings end with it (the next one starts over, with new ranks).
+    let _clear = ClearOnDrop(parts.board.clone());
     loop {
         ticks.tick().await;
         let readings = read_ranks(&ctx, &parts.view.ranks()).await;
