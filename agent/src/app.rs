@@ -126,7 +126,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         .with_worker_env(checkpoint::FRAMEWORK_CALLBACKS_ENV, framework_callbacks)
         .with_worker_env(checkpoint::local::AUTO_STEP_REPORTS_ENV, auto_step_reports)
         .on_terminate(preemption.terminate_hook());
-    launch = watch_hangs(launch, &preemption, &metrics);
+    let (mut launch, hang_watch) = watch_hangs(launch, &preemption, &metrics);
     launch = hold_foreign_signals(launch, &preemption);
     if let Some(dir) = preemption.writable_base().and_then(|base| {
         crate::scratch::workers_tmpdir(
@@ -181,6 +181,13 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         metrics.attach_gpu_watch(watch.clone());
         launch = launch.with_gpu_watch(watch.clone());
     }
+    launch = watch_stragglers(
+        launch,
+        hang_watch,
+        &preemption,
+        gpu_watch.as_ref(),
+        &metrics,
+    );
     let launch = metrics::agent::meter_rendezvous(launch, gang, &metrics);
     metrics.advance_readiness(if hosts_rendezvous {
         Readiness::HostingStore
@@ -230,16 +237,48 @@ async fn preflight(
 
 /// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
 /// helper's `faulthandler` fallback writes (the helper's own private directory). Its view of the
-/// running ranks is what `GET /debug/stacks` reads.
-fn watch_hangs(launch: Launch, preemption: &Preemption, metrics: &Metrics) -> Launch {
+/// running ranks is what `GET /debug/stacks` reads. Returns the watch too, for the straggler
+/// watch to wrap.
+fn watch_hangs(
+    launch: Launch,
+    preemption: &Preemption,
+    metrics: &Metrics,
+) -> (Launch, std::sync::Arc<dyn crate::launch::Watchdog>) {
     let policy = launch.config().hang;
     let watch = crate::hang_watch::HangWatch::new(policy, preemption.progress_view());
     metrics.attach_stacks(std::sync::Arc::new(watch.stacks_source()));
-    let mut launch = launch.with_watchdog(std::sync::Arc::new(watch));
+    let watch: std::sync::Arc<dyn crate::launch::Watchdog> = std::sync::Arc::new(watch);
+    let mut launch = launch.with_watchdog(watch.clone());
     if let Some(dir) = preemption.helper_dir() {
         launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
     }
+    (launch, watch)
+}
+
+/// Plugs the straggler watch around the hang watch: the same step reports, the GPU watch's
+/// evidence, its findings on the metrics and `/gangz`, and its request to leave (`exclude`).
+fn watch_stragglers(
+    launch: Launch,
+    hang_watch: std::sync::Arc<dyn crate::launch::Watchdog>,
+    preemption: &Preemption,
+    gpu_watch: Option<&crate::gpu::watch::Watch>,
+    metrics: &Metrics,
+) -> Launch {
+    let config = launch.config();
+    let mut watch = crate::straggler_watch::StragglerWatch::new(
+        config.straggler,
+        preemption.progress_view(),
+        config.nnodes.min,
+        hang_watch,
+    );
+    if let Some(gpus) = gpu_watch {
+        watch = watch.with_gpus(gpus.clone());
+    }
+    metrics.attach_stragglers(watch.board());
+    let leave = watch.leave();
     launch
+        .with_watchdog(std::sync::Arc::new(watch))
+        .with_leave(leave)
 }
 
 /// Under Slurm every process of the step gets Slurm's signals: the ranks that take part in the

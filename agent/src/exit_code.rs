@@ -19,6 +19,7 @@
 //! | 206 | internal agent error |
 //! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
 //! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
+//! | 210 | this node was found a straggler for a sustained period and left the gang (`--straggler-action exclude`) |
 //! | 220 | `muster dry-run --chaos` only: the job finished, but a strike was not recovered within `--chaos-recovery-bound` |
 
 /// Everything succeeded.
@@ -52,6 +53,11 @@ pub const HUNG: u8 = 207;
 /// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
 /// with it while the others train on).
 pub const NETWORK_CHECK_FAILED: u8 = 208;
+/// A rank of this node held the gang back for a sustained period (the straggler watch,
+/// `--straggler-action exclude` with `--nnodes MIN:MAX`): the node stopped its workers and left,
+/// so the gang re-forms without it. A failure policy can `Ignore` it (the job goes on without
+/// the node) or count it, and the operator cordons the node.
+pub const SLOW_NODE_EXCLUDED: u8 = 210;
 /// `muster dry-run --chaos` only (an agent never exits with it): the job finished, but a strike
 /// was not recovered within `--chaos-recovery-bound`. Set apart from the agents' sequential codes
 /// (200 up) so that a new agent outcome never takes it, and above every 128+N a real signal makes.
@@ -117,6 +123,7 @@ mod tests {
             INTERNAL_ERROR,
             HUNG,
             NETWORK_CHECK_FAILED,
+            SLOW_NODE_EXCLUDED,
         ];
         for (i, a) in reserved.iter().enumerate() {
             assert!(*a > 192, "{a} collides with 128+signal");

@@ -31,6 +31,10 @@
 //!   watchdog over the helper's step reports) on top of [`watch`] (a foundation: the pure hang
 //!   decisions, reading ranks' Python stacks with py-spy or faulthandler, the gang-wide notice key,
 //!   OOM kills from the memory cgroup).
+//! - [`straggler_watch`] (a part of the launch, like [`hang_watch`], which it wraps): names the
+//!   rank or GPU that holds the gang back (CPU time per step against the gang's median through
+//!   the attempt's store, GPU throttling), and under `--straggler-action exclude` makes a node
+//!   that stays slow leave (exit 210).
 #![deny(unsafe_code)]
 
 pub mod app;
@@ -49,6 +53,7 @@ pub mod metrics;
 pub mod netcheck;
 pub mod scratch;
 pub mod slurm;
+pub mod straggler_watch;
 pub mod sys;
 pub mod watch;
 

@@ -428,7 +428,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             && rdzv_endpoint.is_empty()
             && master_port.is_none()
             && nnodes.max == 1);
-    let warnings = if explicit_standalone {
+    let mut warnings = if explicit_standalone {
         standalone_conflicts(low, nnodes)?
     } else {
         Vec::new()
@@ -499,6 +499,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
                 .ok_or_else(|| bad(raw, flag, "expected on or off (or 1/0, true/false, yes/no)")),
         }
     };
+    let straggler = straggler(low, nnodes, &mut warnings)?;
     let framework_callbacks = on_off("framework-callbacks")?;
     let auto_step_reports = on_off("auto-step-reports")?;
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
@@ -615,7 +616,52 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         hang,
         auto_step_reports,
         slurm: None,
+        straggler,
     })
+}
+
+/// `--straggler-threshold`, `--straggler-action`, `--straggler-interval`. `exclude` in a
+/// fixed-size gang has nowhere to go (the gang cannot re-form without the node): it names the
+/// rank as `warn` does, and says so at start.
+fn straggler(
+    low: &LowArgs,
+    nnodes: NodeRange,
+    warnings: &mut Vec<String>,
+) -> Result<crate::watch::straggler::Settings, ConfigError> {
+    use crate::watch::straggler::{Action, Settings};
+    let mut settings = Settings::default();
+    if let Some(raw) = get(low, "straggler-threshold") {
+        settings.threshold = Settings::parse_threshold(&raw.value)
+            .map_err(|why| bad(raw, "straggler-threshold", why))?;
+    }
+    if let Some(raw) = get(low, "straggler-action") {
+        settings.action =
+            Action::parse(&raw.value).map_err(|why| bad(raw, "straggler-action", why))?;
+    }
+    if let Some(interval) = parse_duration(low, "straggler-interval")? {
+        if interval.is_zero() {
+            let raw = get(low, "straggler-interval");
+            return Err(match raw {
+                Some(raw) => bad(
+                    raw,
+                    "straggler-interval",
+                    "expected seconds above 0 (--straggler-threshold 0 turns the watch off)",
+                ),
+                None => ConfigError("--straggler-interval must be above 0".to_owned()),
+            });
+        }
+        settings.interval = interval;
+    }
+    if settings.action == Action::Exclude
+        && settings.threshold.is_some()
+        && nnodes.min == nnodes.max
+    {
+        warnings.push(format!(
+            "--straggler-action exclude needs --nnodes MIN:MAX (a gang that can re-form without a node); with --nnodes {} a slow node is named, not excluded",
+            nnodes.max
+        ));
+    }
+    Ok(settings)
 }
 
 /// `--network-check`, `--network-check-budget` and `--network-check-conf` (default: `warn`
@@ -1039,6 +1085,55 @@ mod tests {
         let err =
             build_with(&["--gpu-release-timeout", "soon", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--gpu-release-timeout"), "{err}");
+    }
+
+    #[test]
+    fn the_straggler_flags() {
+        use crate::watch::straggler::{Action, DEFAULT_INTERVAL, DEFAULT_THRESHOLD};
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.straggler.threshold, Some(DEFAULT_THRESHOLD));
+        assert_eq!(c.straggler.action, Action::Warn);
+        assert_eq!(c.straggler.interval, DEFAULT_INTERVAL);
+        let c = build_with(
+            &[
+                "--nnodes",
+                "2:3",
+                "--straggler-threshold",
+                "2",
+                "--straggler-action",
+                "exclude",
+                "train.py",
+            ],
+            &[PATH, ("MUSTER_STRAGGLER_INTERVAL", "0.5")],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.straggler.threshold, Some(2.0));
+        assert_eq!(c.straggler.action, Action::Exclude);
+        assert_eq!(c.straggler.interval, Duration::from_millis(500));
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        // A fixed gang cannot re-form without the node: named, not excluded, and said so.
+        let c = build_with(
+            &["--nnodes", "3", "--straggler-action", "exclude", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert!(
+            c.warnings[0].contains("--straggler-action exclude needs --nnodes MIN:MAX"),
+            "{:?}",
+            c.warnings
+        );
+        let c = build_with(&["--straggler-threshold", "0", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.straggler.threshold, None);
+        for bad in [
+            &["--straggler-threshold", "0.9", "train.py"][..],
+            &["--straggler-action", "kill", "train.py"][..],
+            &["--straggler-interval", "0", "train.py"][..],
+        ] {
+            let err = build_with(bad, &[PATH], 0).unwrap_err();
+            assert!(err.0.contains(bad[0]), "{err}");
+        }
     }
 
     #[test]

@@ -303,6 +303,8 @@ pub struct Config {
     /// did not come from the agent ([`crate::slurm::HOLD_ENV`]), since Slurm signals every
     /// process of the step, and makes a lost store host final (no replacement comes in a step).
     pub slurm: Option<String>,
+    /// `--straggler-threshold`, `--straggler-action`, `--straggler-interval`.
+    pub straggler: crate::watch::straggler::Settings,
 }
 
 impl Config {
@@ -351,6 +353,7 @@ impl Config {
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
             slurm: None,
+            straggler: crate::watch::straggler::Settings::default(),
         }
     }
 }

@@ -32,6 +32,7 @@ pub mod config;
 pub mod env;
 pub mod gang_cause;
 mod group;
+pub mod leave;
 pub mod observe;
 pub mod rdzv;
 pub mod reaper;
@@ -253,6 +254,11 @@ pub enum LaunchError {
     /// (`--nnodes MIN:MAX`) re-forms without it.
     #[error("fatal GPU fault: {0}; this node is unhealthy, its workers were stopped")]
     GpuFault(Box<crate::gpu::watch::GpuEvent>),
+    /// A part of the agent asked this node to leave the gang while its workers ran
+    /// ([`leave::Leave`], e.g. a node excluded as a straggler): the workers were stopped and the
+    /// node ends with the part's code.
+    #[error("{}", .0.message)]
+    Left(leave::Departure),
 }
 
 impl LaunchError {
@@ -298,6 +304,7 @@ impl exit_code::Coded for LaunchError {
                 exit_code::UNHEALTHY_GPU
             }
             LaunchError::NetworkCheckFailed(_) => exit_code::NETWORK_CHECK_FAILED,
+            LaunchError::Left(departure) => departure.code,
             LaunchError::Rendezvous(RdzvError::Malformed { .. } | RdzvError::Encode(_))
             | LaunchError::Spawn { .. }
             | LaunchError::Store { .. }
@@ -340,6 +347,7 @@ pub struct Launch {
     watchdog: Option<Arc<dyn Watchdog>>,
     gpu_watch: Option<crate::gpu::watch::Watch>,
     private_dir: Option<Arc<crate::scratch::ScratchDir>>,
+    leave: Option<leave::Leave>,
 }
 
 /// Variables for one rank of one attempt, computed just before it starts:
@@ -360,6 +368,7 @@ impl Launch {
             watchdog: None,
             gpu_watch: None,
             private_dir: None,
+            leave: None,
         }
     }
 
@@ -377,6 +386,14 @@ impl Launch {
     #[must_use]
     pub fn with_gpu_watch(mut self, watch: crate::gpu::watch::Watch) -> Self {
         self.gpu_watch = Some(watch);
+        self
+    }
+
+    /// Stops the workers and ends the launch with [`LaunchError::Left`] when a part asks this
+    /// node to leave through `leave`.
+    #[must_use]
+    pub fn with_leave(mut self, leave: leave::Leave) -> Self {
+        self.leave = Some(leave);
         self
     }
 
@@ -455,6 +472,7 @@ impl Launch {
             watchdog,
             gpu_watch,
             private_dir,
+            leave,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -523,9 +541,15 @@ impl Launch {
             rank_env,
             watchdog,
         };
-        let result = attempts(&spec, rendezvous.as_mut(), &stop, gpu_watch.as_ref())
-            .await
-            .map_err(|e| e.naming_log_dir(&config.logs));
+        let result = attempts(
+            &spec,
+            rendezvous.as_mut(),
+            &stop,
+            gpu_watch.as_ref(),
+            leave.as_ref(),
+        )
+        .await
+        .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
             // The gang's root cause, when it is another node's: named first, on every node.
             let elsewhere = rendezvous
@@ -601,6 +625,22 @@ async fn gpu_fault(watch: Option<&crate::gpu::watch::Watch>) -> crate::gpu::watc
     }
 }
 
+/// Resolves with the first request to leave; never without a handle.
+async fn left(leave: Option<&leave::Leave>) -> leave::Departure {
+    match leave {
+        Some(leave) => leave.requested().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// [`LaunchError::Left`] when a part asked this node to leave.
+fn check_leave(leave: Option<&leave::Leave>) -> Result<(), LaunchError> {
+    match leave.and_then(leave::Leave::current) {
+        Some(departure) => Err(LaunchError::Left(departure)),
+        None => Ok(()),
+    }
+}
+
 /// [`LaunchError::GpuFault`] when the watch has seen a fatal fault.
 fn check_gpus(watch: Option<&crate::gpu::watch::Watch>) -> Result<(), LaunchError> {
     match watch.and_then(crate::gpu::watch::Watch::current_fault) {
@@ -614,6 +654,7 @@ async fn attempts(
     rendezvous: &mut dyn Rendezvous,
     stop: &StopRequest,
     gpu_watch: Option<&crate::gpu::watch::Watch>,
+    leave: Option<&leave::Leave>,
 ) -> Result<Outcome, LaunchError> {
     let config = &spec.config;
     let mut restart_count = 0;
@@ -664,6 +705,11 @@ async fn attempts(
                     attempt_stop.request(Signal::SIGTERM);
                     group.await
                 }
+                _departure = left(leave) => {
+                    // Reported by `check_leave` once the workers are down.
+                    attempt_stop.request(Signal::SIGTERM);
+                    group.await
+                }
             }
         };
         if let Some(store) = round.store {
@@ -671,6 +717,7 @@ async fn attempts(
         }
         let Attempt { outcome, pids } = attempt?;
         check_gpus(gpu_watch)?;
+        check_leave(leave)?;
         previous = baseline.map(|b| (b, pids));
         match rendezvous.after_group(&outcome, stop).await? {
             Some(AfterGroup::Restart) => {

@@ -49,6 +49,15 @@ impl<S: Clone> Attached<S> {
         }
     }
 
+    /// The attached source, if any.
+    pub(super) fn source(&self) -> Option<S> {
+        self.inner
+            .source
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// Gives the collector its source (a later attach replaces it).
     pub(super) fn attach(&self, source: S) {
         *self

@@ -43,6 +43,7 @@ mod output;
 pub mod script;
 mod stacks;
 mod store;
+mod straggler;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -404,6 +405,7 @@ struct Inner {
     store: Arc<store::StoreCollector>,
     output: Attached<Arc<crate::logs::OutputStats>>,
     gpu: Attached<crate::gpu::watch::Watch>,
+    stragglers: Attached<crate::straggler_watch::Board>,
     host_loss: Attached<Arc<rendezvous::rdzv::recovery::HostLossStats>>,
     checkpoint_tx: Mutex<Option<mpsc::Sender<CheckpointRequest>>>,
     readiness: AtomicU8,
@@ -541,6 +543,7 @@ impl Metrics {
         defs.add(store::SharedStoreCollector(Arc::clone(&store)));
         let output = defs.register(output::collector());
         let gpu = defs.register(gpu::collector());
+        let stragglers = defs.register(straggler::collector());
         let host_loss = defs.register(host_loss::collector());
         #[cfg(target_os = "linux")]
         defs.add(prometheus::process_collector::ProcessCollector::for_self());
@@ -772,6 +775,7 @@ impl Metrics {
             store,
             output,
             gpu,
+            stragglers,
             host_loss,
             checkpoint_tx: Mutex::new(None),
             readiness: AtomicU8::new(Readiness::Starting as u8),
@@ -1274,6 +1278,26 @@ impl Metrics {
     /// (`muster_gpu_*`), built from its latest look at every scrape.
     pub fn attach_gpu_watch(&self, watch: crate::gpu::watch::Watch) {
         self.inner.gpu.attach(watch);
+    }
+
+    /// Exports the straggler watch's ratios and findings (`muster_straggler_*`) and shows its
+    /// findings on `/gangz`.
+    pub fn attach_stragglers(&self, board: crate::straggler_watch::Board) {
+        self.inner.stragglers.attach(board);
+    }
+
+    /// The straggler findings standing now, one line each (`/gangz`).
+    pub fn straggler_findings(&self) -> Vec<String> {
+        self.inner
+            .stragglers
+            .source()
+            .map(|b| {
+                b.findings()
+                    .iter()
+                    .map(|f| format!("slow {}: {}", f.kind, f.what))
+                    .collect()
+            })
+            .unwrap_or_default()
     }
 
     // ---- stacks -------------------------------------------------------------------------------

@@ -184,6 +184,8 @@ pub(super) fn gpu_watch_of_eight() -> crate::gpu::watch::Watch {
             power_watts: Some(350.5),
             temperature_celsius: Some(60 + i),
             throttle_reasons: Some(if i == 3 { 0x40 | 0x1 } else { 0x1 }),
+            sm_clock_mhz: Some(1980),
+            sm_clock_max_mhz: Some(1980),
             ecc_volatile_uncorrected: Some(u64::from(i == 2)),
             row_remap_pending: Some(false),
             recovery_action: Some(0),

@@ -6,6 +6,8 @@
 //!   through the checkpoint helper where memory reads are refused.
 //! - [`gang`]: the store key through which the node that detects a hang tells every other
 //!   node, which dumps its own ranks' stacks too.
+//! - [`straggler`]: the pure straggler decisions — a rank's compute per step against the gang's
+//!   median, with warm-up, hysteresis and a minimum duration.
 //! - [`flight_recorder`]: torch's NCCL flight-recorder variables for the workers, and the dumps
 //!   they left.
 //!
@@ -21,6 +23,7 @@ pub mod flight_recorder;
 pub mod gang;
 pub mod hang;
 pub mod stacks;
+pub mod straggler;
 
 use std::time::Duration;
 

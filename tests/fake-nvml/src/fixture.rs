@@ -83,6 +83,9 @@ pub struct Device {
     pub power: Power,
     /// Names as in NVML's `NVML_CLOCKS_EVENT_REASON_*` without the prefix, lower case.
     pub throttle_reasons: Vec<String>,
+    /// SM clock now and its maximum; absent = `nvmlDeviceGetClockInfo`/`nvmlDeviceGetMaxClockInfo`
+    /// are NOT_SUPPORTED.
+    pub clocks: Option<Clocks>,
     pub pcie: Pcie,
     /// Absent = `nvmlDeviceGetGpuFabricInfo` is NOT_SUPPORTED (no NVSwitch fabric).
     pub fabric: Option<Fabric>,
@@ -140,6 +143,14 @@ pub struct Power {
     pub usage_mw: u32,
     pub enforced_limit_mw: u32,
     pub default_limit_mw: u32,
+}
+
+/// SM clocks in MHz: a GPU the hardware slows runs well below its maximum.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Clocks {
+    pub sm_mhz: u32,
+    pub sm_max_mhz: u32,
 }
 
 #[derive(Debug, Default, Deserialize)]

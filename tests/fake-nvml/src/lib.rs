@@ -679,6 +679,37 @@ pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksThrottleReasons(
     })
 }
 
+/// `nvmlClockType_t`: only `NVML_CLOCK_SM` (1) is in fixtures.
+const CLOCK_SM: c_uint = 1;
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
+    d: nvmlDevice_t,
+    clock: c_uint,
+    out: *mut c_uint,
+) -> nvmlReturn_t {
+    with_device("nvmlDeviceGetClockInfo", d, |s, i| {
+        match (&dev(s, i).clocks, clock) {
+            (Some(c), CLOCK_SM) => put(out, c.sm_mhz),
+            _ => ERROR_NOT_SUPPORTED,
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetMaxClockInfo(
+    d: nvmlDevice_t,
+    clock: c_uint,
+    out: *mut c_uint,
+) -> nvmlReturn_t {
+    with_device("nvmlDeviceGetMaxClockInfo", d, |s, i| {
+        match (&dev(s, i).clocks, clock) {
+            (Some(c), CLOCK_SM) => put(out, c.sm_max_mhz),
+            _ => ERROR_NOT_SUPPORTED,
+        }
+    })
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
     d: nvmlDevice_t,

@@ -48,6 +48,9 @@ pub enum Said {
     RootCause { attempt: u32, what: String },
     /// `hung: WHAT`: the hang watch named the rank that stopped progressing (the gang stops).
     Hung { what: String },
+    /// `slow rank: WHAT`, `slow GPU: WHAT`, `straggler node: WHAT`: the straggler watch named what
+    /// holds the gang back (or a node leaving because of it).
+    Slow { what: String },
 }
 
 /// The agent's message in one of its output lines (`None` for a worker's line): the `msg` of a
@@ -121,6 +124,13 @@ pub fn classify(msg: &str) -> Option<Said> {
             what: what.to_owned(),
         });
     }
+    for prefix in ["slow rank: ", "slow GPU: ", "straggler node: "] {
+        if let Some(what) = msg.strip_prefix(prefix) {
+            return Some(Said::Slow {
+                what: what.to_owned(),
+            });
+        }
+    }
     msg.strip_prefix("checkpoint aborted: ")
         .map(|reason| Said::Aborted {
             reason: reason.to_owned(),
@@ -187,6 +197,10 @@ pub enum Entry {
     Hung {
         what: String,
     },
+    /// The straggler watch named a slow rank or GPU, or a node left because of one.
+    Slow {
+        what: String,
+    },
     AgentExited {
         node: u32,
         code: u8,
@@ -223,6 +237,7 @@ impl Entry {
             Entry::Aborted { .. } => "aborted",
             Entry::RootCause { .. } => "root_cause",
             Entry::Hung { .. } => "hang",
+            Entry::Slow { .. } => "straggler",
             Entry::AgentExited { .. } => "agent_exited",
             Entry::JobEnded { .. } => "job_ended",
         }
@@ -293,6 +308,7 @@ impl fmt::Display for Entry {
                 write!(f, "root cause of attempt {attempt}: {what}")
             }
             Entry::Hung { what } => write!(f, "hang: {what}"),
+            Entry::Slow { what } => write!(f, "straggler: {what}"),
             Entry::AgentExited { node, code } => {
                 write!(f, "node {node}'s agent exited with {code}")
             }
@@ -494,6 +510,7 @@ impl Timeline {
                 }
             }
             Said::Hung { what } => self.record(at, Entry::Hung { what }),
+            Said::Slow { what } => self.record(at, Entry::Slow { what }),
         }
     }
 
@@ -795,6 +812,25 @@ mod tests {
         );
         assert!(render(entries[0].0, entries[0].1)
             .ends_with(&format!(" s  root cause of attempt 0: {cause}")));
+    }
+
+    #[test]
+    fn a_straggler_finding_is_an_entry() {
+        let msg = "slow rank: rank 2 (node 2, host h, local rank 0) computes 2.9x longer per step than the gang median";
+        assert_eq!(
+            classify(msg),
+            Some(Said::Slow {
+                what: "rank 2 (node 2, host h, local rank 0) computes 2.9x longer per step than the gang median".into()
+            })
+        );
+        let mut t = Timeline::new(Instant::now());
+        t.observe_line(Instant::now(), &format!(" WARN {msg}"), LogFormat::Text);
+        let entries = t.entries();
+        assert_eq!(entries[0].1.kind(), "straggler");
+        assert!(entries[0]
+            .1
+            .to_string()
+            .starts_with("straggler: rank 2 (node 2"));
     }
 
     #[test]

@@ -10,7 +10,7 @@
 use std::time::{Duration, SystemTime};
 
 use nvml_wrapper::bitmasks::event::EventTypes;
-use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError, TemperatureSensor};
+use nvml_wrapper::enum_wrappers::device::{Clock, EccCounter, MemoryError, TemperatureSensor};
 use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
@@ -227,6 +227,8 @@ fn sample(w: &Watched<'_>) -> GpuSample {
         power_watts: reads.get(d.power_usage()).map(|mw| f64::from(mw) / 1000.0),
         temperature_celsius: reads.get(d.temperature(TemperatureSensor::Gpu)),
         throttle_reasons: reads.get(d.current_throttle_reasons()).map(|r| r.bits()),
+        sm_clock_mhz: reads.get(d.clock_info(Clock::SM)),
+        sm_clock_max_mhz: reads.get(d.max_clock_info(Clock::SM)),
         ecc_volatile_uncorrected: reads
             .get(d.total_ecc_errors(MemoryError::Uncorrected, EccCounter::Volatile)),
         row_remap_pending,

@@ -23,6 +23,15 @@ pub const WATCHED_THROTTLE: [(u64, &str); 3] = [
     (THROTTLE_HW_POWER_BRAKE, "hw_power_brake_slowdown"),
 ];
 
+/// The names of the watched throttle reasons set in `bits` (`hw_slowdown`, ...).
+pub fn throttle_names(bits: u64) -> Vec<&'static str> {
+    WATCHED_THROTTLE
+        .iter()
+        .filter(|(bit, _)| bits & bit != 0)
+        .map(|(_, name)| *name)
+        .collect()
+}
+
 /// Which GPU: the NVML index and the two names that outlive a renumbering.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GpuId {
@@ -69,6 +78,9 @@ pub struct GpuSample {
     pub temperature_celsius: Option<u32>,
     /// `NVML_CLOCKS_EVENT_REASON_*` bits.
     pub throttle_reasons: Option<u64>,
+    /// SM clock now and its maximum, in MHz: how much a throttle reason costs.
+    pub sm_clock_mhz: Option<u32>,
+    pub sm_clock_max_mhz: Option<u32>,
     /// Volatile (since the driver loaded) uncorrectable ECC errors: double-bit errors.
     pub ecc_volatile_uncorrected: Option<u64>,
     pub row_remap_pending: Option<bool>,
@@ -157,12 +169,7 @@ impl fmt::Display for EventKind {
                 "NVLink errors: +{replay} replay, +{recovery} recovery, +{crc} CRC"
             ),
             EventKind::Throttled(bits) => {
-                let names: Vec<&str> = WATCHED_THROTTLE
-                    .iter()
-                    .filter(|(bit, _)| bits & bit != 0)
-                    .map(|(_, name)| *name)
-                    .collect();
-                write!(f, "clocks throttled: {}", names.join(", "))
+                write!(f, "clocks throttled: {}", throttle_names(*bits).join(", "))
             }
             EventKind::RecoveryAction(action) => write!(
                 f,

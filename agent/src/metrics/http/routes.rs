@@ -279,13 +279,19 @@ fn readyz(metrics: &Metrics) -> Reply {
 }
 
 fn gangz(metrics: &Metrics) -> Reply {
+    // A straggler is not a stopped gang: the status stays 200, the findings follow the line.
+    let findings: String = metrics
+        .straggler_findings()
+        .iter()
+        .flat_map(|f| [f.as_str(), "\n"])
+        .collect();
     if metrics.is_gang_running() {
-        Reply::text(200, "gang running\n".to_owned())
+        Reply::text(200, format!("gang running\n{findings}"))
     } else {
         Reply::text(
             503,
             format!(
-                "gang not running: phase {}, {} local workers running\n",
+                "gang not running: phase {}, {} local workers running\n{findings}",
                 metrics.phase().as_str(),
                 metrics.workers_running()
             ),
