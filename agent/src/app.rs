@@ -224,14 +224,18 @@ async fn preflight(
     result
 }
 
-/// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
-/// helper's `faulthandler` fallback writes (the helper's own private directory). Its view of the
-/// running ranks is what `GET /debug/stacks` reads.
+/// Plugs the hang watch and the crash-loop guard into `launch`: the helper's step reports, and
+/// the directory where the helper's `faulthandler` fallback writes (the helper's own private
+/// directory). Its view of the running ranks is what `GET /debug/stacks` reads.
 fn watch_hangs(launch: Launch, preemption: &Preemption, metrics: &Metrics) -> Launch {
     let policy = launch.config().hang;
     let watch = crate::hang_watch::HangWatch::new(policy, preemption.progress_view());
     metrics.attach_stacks(std::sync::Arc::new(watch.stacks_source()));
-    let mut launch = launch.with_watchdog(std::sync::Arc::new(watch));
+    // The same reports tell the crash-loop guard how far each attempt got.
+    let view = preemption.progress_view();
+    let mut launch = launch
+        .with_watchdog(std::sync::Arc::new(watch))
+        .with_steps(std::sync::Arc::new(move |since| view.max_step_since(since)));
     if let Some(dir) = preemption.helper_dir() {
         launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
     }

@@ -19,6 +19,7 @@
 //! | 206 | internal agent error |
 //! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
 //! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
+//! | 209 | crash loop: `--max-no-progress-restarts` restarts in a row made no progress |
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
@@ -51,6 +52,10 @@ pub const HUNG: u8 = 207;
 /// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
 /// with it while the others train on).
 pub const NETWORK_CHECK_FAILED: u8 = 208;
+/// Crash loop: `--max-no-progress-restarts` restarts in a row whose attempts made no progress
+/// (no step beyond the previous attempt's) — a deterministic failure, which more restarts do not
+/// cure: a code of its own, so a failure policy can end the Job instead of recreating the pod.
+pub const NO_PROGRESS: u8 = 209;
 
 /// Exit code for a process that died of `signal` (the shell convention).
 pub fn for_signal(signal: i32) -> u8 {
@@ -112,6 +117,7 @@ mod tests {
             INTERNAL_ERROR,
             HUNG,
             NETWORK_CHECK_FAILED,
+            NO_PROGRESS,
         ];
         for (i, a) in reserved.iter().enumerate() {
             assert!(*a > 192, "{a} collides with 128+signal");

@@ -402,6 +402,11 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     };
     let node_rank = parse_u32(low, "node-rank", 0)?;
     let max_restarts = parse_u32(low, "max-restarts", 0)?;
+    let max_no_progress_restarts = parse_u32(
+        low,
+        "max-no-progress-restarts",
+        crate::launch::crash_loop::DEFAULT_MAX_NO_PROGRESS_RESTARTS,
+    )?;
     let master_port = match get(low, "master-port") {
         None => None,
         Some(raw) => Some(
@@ -571,6 +576,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         rdzv_conf,
         standalone,
         max_restarts,
+        max_no_progress_restarts,
         monitor_interval,
         role,
         entrypoint,

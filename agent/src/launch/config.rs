@@ -250,6 +250,9 @@ pub struct Config {
     /// endpoint, no master port, one node).
     pub standalone: bool,
     pub max_restarts: u32,
+    /// `--max-no-progress-restarts`: the crash-loop guard's limit (0: off); see
+    /// [`super::crash_loop`].
+    pub max_no_progress_restarts: u32,
     pub monitor_interval: Duration,
     pub role: String,
     pub entrypoint: Entrypoint,
@@ -316,6 +319,7 @@ impl Config {
             rdzv_conf: Vec::new(),
             standalone: true,
             max_restarts: 0,
+            max_no_progress_restarts: super::crash_loop::DEFAULT_MAX_NO_PROGRESS_RESTARTS,
             monitor_interval: Duration::from_millis(100),
             role: "default".to_owned(),
             entrypoint: Entrypoint {

@@ -462,6 +462,27 @@ pub fn decide_failure(
     (rec, reason)
 }
 
+/// The next generation when a node ends the job for everyone after its worker failure, whatever
+/// the restart budget says (the agent's crash-loop guard: restarts that make no progress).
+pub fn decide_give_up(
+    current: &GenRecord,
+    node_rank: u32,
+    exit_code: u8,
+    what: &str,
+) -> (GenRecord, String) {
+    let reason = format!("node {node_rank}: {what}");
+    let rec = GenRecord {
+        gen: current.gen + 1,
+        restarts: current.restarts,
+        kind: BumpKind::Fatal,
+        by: Some(node_rank),
+        reason: reason.clone(),
+        exit_code: Some(exit_code),
+        recovered_from: current.recovered_from,
+    };
+    (rec, reason)
+}
+
 /// A registration that ends the job for everyone (its GPU pre-flight failed under `require`):
 /// the exit code and the message every agent leaves with, naming the node.
 pub fn fatal_registration(reg: &Registration) -> Option<(u8, String)> {
@@ -948,6 +969,17 @@ mod tests {
         assert!(why.contains("no restarts left"), "{why}");
         let m = membership_bump(&next, 0, "scale".into());
         assert_eq!((m.gen, m.restarts, m.kind), (2, 1, BumpKind::Membership));
+    }
+
+    #[test]
+    fn giving_up_ends_the_job_with_restarts_left() {
+        // Whatever the budget: the record keeps the restarts used and ends the job.
+        let (next, why) = decide_give_up(&GenRecord::first(), 1, 209, "crash loop: rank 1");
+        assert_eq!(
+            (next.gen, next.restarts, next.kind, next.exit_code, next.by),
+            (1, 0, BumpKind::Fatal, Some(209), Some(1))
+        );
+        assert_eq!(why, "node 1: crash loop: rank 1");
     }
 
     #[test]

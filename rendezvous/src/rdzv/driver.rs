@@ -593,6 +593,24 @@ impl<K: Kv> Rendezvous<K> {
         Ok(won)
     }
 
+    /// Ends the job for every node with `exit_code` after this node's worker failure, whatever
+    /// restarts are left ([`decide::decide_give_up`]); returns the record that won (another
+    /// node's bump may have come first).
+    pub async fn report_give_up(
+        &mut self,
+        exit_code: u8,
+        what: &str,
+    ) -> Result<GenRecord, RdzvError> {
+        let node = self.reg.node_rank.unwrap_or_default();
+        let current = self.record.clone();
+        let (next, reason) = decide::decide_give_up(&current, node, exit_code, what);
+        let won = self.bump(&next).await?;
+        if won == next {
+            warn!("{reason}");
+        }
+        Ok(won)
+    }
+
     async fn bump(&mut self, next: &GenRecord) -> Result<GenRecord, RdzvError> {
         bump(&mut self.kv, &self.keys, &self.gen_raw, next).await
     }

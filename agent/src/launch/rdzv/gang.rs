@@ -80,6 +80,9 @@ pub struct GangRendezvous {
     host_loss: Arc<HostLossStats>,
     /// The gang's root cause of the last failed attempt (the failure board's verdict).
     cause: Option<GangCause>,
+    /// Set by the crash-loop guard: this node's failed attempt ends the job for everyone with
+    /// this code and message instead of a counted restart.
+    give_up: Option<(u8, String)>,
 }
 
 /// A survivor between the loss of the store host and its next round.
@@ -157,6 +160,7 @@ impl GangRendezvous {
             recovering: None,
             host_loss: Arc::default(),
             cause: None,
+            give_up: None,
         })
     }
 
@@ -499,6 +503,8 @@ impl GangRendezvous {
         stop: &StopRequest,
     ) -> Result<AfterGroup, LaunchError> {
         self.cause = None;
+        // Only for this attempt's own failure; any other way out forgets it.
+        let give_up = self.give_up.take();
         let Some(running) = self.running.take() else {
             return Ok(AfterGroup::Finish(outcome.exit_code()));
         };
@@ -546,7 +552,11 @@ impl GangRendezvous {
                             f.rank, f.local_rank, f.status
                         ),
                     };
-                    let rec = match rdzv.report_failure(code, &what).await {
+                    let report = match give_up {
+                        Some((code, why)) => rdzv.report_give_up(code, &why).await,
+                        None => rdzv.report_failure(code, &what).await,
+                    };
+                    let rec = match report {
                         Ok(rec) => rec,
                         // Most likely the failure *is* the loss: node 0's ranks died with it.
                         Err(RdzvError::StoreLost(why)) => {
@@ -742,6 +752,11 @@ impl super::Rendezvous for GangRendezvous {
 
     fn gang_cause(&self) -> Option<GangCause> {
         self.cause.clone()
+    }
+
+    fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {
+        self.give_up = Some((exit_code, why));
+        true
     }
 }
 
