@@ -256,6 +256,14 @@ pub fn members(state: &RoundState, membership: &Membership) -> Vec<(u32, String)
 /// still answers keep-alives. Long, because an open connection is strong evidence of life.
 pub const STALL_FACTOR: u32 = 4;
 
+/// How long a member whose heartbeat connection closed may take to beat again on a new one
+/// before it is lost (never more than one keep-alive interval). A member that only dropped its
+/// connection (a reconnect after a store error) beats within milliseconds of reconnecting: its
+/// watcher looks at once when its connection closes. An agent that died does not, and its
+/// connection closed the moment its process went: half a second after that evidence the gang
+/// re-forms, instead of the 5–10 s a keep-alive tick took.
+pub const CLOSED_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// What the coordinator last saw of one member's heartbeat counter.
 #[derive(Debug, Clone)]
 pub struct Beat {
@@ -266,14 +274,17 @@ pub struct Beat {
     pub changed_at: Instant,
     /// The state of the connection the member heartbeats on, as of this tick.
     pub link: Link,
+    /// When node 0 first saw that connection closed (with [`Link::Closed`]).
+    pub closed_at: Option<Instant>,
 }
 
 /// How long a member may be silent before it is lost, given what is known of its connection:
-/// closed → one keep-alive interval (time to re-beat after a reconnect); unknown → the heartbeat
-/// timeout; open → [`STALL_FACTOR`] heartbeat timeouts.
+/// closed → [`CLOSED_GRACE`] (at most one keep-alive interval) from the moment it was seen
+/// closed, time to re-beat after a reconnect; unknown → the heartbeat timeout; open →
+/// [`STALL_FACTOR`] heartbeat timeouts.
 pub fn silence_allowed(link: Link, cfg: &Config) -> std::time::Duration {
     match link {
-        Link::Closed => cfg.keep_alive_interval,
+        Link::Closed => CLOSED_GRACE.min(cfg.keep_alive_interval),
         Link::Unknown => cfg.heartbeat_timeout,
         Link::Open => cfg.heartbeat_timeout * STALL_FACTOR,
     }
@@ -285,7 +296,7 @@ pub fn silence_allowed(link: Link, cfg: &Config) -> std::time::Duration {
 pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, String) {
     let dead: Vec<&Beat> = beats
         .iter()
-        .filter(|b| now.saturating_duration_since(b.changed_at) >= silence_allowed(b.link, cfg))
+        .filter(|b| now.saturating_duration_since(silent_since(b)) >= silence_allowed(b.link, cfg))
         .collect();
     if dead.is_empty() {
         let late = beats
@@ -313,8 +324,13 @@ pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, Strin
             let silent = now.saturating_duration_since(b.changed_at).as_secs_f64();
             match b.link {
                 Link::Closed => format!(
-                    "node {} ({}) silent for {silent:.1}s, its connection closed",
-                    b.node_rank, b.who
+                    "node {} ({}) silent for {silent:.1}s, its connection closed{}",
+                    b.node_rank,
+                    b.who,
+                    b.closed_at.map_or_else(String::new, |at| format!(
+                        " {:.1}s ago and not reopened",
+                        now.saturating_duration_since(at).as_secs_f64()
+                    ))
                 ),
                 Link::Open => format!(
                     "node {} ({}) silent for {silent:.1}s although its connection is open (stall limit {:.1}s)",
@@ -337,6 +353,15 @@ pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, Strin
             cfg.heartbeat_timeout.as_secs_f64()
         ),
     )
+}
+
+/// Where a member's allowed silence counts from: its last beat, or for a closed connection the
+/// moment it was seen closed if that came later (the grace is for beating again after it).
+fn silent_since(b: &Beat) -> Instant {
+    match (b.link, b.closed_at) {
+        (Link::Closed, Some(at)) => b.changed_at.max(at),
+        _ => b.changed_at,
+    }
 }
 
 /// Node 0's verdict on a running generation in one watcher tick.
@@ -923,6 +948,7 @@ mod tests {
                 last_value: b"5".to_vec(),
                 changed_at: t0,
                 link: Link::Unknown,
+                closed_at: None,
             },
             Beat {
                 node_rank: 2,
@@ -930,6 +956,7 @@ mod tests {
                 last_value: b"9".to_vec(),
                 changed_at: t0 + Duration::from_secs(2),
                 link: Link::Unknown,
+                closed_at: None,
             },
         ];
         let c = cfg(1, 3);
@@ -1013,6 +1040,7 @@ mod tests {
             last_value: b"1".to_vec(),
             changed_at,
             link,
+            closed_at: (link == Link::Closed).then_some(changed_at),
         }
     }
 
@@ -1104,13 +1132,15 @@ mod tests {
         assert_eq!(dead, vec![1], "{why}");
         assert!(why.contains("although its connection is open"), "{why}");
         let closed = [beat(1, t0, Link::Closed)];
-        assert!(find_dead(t0 + c.keep_alive_interval / 2, &closed, &c)
-            .0
-            .is_empty());
-        assert_eq!(
-            find_dead(t0 + c.keep_alive_interval, &closed, &c).0,
-            vec![1]
-        );
+        assert!(find_dead(t0 + CLOSED_GRACE / 2, &closed, &c).0.is_empty());
+        assert_eq!(find_dead(t0 + CLOSED_GRACE, &closed, &c).0, vec![1]);
+        // The grace runs from when the close was seen, not from the last beat.
+        let mut seen_late = beat(1, t0, Link::Closed);
+        seen_late.closed_at = Some(t0 + c.keep_alive_interval);
+        let late = [seen_late];
+        let at = t0 + c.keep_alive_interval + CLOSED_GRACE / 2;
+        assert!(find_dead(at, &late, &c).0.is_empty());
+        assert_eq!(find_dead(at + CLOSED_GRACE, &late, &c).0, vec![1]);
         let unknown = [beat(1, t0, Link::Unknown)];
         assert!(find_dead(t0 + c.keep_alive_interval, &unknown, &c)
             .0

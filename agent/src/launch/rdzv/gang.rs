@@ -47,6 +47,20 @@ struct Running {
     poster: JoinHandle<Option<PostedFailure>>,
 }
 
+/// How long after a local rank's failure that reads like a lost peer (gloo's "Connection reset by
+/// peer", a rank aborted by a signal) the node waits for the gang to re-form for a lost member
+/// before it counts the failure as its own. A member whose agent died is lost
+/// [`rdzv::decide::CLOSED_GRACE`] after its connection closed, and the survivors' ranks fail
+/// within about a second of the death (gloo reads the dead peer's reset at once), so the loss
+/// and its symptoms arrive within this window of each other: a failure followed by a loss within
+/// it is the loss's consequence, and the re-form uses no restart. Also the delay a genuine
+/// failure with such a message pays before its counted restart.
+pub const CONSEQUENCE_WINDOW: Duration = Duration::from_secs(2);
+/// How often a node in that window reads the generation: node 0's bump for a lost member is
+/// seen within this, on every node (the watcher of a node other than 0 reads it only every
+/// keep-alive interval).
+const CONSEQUENCE_POLL: Duration = Duration::from_millis(50);
+
 /// How long posting this node's failure to the board, or reading the board, may take: the
 /// board explains a failure, it never holds up the gang's reaction to it.
 const BOARD_TIMEOUT: Duration = Duration::from_secs(5);
@@ -540,6 +554,15 @@ impl GangRendezvous {
                     }
                 }
                 GroupOutcome::Failed(f) => {
+                    if let Some(rec) = loss_followed(rdzv, f, running.assignment.node_rank).await {
+                        warn!(
+                            "rank {} (local rank {}) failed ({}) as the gang lost a member: {}; a consequence of the loss, no restart used (generation {}, restarts used {})",
+                            f.rank, f.local_rank, f.status, rec.reason, rec.gen, rec.restarts
+                        );
+                        running.stop.cancel();
+                        let _ = running.task.await;
+                        return Ok(AfterGroup::Restart);
+                    }
                     running.stop.cancel();
                     let _ = running.task.await;
                     // Posted before the generation moves: whoever sees the bump finds it.
@@ -609,6 +632,34 @@ impl GangRendezvous {
                 Ok(AfterGroup::Finish(outcome.exit_code()))
             }
         }
+    }
+}
+
+/// After `failure` here: the generation record when, within [`CONSEQUENCE_WINDOW`], the gang
+/// re-forms for a membership change (a lost member) — the failure is then its consequence;
+/// `None` at once for a failure that does not read like a lost peer, and when the window passes
+/// or the generation moved on for another reason (another node's failure: counted as usual).
+async fn loss_followed(
+    rdzv: &mut rdzv::Rendezvous<StoreKv>,
+    failure: &Failure,
+    node_rank: u32,
+) -> Option<rdzv::GenRecord> {
+    let symptom = PostedFailure::from_failure(failure, node_rank).looks_like_consequence()
+        || matches!(failure.status, crate::launch::ExitStatus::Signaled(_));
+    if !symptom {
+        return None;
+    }
+    let deadline = Instant::now() + CONSEQUENCE_WINDOW;
+    loop {
+        match rdzv.moved_on().await {
+            Ok(Some(rec)) if rec.kind == BumpKind::Membership => return Some(rec),
+            Ok(Some(_)) | Err(_) => return None,
+            Ok(None) => {}
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(CONSEQUENCE_POLL).await;
     }
 }
 
