@@ -25,7 +25,8 @@
 //!   ([`decide::find_dead`]), so clocks of different machines are never compared. Node 0 hosts
 //!   the store, so it also sees whether each member's connection is still open ([`Presence`]):
 //!   open means alive but late (lost only past a long stall limit), closed or reset means lost
-//!   within a keep-alive interval. The others judge node 0 by the store itself: when it stops
+//!   [`decide::CLOSED_GRACE`] after the close unless it beats again (the store wakes node 0's
+//!   watcher on every close, so this does not wait for a tick). The others judge node 0 by the store itself: when it stops
 //!   answering for the heartbeat timeout they stop their workers and exit with "store host lost".
 //! - **Exit barrier.** `ADD g<G>/done 1`; the N-th report completes it and SETs
 //!   `g<G>/done_all`; everyone keeps heartbeating while it waits, so an early finisher is never
