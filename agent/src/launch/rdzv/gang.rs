@@ -94,6 +94,8 @@ pub struct GangRendezvous {
     host_loss: Arc<HostLossStats>,
     /// The gang's root cause of the last failed attempt (the failure board's verdict).
     cause: Option<GangCause>,
+    /// The endpoint resolves to loopback addresses only (the loopback elastic form).
+    loopback_endpoint: bool,
     /// Set by the crash-loop guard: this node's failed attempt ends the job for everyone with
     /// this code and message instead of a counted restart.
     give_up: Option<(u8, String)>,
@@ -174,6 +176,7 @@ impl GangRendezvous {
             recovering: None,
             host_loss: Arc::default(),
             cause: None,
+            loopback_endpoint: false,
             give_up: None,
         })
     }
@@ -220,10 +223,12 @@ impl GangRendezvous {
             let ips = discovery::resolve(&self.endpoint.host, deadline, &self.events)
                 .await
                 .map_err(LaunchError::DiscoveryTimeout)?;
+            // The loopback elastic form (torchrun's `--rdzv-endpoint localhost:PORT` with several
+            // agents on one machine and no node ranks): an endpoint on a local address, loopback
+            // included, is hosted by the agent that binds its port first, the others join.
             let mine = discovery::interface_addrs();
-            let hosts = ips
-                .iter()
-                .any(|ip| mine.contains(ip) && (!ip.is_loopback() || advertised.is_loopback()));
+            let hosts = ips.iter().any(|ip| ip.is_loopback() || mine.contains(ip));
+            self.loopback_endpoint = !ips.is_empty() && ips.iter().all(IpAddr::is_loopback);
             endpoint_ips = Some(ips);
             hosts
         };
@@ -725,8 +730,12 @@ impl GangRendezvous {
         advertised: IpAddr,
         op_timeout: Duration,
     ) -> Result<StoreKv, LaunchError> {
+        // An endpoint that only names loopback is reachable only from this machine: the store
+        // listens there alone, not on the pod network.
         let bind_ip = if advertised.is_loopback() {
             advertised
+        } else if self.loopback_endpoint {
+            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
         } else if advertised.is_ipv6() {
             IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
         } else {
