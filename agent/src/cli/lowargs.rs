@@ -75,6 +75,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("rdzv-conf", "K=V,...", "Rendezvous settings (join_timeout, last_call_timeout, ...)"),
     switch("standalone", "Single node with a private store on a free port and a random run id (with --nnodes above 1 or --node-rank other than 0: error 202)"),
     value("max-restarts", "N", "Restarts of the local worker group after a failure (default 0)"),
+    value("node-unit", "K", "Every gang's node count is a multiple of K (a model sharded over K nodes); with --nnodes MIN:MAX both must be multiples of K, and nodes beyond the largest multiple wait as spares (default 1)"),
     value("max-no-progress-restarts", "N", "Crash-loop guard: after N restarts in a row whose attempts made no progress (no step beyond the previous attempt's last reported step), stop with exit 209 naming the repeated failure, whatever --max-restarts has left; 0: off (default 3)"),
     value("monitor-interval", "SECS", "Accepted for torchrun compatibility; worker exits are events here"),
     value("start-method", "METHOD", "Accepted for torchrun compatibility; scripts are always exec'd"),

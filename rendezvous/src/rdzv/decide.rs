@@ -100,6 +100,17 @@ pub fn resolve_members(arrivals: &[Arrival], max_nodes: u32) -> Membership {
     out
 }
 
+/// `--node-unit K`: keeps the largest multiple of `unit` members, lowest node ranks first (node 0,
+/// the coordinator, always stays); the others become spares for this round.
+pub fn trim_to_unit(mut membership: Membership, unit: u32) -> Membership {
+    let unit = unit.max(1) as usize;
+    let keep = membership.members.len() / unit * unit;
+    for (_, i) in membership.members.drain(keep..) {
+        membership.spares.push(i);
+    }
+    membership
+}
+
 /// The coordinator's verdict on an open round.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RoundDecision {
@@ -113,7 +124,10 @@ pub enum RoundDecision {
 /// last-call window (counted from the moment the `min_nodes`-th member arrived) has passed. It
 /// times out when the join deadline passes with fewer than `min_nodes`.
 pub fn decide_round(now: Instant, state: &RoundState, cfg: &Config) -> (RoundDecision, String) {
-    let membership = resolve_members(&state.arrivals, cfg.max_nodes);
+    let membership = trim_to_unit(
+        resolve_members(&state.arrivals, cfg.max_nodes),
+        cfg.node_unit,
+    );
     let n = membership.members.len() as u32;
     if n >= cfg.max_nodes {
         let reason = format!("round {} complete: all {n} nodes joined", state.gen);
@@ -419,6 +433,18 @@ pub fn decide_newcomers(
             format!(
                 "node rank {rank} re-joined from {} ({}): its previous agent is gone",
                 reg.host, reg.addr
+            ),
+        );
+    }
+    let unit = cfg.node_unit.max(1) as usize;
+    let reachable = ((members.len() + newcomers.len()) / unit * unit).min(cfg.max_nodes as usize);
+    if unit > 1 && (members.len() as u32) < cfg.max_nodes && reachable <= members.len() {
+        return (
+            false,
+            format!(
+                "{} node(s) waiting as spares: with them the gang would have {} nodes, not a multiple of --node-unit {unit}",
+                newcomers.len(),
+                members.len() + newcomers.len()
             ),
         );
     }
@@ -996,6 +1022,48 @@ mod tests {
         assert!(why.contains("no restarts left"), "{why}");
         let m = membership_bump(&next, 0, "scale".into());
         assert_eq!((m.gen, m.restarts, m.kind), (2, 1, BumpKind::Membership));
+    }
+
+    #[test]
+    fn a_node_unit_keeps_a_multiple_and_the_rest_wait_as_spares() {
+        let t0 = Instant::now();
+        let mut c = cfg(2, 6);
+        c.node_unit = 2;
+        // Five arrive: four form the gang (node ranks 0-3), the fifth is a spare.
+        let s = state(
+            t0,
+            &[
+                (Some(0), "a", 0),
+                (Some(1), "b", 0),
+                (Some(2), "c", 0),
+                (Some(3), "d", 0),
+                (Some(4), "e", 0),
+            ],
+        );
+        let (d, why) = decide_round(t0 + c.last_call_timeout, &s, &c);
+        let RoundDecision::Complete(m) = d else {
+            panic!("{why}")
+        };
+        let ranks: Vec<u32> = m.members.iter().map(|&(r, _)| r).collect();
+        assert_eq!(ranks, [0, 1, 2, 3], "{why}");
+        assert_eq!(m.spares, [4]);
+        // Three nodes are never a gang: two, and one spare.
+        let s = state(
+            t0,
+            &[(Some(0), "a", 0), (Some(1), "b", 0), (Some(2), "c", 0)],
+        );
+        let RoundDecision::Complete(m) = decide_round(t0 + c.last_call_timeout, &s, &c).0 else {
+            panic!("three nodes with unit 2 and min 2 form a gang of two")
+        };
+        assert_eq!((m.members.len(), m.spares.len()), (2, 1));
+        // One newcomer to a gang of 4 waits; a second one makes 6: scale up.
+        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[reg(None, "n")], &c);
+        assert!(
+            !bump && why.contains("not a multiple of --node-unit 2"),
+            "{why}"
+        );
+        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[reg(None, "n"), reg(None, "m")], &c);
+        assert!(bump && why.contains("scaling up"), "{why}");
     }
 
     #[test]

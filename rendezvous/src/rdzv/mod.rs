@@ -86,6 +86,9 @@ pub struct Config {
     /// is slow to observe completion (a loaded store host, a GC pause). The agent sets it only
     /// from `MUSTER_TEST_BARRIER_OBSERVE_DELAY` (seconds); see docs/multinode.md § Test hooks.
     pub barrier_observe_delay: Duration,
+    /// `--node-unit K`: every gang's node count is a multiple of this (a model sharded over K
+    /// nodes); members beyond the largest multiple wait as spares. 1: any size.
+    pub node_unit: u32,
 }
 
 impl Config {
@@ -103,6 +106,7 @@ impl Config {
             exit_barrier_timeout: DEFAULT_EXIT_BARRIER_TIMEOUT,
             poll_interval: DEFAULT_POLL_INTERVAL,
             barrier_observe_delay: Duration::ZERO,
+            node_unit: 1,
         }
     }
 

@@ -115,6 +115,7 @@ impl GangRendezvous {
         let cfg_err = |e: &dyn std::fmt::Display| LaunchError::Config(e.to_string());
         let mut cfg = rdzv::Config::new(&config.run_id, config.nnodes.min, config.nnodes.max);
         cfg.max_restarts = config.max_restarts;
+        cfg.node_unit = config.node_unit;
         let conf: String = config
             .rdzv_conf
             .iter()
