@@ -61,6 +61,12 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     metrics::agent::observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
 
     let multi_node = rdzv::is_multi_node(launch.config());
+    // A node this job already found bad fails fast with that finding, before any check runs.
+    if multi_node {
+        if let Some((node, finding)) = crate::bad_nodes::probe(launch.config()).await {
+            return Err(Exit::new(finding.exit_code, finding.refusal(&node)).into());
+        }
+    }
     let gpu_check = launch.config().gpu_check;
     // In a fixed-size gang an unhealthy node joins anyway, flagged, so that node 0 ends the job
     // for everyone at once (204, naming it); with spare capacity (MIN < MAX) it leaves instead.

@@ -282,6 +282,8 @@ impl GangRendezvous {
                 .await
                 .map_err(LaunchError::DiscoveryTimeout)?
         };
+        let mut kv = kv;
+        record_fatal_gpu(&mut kv, &self.cfg.run_id, &self.gpu_verdict).await;
         let reg = Registration {
             agent_id: format!(
                 "{}-{}-{:08x}",
@@ -669,6 +671,28 @@ async fn loss_followed(
     }
 }
 
+/// A fixed-size gang's node whose GPU pre-flight failed joins only to end the job (its
+/// registration carries the fatal verdict): it records itself as a bad node first, so a later
+/// pod of the job on the same Kubernetes node fails fast ([`crate::bad_nodes`]).
+async fn record_fatal_gpu(kv: &mut StoreKv, run_id: &str, verdict: &serde_json::Value) {
+    let (Some(node), Some(fatal)) = (crate::bad_nodes::node_name(), verdict.get("fatal")) else {
+        return;
+    };
+    let code = fatal
+        .get("exit_code")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|c| u8::try_from(c).ok())
+        .unwrap_or(exit_code::UNHEALTHY_GPU);
+    let message = fatal
+        .get("message")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("GPU pre-flight failed");
+    let finding = crate::bad_nodes::Finding::new(code, message);
+    if let Err(e) = crate::bad_nodes::record(kv, run_id, &node, &finding).await {
+        warn!("could not record node {node} as bad in the gang's store: {e}");
+    }
+}
+
 /// Posts this node's first failure of the round, if the attempt has one, to the round's board;
 /// returns what it posted (also when the post itself failed: the node still knows its own).
 async fn post_failure(
@@ -894,9 +918,20 @@ async fn network_check(
     match report.action {
         Action::Proceed => Ok(true),
         Action::End { message } => Err(LaunchError::NetworkCheckFailed(message)),
-        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => Err(
-            LaunchError::NetworkCheckFailed(format!("{message}; this node leaves the job")),
-        ),
+        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => {
+            if let Some(node) = crate::bad_nodes::node_name() {
+                let finding = crate::bad_nodes::Finding::new(
+                    crate::exit_code::NETWORK_CHECK_FAILED,
+                    &message,
+                );
+                if let Err(e) = crate::bad_nodes::record(kv, &round.run_id, &node, &finding).await {
+                    warn!("could not record node {node} as bad in the gang's store: {e}");
+                }
+            }
+            Err(LaunchError::NetworkCheckFailed(format!(
+                "{message}; this node leaves the job"
+            )))
+        }
         Action::Leave { message, .. } => {
             warn!("{message}; forming a new round without the named node(s)");
             Ok(false)
