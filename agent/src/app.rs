@@ -64,6 +64,12 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     metrics::agent::observe_launch(&launch, &metrics, &endpoint, parts, &shutdown);
 
     let multi_node = rdzv::is_multi_node(launch.config());
+    // A node this job already found bad fails fast with that finding, before any check runs.
+    if multi_node {
+        if let Some((node, finding)) = crate::bad_nodes::probe(launch.config()).await {
+            return Err(Exit::new(finding.exit_code, finding.refusal(&node)).into());
+        }
+    }
     let gpu_check = launch.config().gpu_check;
     // In a fixed-size gang an unhealthy node joins anyway, flagged, so that node 0 ends the job
     // for everyone at once (204, naming it); with spare capacity (MIN < MAX) it leaves instead.
@@ -235,10 +241,10 @@ async fn preflight(
     result
 }
 
-/// Plugs the hang watch into `launch`: the helper's step reports, and the directory where the
-/// helper's `faulthandler` fallback writes (the helper's own private directory). Its view of the
-/// running ranks is what `GET /debug/stacks` reads. Returns the watch too, for the straggler
-/// watch to wrap.
+/// Plugs the hang watch and the crash-loop guard into `launch`: the helper's step reports, and
+/// the directory where the helper's `faulthandler` fallback writes (the helper's own private
+/// directory). Its view of the running ranks is what `GET /debug/stacks` reads. Returns the
+/// watch too, for the straggler watch to wrap.
 fn watch_hangs(
     launch: Launch,
     preemption: &Preemption,
@@ -248,7 +254,11 @@ fn watch_hangs(
     let watch = crate::hang_watch::HangWatch::new(policy, preemption.progress_view());
     metrics.attach_stacks(std::sync::Arc::new(watch.stacks_source()));
     let watch: std::sync::Arc<dyn crate::launch::Watchdog> = std::sync::Arc::new(watch);
-    let mut launch = launch.with_watchdog(watch.clone());
+    // The same reports tell the crash-loop guard how far each attempt got.
+    let view = preemption.progress_view();
+    let mut launch = launch
+        .with_watchdog(watch.clone())
+        .with_steps(std::sync::Arc::new(move |since| view.max_step_since(since)));
     if let Some(dir) = preemption.helper_dir() {
         launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
     }
@@ -275,6 +285,17 @@ fn watch_stragglers(
         watch = watch.with_gpus(gpus.clone());
     }
     metrics.attach_stragglers(watch.board());
+    // A node that leaves as a straggler is remembered, as one the GPU pre-flight or the network
+    // check found bad: a later pod of the job on the same Kubernetes node fails fast.
+    let remember_in = std::sync::Arc::new(config.clone());
+    watch = watch.on_exclude(std::sync::Arc::new(move |excluded| {
+        let config = remember_in.clone();
+        let finding = crate::bad_nodes::Finding::new(
+            crate::exit_code::SLOW_NODE_EXCLUDED,
+            &format!("straggler: {}", excluded.what),
+        );
+        Box::pin(async move { crate::bad_nodes::remember(&config, &finding).await })
+    }));
     let leave = watch.leave();
     launch
         .with_watchdog(std::sync::Arc::new(watch))

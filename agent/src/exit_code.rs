@@ -19,6 +19,7 @@
 //! | 206 | internal agent error |
 //! | 207 | a rank hung (no progress within `--hang-timeout`) and the restart budget was spent |
 //! | 208 | network check failed: a slow node or link, named (`--network-check require`) |
+//! | 209 | crash loop: `--max-no-progress-restarts` restarts in a row made no progress |
 //! | 210 | this node was found a straggler for a sustained period and left the gang (`--straggler-action exclude`) |
 //! | 220 | `muster dry-run --chaos` only: the job finished, but a strike was not recovered within `--chaos-recovery-bound` |
 
@@ -53,6 +54,10 @@ pub const HUNG: u8 = 207;
 /// every node of the round ends with it (or, with `--nnodes MIN:MAX`, the named node leaves
 /// with it while the others train on).
 pub const NETWORK_CHECK_FAILED: u8 = 208;
+/// Crash loop: `--max-no-progress-restarts` restarts in a row whose attempts made no progress
+/// (no step beyond the previous attempt's) — a deterministic failure, which more restarts do not
+/// cure: a code of its own, so a failure policy can end the Job instead of recreating the pod.
+pub const NO_PROGRESS: u8 = 209;
 /// A rank of this node held the gang back for a sustained period (the straggler watch,
 /// `--straggler-action exclude` with `--nnodes MIN:MAX`): the node stopped its workers and left,
 /// so the gang re-forms without it. A failure policy can `Ignore` it (the job goes on without
@@ -123,6 +128,7 @@ mod tests {
             INTERNAL_ERROR,
             HUNG,
             NETWORK_CHECK_FAILED,
+            NO_PROGRESS,
             SLOW_NODE_EXCLUDED,
         ];
         for (i, a) in reserved.iter().enumerate() {

@@ -38,6 +38,7 @@
 #![deny(unsafe_code)]
 
 pub mod app;
+pub mod bad_nodes;
 pub mod checkpoint;
 pub mod cli;
 pub mod cmd;

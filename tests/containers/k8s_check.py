@@ -64,7 +64,7 @@ CORE_KINDS = {("v1", "Service"), ("batch/v1", "Job"), ("v1", "ConfigMap"), ("v1"
 # What each reserved code should make the Job controller do (README.md explains each choice).
 JOB_ACTIONS = {"PREEMPTED_CHECKPOINTED": "Ignore", "CHECKPOINT_ABORTED": "Ignore",
                "CONFIG_ERROR": "FailJob", "RENDEZVOUS_TIMEOUT": "Count", "UNHEALTHY_GPU": "Count",
-               "STORE_HOST_LOST": "Ignore", "INTERNAL_ERROR": "Count"}
+               "STORE_HOST_LOST": "Ignore", "INTERNAL_ERROR": "Count", "NO_PROGRESS": "FailJob"}
 VOLCANO_FINAL = {"TerminateJob", "AbortJob"}
 VOLCANO_RESTARTS = {"RestartJob", "RestartTask", "RestartPod", "RestartPartition"}
 

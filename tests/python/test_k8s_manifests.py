@@ -104,8 +104,10 @@ def test_manifest_is_valid(results, manifest):
 MUTATIONS = [
     ("indexed-job.yaml", "publishNotReadyAddresses: true", "publishNotReadyAdresses: true",
      "publishNotReadyAdresses"),  # core kind, strict OpenAPI schema
-    ("indexed-job.yaml", "values: [202]", "values: [222]", "222"),  # not a muster code
+    ("indexed-job.yaml", "values: [202, 209]", "values: [222, 209]", "222"),  # not a muster code
     ("indexed-job.yaml", "action: FailJob", "action: Count", "should be FailJob"),
+    # A crash loop (209) left to the default Count: the Job would recreate the pod into it.
+    ("jobset.yaml", "values: [202, 209]", "values: [202]", "(NO_PROGRESS) should be FailJob"),
     ("indexed-job.yaml", "- --rdzv-endpoint=llm-train-0.", "- --rdzv-endpont=llm-train-0.",
      "--rdzv-endpont"),
     ("indexed-job.yaml", "- --rdzv-endpoint=llm-train-0.", "- --rdzv-endpoint=llm-train-1.",

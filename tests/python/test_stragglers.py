@@ -31,12 +31,12 @@ FAST = ["--straggler-interval", "0.5", "--gpu-check", "off", "--hang-timeout", "
 SLOW_NODE_EXCLUDED = 210
 
 
-def dry_run(slow_rank, seconds, *extra, nnodes="3", timeout=150):
+def dry_run(slow_rank, seconds, *extra, nnodes="3", timeout=150, env=None):
     cmd = [muster_bin(), "dry-run", "--nnodes", nnodes, "--nproc-per-node", "1",
            "--rdzv-conf", CONF, *FAST, *extra, SCRIPT, str(slow_rank), str(seconds)]
     # One stream, so that the order of the agents' lines and the ranks' output is kept.
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=muster_env(), start_new_session=True)
+                         env=muster_env(env or {}), start_new_session=True)
     out, _ = finish(p, timeout)
     return p.returncode, out
 
@@ -73,8 +73,12 @@ def test_a_healthy_gang_names_nobody():
 
 @pytest.mark.timeout(180)
 def test_the_slow_node_leaves_with_210_and_the_gang_finishes_without_it():
-    code, text = dry_run(2, 14, "--straggler-action", "exclude", nnodes="2:3", timeout=170)
+    # NODE_NAME (the downward API's node name): the node that leaves is remembered as bad.
+    code, text = dry_run(2, 14, "--straggler-action", "exclude", nnodes="2:3", timeout=170,
+                         env={"NODE_NAME": "gpu-node-7"})
     assert code == SLOW_NODE_EXCLUDED, text
+    assert re.search(r"^\[node 2\]\s+INFO node gpu-node-7 recorded as bad in the gang's store",
+                     text, re.M), text
     assert re.search(r"^\[node 2\]\s+ERROR straggler node: node 2 \(\S+\) leaves the gang "
                      r"\(exit 210\) so that it re-forms without it: rank 2 ", text, re.M), text
     assert "agents exited with [0, 0, 210]" in text, text

@@ -137,6 +137,9 @@ struct Links {
     steps: Events,
     /// What reporters are told to sample at (see [`LocalChannel::set_liveness_interval`]).
     liveness: Option<Duration>,
+    /// The last step of every connection that closed since [`LocalChannel::forget_all`] (when it
+    /// connected, its last step): a rank that died keeps its step for the crash-loop guard.
+    departed: Vec<(Instant, u64)>,
 }
 
 impl Links {
@@ -260,6 +263,7 @@ impl LocalChannel {
         let mut links = lock(&self.links);
         links.by_rank.clear();
         links.reporters.clear();
+        links.departed.clear();
     }
 }
 
@@ -270,6 +274,25 @@ pub struct ProgressView {
 }
 
 impl ProgressView {
+    /// The highest step reported on any connection that opened at or after `since` (one
+    /// attempt's ranks), including connections that closed since: the crash-loop guard reads it
+    /// once the attempt's ranks are gone.
+    pub fn max_step_since(&self, since: Instant) -> Option<u64> {
+        let links = lock(&self.links);
+        let live = links
+            .by_rank
+            .values()
+            .chain(links.reporters.values())
+            .filter(|l| l.watch.connected_at >= since)
+            .filter_map(|l| l.watch.step);
+        let gone = links
+            .departed
+            .iter()
+            .filter(|(at, _)| *at >= since)
+            .map(|(_, step)| *step);
+        live.chain(gone).max()
+    }
+
     /// Every connected rank's reports, by local rank: the helper's where a rank has one, else
     /// the zero-code reporter's.
     pub fn ranks(&self) -> Vec<RankWatch> {
@@ -392,14 +415,18 @@ async fn serve_worker(
         }
     }
     if let Some((rank, role)) = conn {
-        let mut links = lock(&links);
-        let links = links.of(role);
+        let mut all = lock(&links);
+        let links = all.of(role);
         // Only forget the rank if a newer connection has not taken its place.
         if links
             .get(&rank)
             .is_some_and(|l| l.outbox.same_channel(&outbox))
         {
-            links.remove(&rank);
+            if let Some(gone) = links.remove(&rank) {
+                if let Some(step) = gone.watch.step {
+                    all.departed.push((gone.watch.connected_at, step));
+                }
+            }
         }
     }
 }
@@ -749,6 +776,26 @@ mod tests {
         // Reporter messages only: a save confirmation closes the connection.
         w0.write_all(b"saved 0 2 x\n").await.unwrap();
         settle(|| view.ranks().is_empty()).await;
+        stop.cancel();
+    }
+
+    #[tokio::test]
+    async fn a_closed_connection_keeps_its_last_step_for_the_attempt() {
+        let stop = CancellationToken::new();
+        let channel = LocalChannel::bind(&stop).unwrap();
+        let view = channel.view();
+        let before = Instant::now();
+        let (r, mut w) = worker(channel.address(), 0).await;
+        w.write_all(b"step 2\nstep 3\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.step == Some(3))).await;
+        // The rank dies: its connection goes, its step stays for the attempt.
+        drop((r, w));
+        settle(|| view.ranks().is_empty()).await;
+        assert_eq!(view.max_step_since(before), Some(3));
+        // A later attempt's connections only.
+        assert_eq!(view.max_step_since(Instant::now()), None);
+        channel.forget_all();
+        assert_eq!(view.max_step_since(before), None);
         stop.cancel();
     }
 

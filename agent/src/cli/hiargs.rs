@@ -402,6 +402,24 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     };
     let node_rank = parse_u32(low, "node-rank", 0)?;
     let max_restarts = parse_u32(low, "max-restarts", 0)?;
+    let node_unit = parse_u32(low, "node-unit", 1)?;
+    if node_unit == 0 || nnodes.min % node_unit != 0 || nnodes.max % node_unit != 0 {
+        if let Some(raw) = get(low, "node-unit") {
+            return Err(bad(
+                raw,
+                "node-unit",
+                format!(
+                    "--nnodes {}:{} must be multiples of it (and it at least 1)",
+                    nnodes.min, nnodes.max
+                ),
+            ));
+        }
+    }
+    let max_no_progress_restarts = parse_u32(
+        low,
+        "max-no-progress-restarts",
+        crate::launch::crash_loop::DEFAULT_MAX_NO_PROGRESS_RESTARTS,
+    )?;
     let master_port = match get(low, "master-port") {
         None => None,
         Some(raw) => Some(
@@ -572,6 +590,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         rdzv_conf,
         standalone,
         max_restarts,
+        max_no_progress_restarts,
+        node_unit,
         monitor_interval,
         role,
         entrypoint,
@@ -896,6 +916,31 @@ mod tests {
                 .nproc_per_node,
             3
         );
+    }
+
+    #[test]
+    fn node_unit_must_divide_both_ends_of_nnodes() {
+        let c = build_with(
+            &["--nnodes", "2:4", "--node-unit", "2", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.node_unit, 2);
+        let err = build_with(
+            &["--nnodes", "2:5", "--node-unit", "2", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with(
+                "invalid --node-unit `2` (command line): --nnodes 2:5 must be multiples of it"
+            ),
+            "{err}"
+        );
+        assert_eq!(build_with(&["train.py"], &[PATH], 0).unwrap().node_unit, 1);
     }
 
     #[test]

@@ -75,6 +75,8 @@ pub const FLAGS: &[FlagDef] = &[
     value("rdzv-conf", "K=V,...", "Rendezvous settings (join_timeout, last_call_timeout, ...)"),
     switch("standalone", "Single node with a private store on a free port and a random run id (with --nnodes above 1 or --node-rank other than 0: error 202)"),
     value("max-restarts", "N", "Restarts of the local worker group after a failure (default 0)"),
+    value("node-unit", "K", "Every gang's node count is a multiple of K (a model sharded over K nodes); with --nnodes MIN:MAX both must be multiples of K, and nodes beyond the largest multiple wait as spares (default 1)"),
+    value("max-no-progress-restarts", "N", "Crash-loop guard: after N restarts in a row whose attempts made no progress (no step beyond the previous attempt's last reported step), stop with exit 209 naming the repeated failure, whatever --max-restarts has left; 0: off (default 3)"),
     value("monitor-interval", "SECS", "Accepted for torchrun compatibility; worker exits are events here"),
     value("start-method", "METHOD", "Accepted for torchrun compatibility; scripts are always exec'd"),
     value("role", "NAME", "Role name of the workers (ROLE_NAME, log prefix) (default `default`)"),
@@ -402,9 +404,9 @@ pub fn help_text() -> String {
          202 configuration error; 203 rendezvous timeout;\n\
          204 unhealthy GPU (pre-flight, or a fatal GPU fault while the ranks ran); 205 store host\n\
          lost; 206 internal error; 207 a rank hung and the restarts were spent; 208 network check\n\
-         failed; 210 a straggler node left the gang (--straggler-action exclude);
-         220 (muster dry-run --chaos only) a strike not recovered within the bound.
-",
+         failed; 209 crash loop (--max-no-progress-restarts restarts without progress);\n\
+         210 a straggler node left the gang (--straggler-action exclude);\n\
+         220 (muster dry-run --chaos only) a strike not recovered within the bound.\n",
     );
     out
 }

@@ -29,6 +29,7 @@
 //! [`StopRequest::request`] when the checkpoint barrier is done.
 
 pub mod config;
+pub mod crash_loop;
 pub mod env;
 pub mod gang_cause;
 mod group;
@@ -348,7 +349,12 @@ pub struct Launch {
     gpu_watch: Option<crate::gpu::watch::Watch>,
     private_dir: Option<Arc<crate::scratch::ScratchDir>>,
     leave: Option<leave::Leave>,
+    steps: Option<StepSource>,
 }
+
+/// The highest step any local rank reported since the given instant (ranks that connected
+/// before it belong to an earlier attempt); `None` when none did. Read by the crash-loop guard.
+pub type StepSource = Arc<dyn Fn(tokio::time::Instant) -> Option<u64> + Send + Sync>;
 
 /// Variables for one rank of one attempt, computed just before it starts:
 /// `(restart_count, rank, local_rank)` to `(name, value)` pairs, set after every other variable.
@@ -369,6 +375,7 @@ impl Launch {
             gpu_watch: None,
             private_dir: None,
             leave: None,
+            steps: None,
         }
     }
 
@@ -428,6 +435,14 @@ impl Launch {
         self
     }
 
+    /// Where the crash-loop guard ([`crash_loop`]) reads the steps each attempt reached; without
+    /// it every attempt counts as one that reported no step.
+    #[must_use]
+    pub fn with_steps(mut self, steps: StepSource) -> Self {
+        self.steps = Some(steps);
+        self
+    }
+
     /// Replaces the single-node [`LocalRendezvous`].
     #[must_use]
     pub fn with_rendezvous(mut self, rendezvous: Box<dyn Rendezvous>) -> Self {
@@ -473,6 +488,7 @@ impl Launch {
             gpu_watch,
             private_dir,
             leave,
+            steps,
         } = self;
         let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
             Some(r) => r,
@@ -547,6 +563,7 @@ impl Launch {
             &stop,
             gpu_watch.as_ref(),
             leave.as_ref(),
+            steps.as_ref(),
         )
         .await
         .map_err(|e| e.naming_log_dir(&config.logs));
@@ -655,9 +672,11 @@ async fn attempts(
     stop: &StopRequest,
     gpu_watch: Option<&crate::gpu::watch::Watch>,
     leave: Option<&leave::Leave>,
+    steps: Option<&StepSource>,
 ) -> Result<Outcome, LaunchError> {
     let config = &spec.config;
     let mut restart_count = 0;
+    let mut guard = crash_loop::Guard::new(config.max_no_progress_restarts);
     // The GPU use before the attempt that just ended, and its processes: what the next attempt
     // waits to see released.
     let mut previous: Option<(Vec<crate::gpu::release::GpuUse>, Vec<u32>)> = None;
@@ -691,6 +710,7 @@ async fn attempts(
         });
         let attempt_stop = stop.child();
         let baseline = gpu_baseline(config).await;
+        let attempt_started = tokio::time::Instant::now();
         let attempt = {
             let group = run_group(spec, &round.assignment, &attempt_stop, round.failure_post);
             tokio::pin!(group);
@@ -719,6 +739,25 @@ async fn attempts(
         check_gpus(gpu_watch)?;
         check_leave(leave)?;
         previous = baseline.map(|b| (b, pids));
+        let progress = crash_loop::AttemptProgress {
+            max_step: steps.and_then(|s| s(attempt_started)),
+            ran_for: attempt_started.elapsed(),
+        };
+        let crash_loop = match &outcome {
+            // Judged where a restart would follow; a spent budget ends with the worker's code.
+            GroupOutcome::Failed(f)
+                if round.assignment.restart_count < config.max_restarts && !stop.is_requested() =>
+            {
+                judge_crash_loop(&mut guard, progress, f, config, rendezvous)
+            }
+            GroupOutcome::Failed(_) => None,
+            // Another node's failure or a membership change: this node's steps still move the
+            // baseline, and progress still starts the count over.
+            _ => {
+                guard.observe(progress);
+                None
+            }
+        };
         match rendezvous.after_group(&outcome, stop).await? {
             Some(AfterGroup::Restart) => {
                 restart_count += 1;
@@ -744,6 +783,13 @@ async fn attempts(
                 })
             }
             None => {}
+        }
+        if crash_loop.is_some() {
+            return Ok(Outcome {
+                exit_code: exit_code::NO_PROGRESS,
+                last: outcome,
+                attempts: restart_count + 1,
+            });
         }
         match &outcome {
             GroupOutcome::Failed(f)
@@ -779,6 +825,37 @@ async fn attempts(
                     attempts: restart_count + 1,
                 })
             }
+        }
+    }
+}
+
+/// The crash-loop guard's verdict on a failed attempt that a restart would follow: `Some` with
+/// the message when the job ends with [`exit_code::NO_PROGRESS`] here. In a gang the message
+/// goes to the rendezvous, which ends the job for every node ([`Rendezvous::end_on_failure`]);
+/// `None` then, and the rendezvous says `Finish`.
+fn judge_crash_loop(
+    guard: &mut crash_loop::Guard,
+    progress: crash_loop::AttemptProgress,
+    failure: &Failure,
+    config: &Config,
+    rendezvous: &mut dyn Rendezvous,
+) -> Option<String> {
+    let (verdict, reason) = guard.judge(progress);
+    match verdict {
+        crash_loop::Verdict::Progress => None,
+        crash_loop::Verdict::NoProgress { .. } => {
+            tracing::warn!("crash-loop guard: {reason}");
+            None
+        }
+        crash_loop::Verdict::Stop => {
+            let what = match &failure.hang {
+                Some(hang) => format!("cause hang: {}", hang.describe()),
+                None => summary::restart_reason(failure),
+            };
+            let message =
+                crash_loop::stop_message(config.max_no_progress_restarts, &what, progress.max_step);
+            tracing::error!("{message}");
+            (!rendezvous.end_on_failure(exit_code::NO_PROGRESS, message.clone())).then_some(message)
         }
     }
 }

@@ -509,6 +509,10 @@ impl Rendezvous for Metered {
     fn gang_cause(&self) -> Option<crate::launch::gang_cause::GangCause> {
         self.inner.gang_cause()
     }
+
+    fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {
+        self.inner.end_on_failure(exit_code, why)
+    }
 }
 
 /// Runs `run` (the launch) while handing every `POST /checkpoint` to `trigger` (the checkpoint

@@ -57,8 +57,9 @@ pub struct Excluded {
     pub what: String,
 }
 
-/// Called once when this node leaves the gang as a straggler, before the workers stop.
-pub type ExcludeHook = Arc<dyn Fn(&Excluded) + Send + Sync>;
+/// Called once when this node leaves the gang as a straggler, before the workers stop; the
+/// watch awaits what it returns (a store write: the record of a bad node) before it asks to leave.
+pub type ExcludeHook = Arc<dyn Fn(&Excluded) -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// A rank's slowness ratio in the last interval.
 #[derive(Debug, Clone, PartialEq)]
@@ -325,7 +326,7 @@ async fn run(parts: Parts, ctx: Ctx) {
                     what: what.clone(),
                 };
                 if let Some(hook) = &parts.on_exclude {
-                    hook(&excluded);
+                    hook(&excluded).await;
                 }
                 parts.leave.request(Departure {
                     code: exit_code::SLOW_NODE_EXCLUDED,

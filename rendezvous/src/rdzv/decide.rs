@@ -100,6 +100,17 @@ pub fn resolve_members(arrivals: &[Arrival], max_nodes: u32) -> Membership {
     out
 }
 
+/// `--node-unit K`: keeps the largest multiple of `unit` members, lowest node ranks first (node 0,
+/// the coordinator, always stays); the others become spares for this round.
+pub fn trim_to_unit(mut membership: Membership, unit: u32) -> Membership {
+    let unit = unit.max(1) as usize;
+    let keep = membership.members.len() / unit * unit;
+    for (_, i) in membership.members.drain(keep..) {
+        membership.spares.push(i);
+    }
+    membership
+}
+
 /// The coordinator's verdict on an open round.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RoundDecision {
@@ -113,7 +124,10 @@ pub enum RoundDecision {
 /// last-call window (counted from the moment the `min_nodes`-th member arrived) has passed. It
 /// times out when the join deadline passes with fewer than `min_nodes`.
 pub fn decide_round(now: Instant, state: &RoundState, cfg: &Config) -> (RoundDecision, String) {
-    let membership = resolve_members(&state.arrivals, cfg.max_nodes);
+    let membership = trim_to_unit(
+        resolve_members(&state.arrivals, cfg.max_nodes),
+        cfg.node_unit,
+    );
     let n = membership.members.len() as u32;
     if n >= cfg.max_nodes {
         let reason = format!("round {} complete: all {n} nodes joined", state.gen);
@@ -256,6 +270,14 @@ pub fn members(state: &RoundState, membership: &Membership) -> Vec<(u32, String)
 /// still answers keep-alives. Long, because an open connection is strong evidence of life.
 pub const STALL_FACTOR: u32 = 4;
 
+/// How long a member whose heartbeat connection closed may take to beat again on a new one
+/// before it is lost (never more than one keep-alive interval). A member that only dropped its
+/// connection (a reconnect after a store error) beats within milliseconds of reconnecting: its
+/// watcher looks at once when its connection closes. An agent that died does not, and its
+/// connection closed the moment its process went: half a second after that evidence the gang
+/// re-forms, instead of the 5–10 s a keep-alive tick took.
+pub const CLOSED_GRACE: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// What the coordinator last saw of one member's heartbeat counter.
 #[derive(Debug, Clone)]
 pub struct Beat {
@@ -266,14 +288,17 @@ pub struct Beat {
     pub changed_at: Instant,
     /// The state of the connection the member heartbeats on, as of this tick.
     pub link: Link,
+    /// When node 0 first saw that connection closed (with [`Link::Closed`]).
+    pub closed_at: Option<Instant>,
 }
 
 /// How long a member may be silent before it is lost, given what is known of its connection:
-/// closed → one keep-alive interval (time to re-beat after a reconnect); unknown → the heartbeat
-/// timeout; open → [`STALL_FACTOR`] heartbeat timeouts.
+/// closed → [`CLOSED_GRACE`] (at most one keep-alive interval) from the moment it was seen
+/// closed, time to re-beat after a reconnect; unknown → the heartbeat timeout; open →
+/// [`STALL_FACTOR`] heartbeat timeouts.
 pub fn silence_allowed(link: Link, cfg: &Config) -> std::time::Duration {
     match link {
-        Link::Closed => cfg.keep_alive_interval,
+        Link::Closed => CLOSED_GRACE.min(cfg.keep_alive_interval),
         Link::Unknown => cfg.heartbeat_timeout,
         Link::Open => cfg.heartbeat_timeout * STALL_FACTOR,
     }
@@ -285,7 +310,7 @@ pub fn silence_allowed(link: Link, cfg: &Config) -> std::time::Duration {
 pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, String) {
     let dead: Vec<&Beat> = beats
         .iter()
-        .filter(|b| now.saturating_duration_since(b.changed_at) >= silence_allowed(b.link, cfg))
+        .filter(|b| now.saturating_duration_since(silent_since(b)) >= silence_allowed(b.link, cfg))
         .collect();
     if dead.is_empty() {
         let late = beats
@@ -313,8 +338,13 @@ pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, Strin
             let silent = now.saturating_duration_since(b.changed_at).as_secs_f64();
             match b.link {
                 Link::Closed => format!(
-                    "node {} ({}) silent for {silent:.1}s, its connection closed",
-                    b.node_rank, b.who
+                    "node {} ({}) silent for {silent:.1}s, its connection closed{}",
+                    b.node_rank,
+                    b.who,
+                    b.closed_at.map_or_else(String::new, |at| format!(
+                        " {:.1}s ago and not reopened",
+                        now.saturating_duration_since(at).as_secs_f64()
+                    ))
                 ),
                 Link::Open => format!(
                     "node {} ({}) silent for {silent:.1}s although its connection is open (stall limit {:.1}s)",
@@ -337,6 +367,15 @@ pub fn find_dead(now: Instant, beats: &[Beat], cfg: &Config) -> (Vec<u32>, Strin
             cfg.heartbeat_timeout.as_secs_f64()
         ),
     )
+}
+
+/// Where a member's allowed silence counts from: its last beat, or for a closed connection the
+/// moment it was seen closed if that came later (the grace is for beating again after it).
+fn silent_since(b: &Beat) -> Instant {
+    match (b.link, b.closed_at) {
+        (Link::Closed, Some(at)) => b.changed_at.max(at),
+        _ => b.changed_at,
+    }
 }
 
 /// Node 0's verdict on a running generation in one watcher tick.
@@ -397,6 +436,18 @@ pub fn decide_newcomers(
             ),
         );
     }
+    let unit = cfg.node_unit.max(1) as usize;
+    let reachable = ((members.len() + newcomers.len()) / unit * unit).min(cfg.max_nodes as usize);
+    if unit > 1 && (members.len() as u32) < cfg.max_nodes && reachable <= members.len() {
+        return (
+            false,
+            format!(
+                "{} node(s) waiting as spares: with them the gang would have {} nodes, not a multiple of --node-unit {unit}",
+                newcomers.len(),
+                members.len() + newcomers.len()
+            ),
+        );
+    }
     if (members.len() as u32) < cfg.max_nodes {
         let hosts: Vec<&str> = newcomers.iter().map(|r| r.host.as_str()).collect();
         return (
@@ -450,6 +501,27 @@ pub fn decide_failure(
         "node {node_rank}: {what}; no restarts left ({} used of {})",
         current.restarts, cfg.max_restarts
     );
+    let rec = GenRecord {
+        gen: current.gen + 1,
+        restarts: current.restarts,
+        kind: BumpKind::Fatal,
+        by: Some(node_rank),
+        reason: reason.clone(),
+        exit_code: Some(exit_code),
+        recovered_from: current.recovered_from,
+    };
+    (rec, reason)
+}
+
+/// The next generation when a node ends the job for everyone after its worker failure, whatever
+/// the restart budget says (the agent's crash-loop guard: restarts that make no progress).
+pub fn decide_give_up(
+    current: &GenRecord,
+    node_rank: u32,
+    exit_code: u8,
+    what: &str,
+) -> (GenRecord, String) {
+    let reason = format!("node {node_rank}: {what}");
     let rec = GenRecord {
         gen: current.gen + 1,
         restarts: current.restarts,
@@ -902,6 +974,7 @@ mod tests {
                 last_value: b"5".to_vec(),
                 changed_at: t0,
                 link: Link::Unknown,
+                closed_at: None,
             },
             Beat {
                 node_rank: 2,
@@ -909,6 +982,7 @@ mod tests {
                 last_value: b"9".to_vec(),
                 changed_at: t0 + Duration::from_secs(2),
                 link: Link::Unknown,
+                closed_at: None,
             },
         ];
         let c = cfg(1, 3);
@@ -951,6 +1025,59 @@ mod tests {
     }
 
     #[test]
+    fn a_node_unit_keeps_a_multiple_and_the_rest_wait_as_spares() {
+        let t0 = Instant::now();
+        let mut c = cfg(2, 6);
+        c.node_unit = 2;
+        // Five arrive: four form the gang (node ranks 0-3), the fifth is a spare.
+        let s = state(
+            t0,
+            &[
+                (Some(0), "a", 0),
+                (Some(1), "b", 0),
+                (Some(2), "c", 0),
+                (Some(3), "d", 0),
+                (Some(4), "e", 0),
+            ],
+        );
+        let (d, why) = decide_round(t0 + c.last_call_timeout, &s, &c);
+        let RoundDecision::Complete(m) = d else {
+            panic!("{why}")
+        };
+        let ranks: Vec<u32> = m.members.iter().map(|&(r, _)| r).collect();
+        assert_eq!(ranks, [0, 1, 2, 3], "{why}");
+        assert_eq!(m.spares, [4]);
+        // Three nodes are never a gang: two, and one spare.
+        let s = state(
+            t0,
+            &[(Some(0), "a", 0), (Some(1), "b", 0), (Some(2), "c", 0)],
+        );
+        let RoundDecision::Complete(m) = decide_round(t0 + c.last_call_timeout, &s, &c).0 else {
+            panic!("three nodes with unit 2 and min 2 form a gang of two")
+        };
+        assert_eq!((m.members.len(), m.spares.len()), (2, 1));
+        // One newcomer to a gang of 4 waits; a second one makes 6: scale up.
+        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[reg(None, "n")], &c);
+        assert!(
+            !bump && why.contains("not a multiple of --node-unit 2"),
+            "{why}"
+        );
+        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[reg(None, "n"), reg(None, "m")], &c);
+        assert!(bump && why.contains("scaling up"), "{why}");
+    }
+
+    #[test]
+    fn giving_up_ends_the_job_with_restarts_left() {
+        // Whatever the budget: the record keeps the restarts used and ends the job.
+        let (next, why) = decide_give_up(&GenRecord::first(), 1, 209, "crash loop: rank 1");
+        assert_eq!(
+            (next.gen, next.restarts, next.kind, next.exit_code, next.by),
+            (1, 0, BumpKind::Fatal, Some(209), Some(1))
+        );
+        assert_eq!(why, "node 1: crash loop: rank 1");
+    }
+
+    #[test]
     fn a_registration_with_a_fatal_gpu_verdict_ends_the_job_by_name() {
         let mut bad = reg(Some(2), "worker-2");
         bad.gpu = serde_json::json!({
@@ -981,6 +1108,7 @@ mod tests {
             last_value: b"1".to_vec(),
             changed_at,
             link,
+            closed_at: (link == Link::Closed).then_some(changed_at),
         }
     }
 
@@ -1072,13 +1200,15 @@ mod tests {
         assert_eq!(dead, vec![1], "{why}");
         assert!(why.contains("although its connection is open"), "{why}");
         let closed = [beat(1, t0, Link::Closed)];
-        assert!(find_dead(t0 + c.keep_alive_interval / 2, &closed, &c)
-            .0
-            .is_empty());
-        assert_eq!(
-            find_dead(t0 + c.keep_alive_interval, &closed, &c).0,
-            vec![1]
-        );
+        assert!(find_dead(t0 + CLOSED_GRACE / 2, &closed, &c).0.is_empty());
+        assert_eq!(find_dead(t0 + CLOSED_GRACE, &closed, &c).0, vec![1]);
+        // The grace runs from when the close was seen, not from the last beat.
+        let mut seen_late = beat(1, t0, Link::Closed);
+        seen_late.closed_at = Some(t0 + c.keep_alive_interval);
+        let late = [seen_late];
+        let at = t0 + c.keep_alive_interval + CLOSED_GRACE / 2;
+        assert!(find_dead(at, &late, &c).0.is_empty());
+        assert_eq!(find_dead(at + CLOSED_GRACE, &late, &c).0, vec![1]);
         let unknown = [beat(1, t0, Link::Unknown)];
         assert!(find_dead(t0 + c.keep_alive_interval, &unknown, &c)
             .0

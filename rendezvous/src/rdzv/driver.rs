@@ -47,6 +47,12 @@ pub enum Event {
 /// Node 0 hosts the store, so it can answer this for every member.
 pub trait Presence: Send + Sync {
     fn is_open(&self, peer: SocketAddr) -> bool;
+
+    /// Notified whenever a connection closes, so node 0's watcher judges its members at once
+    /// instead of at its next keep-alive tick; `None`: only at ticks.
+    fn closes(&self) -> Option<&tokio::sync::Notify> {
+        None
+    }
 }
 
 /// The result of a completed round for this node.
@@ -593,6 +599,35 @@ impl<K: Kv> Rendezvous<K> {
         Ok(won)
     }
 
+    /// Ends the job for every node with `exit_code` after this node's worker failure, whatever
+    /// restarts are left ([`decide::decide_give_up`]); returns the record that won (another
+    /// node's bump may have come first).
+    pub async fn report_give_up(
+        &mut self,
+        exit_code: u8,
+        what: &str,
+    ) -> Result<GenRecord, RdzvError> {
+        let node = self.reg.node_rank.unwrap_or_default();
+        let current = self.record.clone();
+        let (next, reason) = decide::decide_give_up(&current, node, exit_code, what);
+        let won = self.bump(&next).await?;
+        if won == next {
+            warn!("{reason}");
+        }
+        Ok(won)
+    }
+
+    /// The generation record, when it moved on from the one this node's last round formed in
+    /// (someone bumped it since); `None` while it has not.
+    pub async fn moved_on(&mut self) -> Result<Option<GenRecord>, RdzvError> {
+        let key = self.keys.gen();
+        let raw = self.kv.get(&key).await.map_err(lost)?;
+        if raw == self.gen_raw {
+            return Ok(None);
+        }
+        parse_json(&key, &raw).map(Some)
+    }
+
     async fn bump(&mut self, next: &GenRecord) -> Result<GenRecord, RdzvError> {
         bump(&mut self.kv, &self.keys, &self.gen_raw, next).await
     }
@@ -761,6 +796,16 @@ struct Conn {
     addr: Option<SocketAddr>,
     /// Whether that address was ever seen open: only then does "not open" mean "closed".
     seen_open: bool,
+    /// When it was first seen closed.
+    closed_at: Option<Instant>,
+}
+
+/// Resolves when `presence` says a store connection closed; never without one.
+async fn connection_closed(presence: Option<&dyn Presence>) {
+    match presence.and_then(Presence::closes) {
+        Some(closes) => closes.notified().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// A heartbeat value: the counter, then the address of the connection it was sent on.
@@ -810,6 +855,7 @@ impl<K: Kv> Watcher<K> {
                 last_value: Vec::new(),
                 changed_at: started,
                 link: Link::Unknown,
+                closed_at: None,
             })
             .collect();
         let mut conns = vec![Conn::default(); beats.len()];
@@ -850,11 +896,22 @@ impl<K: Kv> Watcher<K> {
                     (StoreVerdict::Retry, why) => warn!("{why}"),
                 },
             }
+            // A member seen closed is judged again when its grace is up, not a tick later.
+            let next = if conns.iter().any(|c| c.closed_at.is_some()) {
+                decide::silence_allowed(Link::Closed, &self.cfg)
+            } else {
+                self.cfg.keep_alive_interval
+            };
+            let presence = self.presence.clone();
             tokio::select! {
                 () = stop.cancelled() => return Event::Stopped,
-                () = sleep(self.cfg.keep_alive_interval) => {}
+                () = sleep(next) => {}
                 // A dead store host closes our idle connection: look now, not at the next tick.
                 () = self.kv.closed() => debug!("the store connection closed; checking at once"),
+                // Node 0: a member's agent that died closed its connection; judge it now.
+                () = connection_closed(presence.as_deref()) => {
+                    debug!("a connection to the store closed; judging the members at once");
+                }
             }
         }
     }
@@ -884,12 +941,14 @@ impl<K: Kv> Watcher<K> {
                         *conn = Conn {
                             addr,
                             seen_open: false,
+                            closed_at: None,
                         };
                     }
                     beat.last_value = value;
                     beat.changed_at = now;
                 }
-                beat.link = self.link(conn);
+                beat.link = self.link(conn, now);
+                beat.closed_at = conn.closed_at;
             }
             let (verdict, reason) = decide::decide_liveness(now, beats, barrier, &self.cfg);
             match verdict {
@@ -973,14 +1032,16 @@ impl<K: Kv> Watcher<K> {
     }
 
     /// What node 0 knows of one member's connection now.
-    fn link(&self, conn: &mut Conn) -> Link {
+    fn link(&self, conn: &mut Conn, now: Instant) -> Link {
         let (Some(presence), Some(addr)) = (&self.presence, conn.addr) else {
             return Link::Unknown;
         };
         if presence.is_open(addr) {
             conn.seen_open = true;
+            conn.closed_at = None;
             Link::Open
         } else if conn.seen_open {
+            conn.closed_at.get_or_insert(now);
             Link::Closed
         } else {
             Link::Unknown

@@ -25,7 +25,8 @@
 //!   ([`decide::find_dead`]), so clocks of different machines are never compared. Node 0 hosts
 //!   the store, so it also sees whether each member's connection is still open ([`Presence`]):
 //!   open means alive but late (lost only past a long stall limit), closed or reset means lost
-//!   within a keep-alive interval. The others judge node 0 by the store itself: when it stops
+//!   [`decide::CLOSED_GRACE`] after the close unless it beats again (the store wakes node 0's
+//!   watcher on every close, so this does not wait for a tick). The others judge node 0 by the store itself: when it stops
 //!   answering for the heartbeat timeout they stop their workers and exit with "store host lost".
 //! - **Exit barrier.** `ADD g<G>/done 1`; the N-th report completes it and SETs
 //!   `g<G>/done_all`; everyone keeps heartbeating while it waits, so an early finisher is never
@@ -85,6 +86,9 @@ pub struct Config {
     /// is slow to observe completion (a loaded store host, a GC pause). The agent sets it only
     /// from `MUSTER_TEST_BARRIER_OBSERVE_DELAY` (seconds); see docs/multinode.md § Test hooks.
     pub barrier_observe_delay: Duration,
+    /// `--node-unit K`: every gang's node count is a multiple of this (a model sharded over K
+    /// nodes); members beyond the largest multiple wait as spares. 1: any size.
+    pub node_unit: u32,
 }
 
 impl Config {
@@ -102,6 +106,7 @@ impl Config {
             exit_barrier_timeout: DEFAULT_EXIT_BARRIER_TIMEOUT,
             poll_interval: DEFAULT_POLL_INTERVAL,
             barrier_observe_delay: Duration::ZERO,
+            node_unit: 1,
         }
     }
 

@@ -190,6 +190,10 @@ impl super::Presence for crate::store::server::Stats {
     fn is_open(&self, peer: SocketAddr) -> bool {
         crate::store::server::Stats::is_open(self, peer)
     }
+
+    fn closes(&self) -> Option<&tokio::sync::Notify> {
+        Some(crate::store::server::Stats::closes(self))
+    }
 }
 
 #[cfg(test)]

@@ -174,6 +174,9 @@ pub struct Stats {
     /// per request; read by the rendezvous host to tell a late peer (connection open) from a
     /// gone one.
     open_peers: Mutex<HashSet<SocketAddr>>,
+    /// Notified on every close: the rendezvous host judges its members at once (a member whose
+    /// agent died is lost at the speed of that evidence, not at its next keep-alive tick).
+    closes: tokio::sync::Notify,
 }
 
 impl Stats {
@@ -198,6 +201,13 @@ impl Stats {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&canonical(peer));
+        // One stored permit: the watcher that is not waiting right now looks at its next wait.
+        self.closes.notify_one();
+    }
+
+    /// Notified whenever a connection closes (see [`Stats::is_open`]).
+    pub fn closes(&self) -> &tokio::sync::Notify {
+        &self.closes
     }
 
     /// Requests served for `command` since start.

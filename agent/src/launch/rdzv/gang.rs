@@ -47,6 +47,20 @@ struct Running {
     poster: JoinHandle<Option<PostedFailure>>,
 }
 
+/// How long after a local rank's failure that reads like a lost peer (gloo's "Connection reset by
+/// peer", a rank aborted by a signal) the node waits for the gang to re-form for a lost member
+/// before it counts the failure as its own. A member whose agent died is lost
+/// [`rdzv::decide::CLOSED_GRACE`] after its connection closed, and the survivors' ranks fail
+/// within about a second of the death (gloo reads the dead peer's reset at once), so the loss
+/// and its symptoms arrive within this window of each other: a failure followed by a loss within
+/// it is the loss's consequence, and the re-form uses no restart. Also the delay a genuine
+/// failure with such a message pays before its counted restart.
+pub const CONSEQUENCE_WINDOW: Duration = Duration::from_secs(2);
+/// How often a node in that window reads the generation: node 0's bump for a lost member is
+/// seen within this, on every node (the watcher of a node other than 0 reads it only every
+/// keep-alive interval).
+const CONSEQUENCE_POLL: Duration = Duration::from_millis(50);
+
 /// How long posting this node's failure to the board, or reading the board, may take: the
 /// board explains a failure, it never holds up the gang's reaction to it.
 const BOARD_TIMEOUT: Duration = Duration::from_secs(5);
@@ -83,6 +97,11 @@ pub struct GangRendezvous {
     /// Whether a lost store host can come back: not in a Slurm step, whose tasks Slurm never
     /// restarts, so a survivor waiting for one would only wait out the join timeout.
     host_replaceable: bool,
+    /// The endpoint resolves to loopback addresses only (the loopback elastic form).
+    loopback_endpoint: bool,
+    /// Set by the crash-loop guard: this node's failed attempt ends the job for everyone with
+    /// this code and message instead of a counted restart.
+    give_up: Option<(u8, String)>,
 }
 
 /// A survivor between the loss of the store host and its next round.
@@ -99,6 +118,7 @@ impl GangRendezvous {
         let cfg_err = |e: &dyn std::fmt::Display| LaunchError::Config(e.to_string());
         let mut cfg = rdzv::Config::new(&config.run_id, config.nnodes.min, config.nnodes.max);
         cfg.max_restarts = config.max_restarts;
+        cfg.node_unit = config.node_unit;
         let conf: String = config
             .rdzv_conf
             .iter()
@@ -161,6 +181,8 @@ impl GangRendezvous {
             host_loss: Arc::default(),
             cause: None,
             host_replaceable: config.slurm.is_none(),
+            loopback_endpoint: false,
+            give_up: None,
         })
     }
 
@@ -206,10 +228,12 @@ impl GangRendezvous {
             let ips = discovery::resolve(&self.endpoint.host, deadline, &self.events)
                 .await
                 .map_err(LaunchError::DiscoveryTimeout)?;
+            // The loopback elastic form (torchrun's `--rdzv-endpoint localhost:PORT` with several
+            // agents on one machine and no node ranks): an endpoint on a local address, loopback
+            // included, is hosted by the agent that binds its port first, the others join.
             let mine = discovery::interface_addrs();
-            let hosts = ips
-                .iter()
-                .any(|ip| mine.contains(ip) && (!ip.is_loopback() || advertised.is_loopback()));
+            let hosts = ips.iter().any(|ip| ip.is_loopback() || mine.contains(ip));
+            self.loopback_endpoint = !ips.is_empty() && ips.iter().all(IpAddr::is_loopback);
             endpoint_ips = Some(ips);
             hosts
         };
@@ -262,6 +286,8 @@ impl GangRendezvous {
                 .await
                 .map_err(LaunchError::DiscoveryTimeout)?
         };
+        let mut kv = kv;
+        record_fatal_gpu(&mut kv, &self.cfg.run_id, &self.gpu_verdict).await;
         let reg = Registration {
             agent_id: format!(
                 "{}-{}-{:08x}",
@@ -510,6 +536,8 @@ impl GangRendezvous {
         stop: &StopRequest,
     ) -> Result<AfterGroup, LaunchError> {
         self.cause = None;
+        // Only for this attempt's own failure; any other way out forgets it.
+        let give_up = self.give_up.take();
         let Some(running) = self.running.take() else {
             return Ok(AfterGroup::Finish(outcome.exit_code()));
         };
@@ -545,6 +573,15 @@ impl GangRendezvous {
                     }
                 }
                 GroupOutcome::Failed(f) => {
+                    if let Some(rec) = loss_followed(rdzv, f, running.assignment.node_rank).await {
+                        warn!(
+                            "rank {} (local rank {}) failed ({}) as the gang lost a member: {}; a consequence of the loss, no restart used (generation {}, restarts used {})",
+                            f.rank, f.local_rank, f.status, rec.reason, rec.gen, rec.restarts
+                        );
+                        running.stop.cancel();
+                        let _ = running.task.await;
+                        return Ok(AfterGroup::Restart);
+                    }
                     running.stop.cancel();
                     let _ = running.task.await;
                     // Posted before the generation moves: whoever sees the bump finds it.
@@ -557,7 +594,11 @@ impl GangRendezvous {
                             f.rank, f.local_rank, f.status
                         ),
                     };
-                    let rec = match rdzv.report_failure(code, &what).await {
+                    let report = match give_up {
+                        Some((code, why)) => rdzv.report_give_up(code, &why).await,
+                        None => rdzv.report_failure(code, &what).await,
+                    };
+                    let rec = match report {
                         Ok(rec) => rec,
                         // Most likely the failure *is* the loss: node 0's ranks died with it.
                         Err(RdzvError::StoreLost(why)) => {
@@ -610,6 +651,56 @@ impl GangRendezvous {
                 Ok(AfterGroup::Finish(outcome.exit_code()))
             }
         }
+    }
+}
+
+/// After `failure` here: the generation record when, within [`CONSEQUENCE_WINDOW`], the gang
+/// re-forms for a membership change (a lost member) — the failure is then its consequence;
+/// `None` at once for a failure that does not read like a lost peer, and when the window passes
+/// or the generation moved on for another reason (another node's failure: counted as usual).
+async fn loss_followed(
+    rdzv: &mut rdzv::Rendezvous<StoreKv>,
+    failure: &Failure,
+    node_rank: u32,
+) -> Option<rdzv::GenRecord> {
+    let symptom = PostedFailure::from_failure(failure, node_rank).looks_like_consequence()
+        || matches!(failure.status, crate::launch::ExitStatus::Signaled(_));
+    if !symptom {
+        return None;
+    }
+    let deadline = Instant::now() + CONSEQUENCE_WINDOW;
+    loop {
+        match rdzv.moved_on().await {
+            Ok(Some(rec)) if rec.kind == BumpKind::Membership => return Some(rec),
+            Ok(Some(_)) | Err(_) => return None,
+            Ok(None) => {}
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(CONSEQUENCE_POLL).await;
+    }
+}
+
+/// A fixed-size gang's node whose GPU pre-flight failed joins only to end the job (its
+/// registration carries the fatal verdict): it records itself as a bad node first, so a later
+/// pod of the job on the same Kubernetes node fails fast ([`crate::bad_nodes`]).
+async fn record_fatal_gpu(kv: &mut StoreKv, run_id: &str, verdict: &serde_json::Value) {
+    let (Some(node), Some(fatal)) = (crate::bad_nodes::node_name(), verdict.get("fatal")) else {
+        return;
+    };
+    let code = fatal
+        .get("exit_code")
+        .and_then(serde_json::Value::as_u64)
+        .and_then(|c| u8::try_from(c).ok())
+        .unwrap_or(exit_code::UNHEALTHY_GPU);
+    let message = fatal
+        .get("message")
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("GPU pre-flight failed");
+    let finding = crate::bad_nodes::Finding::new(code, message);
+    if let Err(e) = crate::bad_nodes::record(kv, run_id, &node, &finding).await {
+        warn!("could not record node {node} as bad in the gang's store: {e}");
     }
 }
 
@@ -675,8 +766,12 @@ impl GangRendezvous {
         advertised: IpAddr,
         op_timeout: Duration,
     ) -> Result<StoreKv, LaunchError> {
+        // An endpoint that only names loopback is reachable only from this machine: the store
+        // listens there alone, not on the pod network.
         let bind_ip = if advertised.is_loopback() {
             advertised
+        } else if self.loopback_endpoint {
+            IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
         } else if advertised.is_ipv6() {
             IpAddr::V6(std::net::Ipv6Addr::UNSPECIFIED)
         } else {
@@ -754,6 +849,11 @@ impl super::Rendezvous for GangRendezvous {
     fn gang_cause(&self) -> Option<GangCause> {
         self.cause.clone()
     }
+
+    fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {
+        self.give_up = Some((exit_code, why));
+        true
+    }
 }
 
 /// Why a round could not be had.
@@ -829,9 +929,20 @@ async fn network_check(
     match report.action {
         Action::Proceed => Ok(true),
         Action::End { message } => Err(LaunchError::NetworkCheckFailed(message)),
-        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => Err(
-            LaunchError::NetworkCheckFailed(format!("{message}; this node leaves the job")),
-        ),
+        Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => {
+            if let Some(node) = crate::bad_nodes::node_name() {
+                let finding = crate::bad_nodes::Finding::new(
+                    crate::exit_code::NETWORK_CHECK_FAILED,
+                    &message,
+                );
+                if let Err(e) = crate::bad_nodes::record(kv, &round.run_id, &node, &finding).await {
+                    warn!("could not record node {node} as bad in the gang's store: {e}");
+                }
+            }
+            Err(LaunchError::NetworkCheckFailed(format!(
+                "{message}; this node leaves the job"
+            )))
+        }
         Action::Leave { message, .. } => {
             warn!("{message}; forming a new round without the named node(s)");
             Ok(false)

@@ -54,6 +54,13 @@ pub trait Rendezvous: Send {
     fn gang_cause(&self) -> Option<super::gang_cause::GangCause> {
         None
     }
+
+    /// Asks that this node's failed attempt, handed to [`Rendezvous::after_group`] next, end the
+    /// job for every node with `exit_code` and `why` instead of a restart (the crash-loop
+    /// guard). `false`: this rendezvous has no gang to tell; the caller ends by itself.
+    fn end_on_failure(&mut self, _exit_code: u8, _why: String) -> bool {
+        false
+    }
 }
 
 /// What the rendezvous decided after an attempt.

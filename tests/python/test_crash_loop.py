@@ -1,0 +1,75 @@
+"""The crash-loop guard (`--max-no-progress-restarts`): a rank that raises at step 3 on every
+attempt stops the job with exit 209 after N restarts without progress, long before
+`--max-restarts 10` is spent — on one node, and in a gang, where every node ends with 209."""
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import finish, muster_bin, muster_env
+
+NO_PROGRESS = 209
+
+# Reports steps through the checkpoint helper (on the workers' PYTHONPATH under muster) and
+# raises at step 3, every attempt: a deterministic bug. Rank 0 of a gang waits to be stopped.
+SCRIPT = """\
+import os, sys, time
+import muster_checkpoint
+ckpt = muster_checkpoint.Checkpointer()
+rank = int(os.environ["RANK"])
+for step in range(1000):
+    ckpt.should_save(step)
+    if step == 3 and rank == int(os.environ.get("FAILING_RANK", "0")):
+        sys.stderr.write("Traceback (most recent call last):\\nValueError: bad batch at step 3\\n")
+        sys.stderr.flush()
+        os._exit(1)
+    time.sleep(0.05)
+"""
+
+
+def restarts(text):
+    return len(re.findall(r"restarting the (?:worker group|gang)", text))
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_failing_at_step_3_every_attempt_stops_with_209(tmp_path):
+    script = tmp_path / "bug.py"
+    script.write_text(SCRIPT)
+    p = subprocess.Popen(
+        [muster_bin(), "--standalone", "--nproc-per-node", "1", "--max-restarts", "10",
+         "--max-no-progress-restarts", "3", "--metrics-addr", "none",
+         "--gpu-release-timeout", "0", "--shutdown-timeout", "3", str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=muster_env())
+    code, out, err = finish(p, 150)
+    assert code == NO_PROGRESS, err
+    assert ("crash loop: 3 restart(s) in a row made no progress, each attempt failing by step 3; "
+            "the repeated failure: rank 0 failed (exit code 1)") in err, err
+    assert "(--max-no-progress-restarts 3, exit 209)" in err, err
+    # Attempt 0 is progress (step 3 from nothing); then three futile restarts. A step report that
+    # the agent read only after judging can make one attempt look like progress, never fewer.
+    assert 3 <= restarts(err) < 10, err
+    assert "crash-loop guard: no progress (last step 3; the previous attempt reached 3)" in err, err
+    # The worker's own failure is still summarised.
+    assert "muster: worker group failed" in err, err
+
+
+@pytest.mark.timeout(240)
+def test_in_a_gang_the_failing_node_ends_the_job_for_every_node_with_209(tmp_path):
+    script = tmp_path / "bug.py"
+    script.write_text(SCRIPT)
+    p = subprocess.Popen(
+        [muster_bin(), "dry-run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--max-restarts", "10", "--max-no-progress-restarts", "2", "--shutdown-timeout", "3",
+         "--rdzv-conf", "join_timeout=60,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3",
+         str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=muster_env({"FAILING_RANK": "1"}))
+    code, out, err = finish(p, 200)
+    text = out + err
+    assert code == NO_PROGRESS, text
+    assert "crash loop: 2 restart(s) in a row made no progress" in text, text
+    assert "the repeated failure: rank 1 failed (exit code 1)" in text, text
+    assert "agents exited with [209, 209]; job exit code 209" in text, text
+    # Node 0 ends because node 1 said so, naming it.
+    assert "[node 0]  WARN the job failed on another node: node 1: crash loop:" in text, text
