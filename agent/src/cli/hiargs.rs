@@ -491,6 +491,10 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         },
         section_timeout: parse_duration(low, "section-timeout")?
             .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
+        startup_timeout: match parse_duration(low, "startup-timeout")? {
+            None => Some(crate::watch::startup::DEFAULT_TIMEOUT),
+            Some(limit) => (!limit.is_zero()).then_some(limit),
+        },
     };
     let on_off = |flag: &'static str| -> Result<bool, ConfigError> {
         match get(low, flag) {
