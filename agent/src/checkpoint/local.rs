@@ -511,7 +511,8 @@ fn handle_line(
                     .reporters
                     .get(&rank)
                     .map(|l| (l.watch.init_entered, l.watch.init_returned));
-                if let (Some((entered, returned)), Some(link)) = (init, links.by_rank.get_mut(&rank))
+                if let (Some((entered, returned)), Some(link)) =
+                    (init, links.by_rank.get_mut(&rank))
                 {
                     link.watch.init_entered = entered;
                     link.watch.init_returned = returned;

@@ -723,6 +723,22 @@ mod tests {
     const PATH: (&str, &str) = ("PATH", "/usr/bin:/bin");
 
     #[test]
+    fn startup_timeout_defaults_to_five_minutes_and_zero_turns_it_off() {
+        let limit = |args: &[&str]| {
+            let mut all = args.to_vec();
+            all.push("train.py");
+            build_with(&all, &[PATH], 0).unwrap().hang.startup_timeout
+        };
+        assert_eq!(limit(&[]), Some(Duration::from_secs(300)));
+        assert_eq!(limit(&["--startup-timeout", "0"]), None);
+        assert_eq!(
+            limit(&["--startup-timeout", "7"]),
+            Some(Duration::from_secs(7))
+        );
+        assert!(build_with(&["--startup-timeout", "soon", "train.py"], &[PATH], 0).is_err());
+    }
+
+    #[test]
     fn standalone_defaults_like_torchrun() {
         let c = build_with(&["--nproc-per-node", "4", "train.py", "--x"], &[PATH], 0).unwrap();
         assert!(c.standalone);

@@ -399,7 +399,9 @@ fn stopped_pids(attempt: &WatchedAttempt, reports: &[RankWatch], local_rank: u32
     let reported = current_report(attempt, reports, local_rank).and_then(|r| r.pid);
     let mut pids = vec![w.pid];
     pids.extend(reported.filter(|p| *p != w.pid));
-    pids.into_iter().filter(|p| startup::is_stopped(*p)).collect()
+    pids.into_iter()
+        .filter(|p| startup::is_stopped(*p))
+        .collect()
 }
 
 /// A stopped process takes no SIGTERM until continued: the gang's stop would wait out the

@@ -115,7 +115,8 @@ pub fn candidates(
         .iter()
         .filter(|r| !r.exited && r.steps_seen == 0)
         .map(|r| {
-            let (phase, since) = stuck_since(r, ranks).map_or((Phase::Init, started), |(p, s)| (p, s));
+            let (phase, since) =
+                stuck_since(r, ranks).map_or((Phase::Init, started), |(p, s)| (p, s));
             stall(r, Some(phase), now.saturating_duration_since(since), limit)
         })
         .collect()
