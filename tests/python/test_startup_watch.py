@@ -125,3 +125,46 @@ def test_a_script_that_never_forms_a_group_is_not_watched_before_its_first_step(
     assert "hang detected" not in out, out
     assert sorted(re.findall(r"DONE rank=(\d)", out)) == ["0", "1"], out
 
+
+
+def test_across_nodes_the_node_hosting_the_stopped_rank_names_it(tmp_path):
+    # 2 nodes x 1 rank: rank 1 (node 1) stops before init_process_group; only node 0 sees a rank
+    # waiting in it. Node 0 tells node 1, which finds its rank stopped and names it.
+    from conftest import free_port
+    from test_watch import CONF
+
+    script = tmp_path / "startup_worker.py"
+    script.write_text(WORKER)
+    port = free_port()
+    agents = []
+    try:
+        for node in range(2):
+            args = [muster_bin(), "--nnodes", "2", "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--rdzv-id", "startup", "--local-addr", "127.0.0.1", "--rdzv-conf", CONF,
+                    "--node-rank", str(node), "--max-restarts", "1",
+                    "--startup-timeout", str(STARTUP_TIMEOUT), "--metrics-addr", "none",
+                    "--gpu-release-timeout", "0", "--shutdown-timeout", "5", str(script)]
+            env = muster_env({"MARKER": str(tmp_path / "marker"), "STOP_WHERE": "before"})
+            agents.append(Agent(args, env))
+        codes = [a.finish(timeout=180) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    out0, out1 = agents[0].text(), agents[1].text()
+    both = out0 + "\n----- node 1 -----\n" + out1
+    assert codes == [0, 0], both
+    assert re.search(r"hang detected on node 0: rank 0 \(local rank 0\) has not formed", out0), both
+    assert re.search(r"hung: rank 1 \(local rank 0\) on node 1 .* in section "
+                     r"\"init_process_group\"", out1), both
+    assert "startup_worker.py" in (rank_block_any(out1, 1) or ""), both
+    assert "DONE rank=0 sum=2" in out0 and "DONE rank=1 sum=2" in out1, both
+
+
+def rank_block_any(out, rank):
+    """The dump of global rank `rank`, whatever its local rank."""
+    lines = out.splitlines()
+    for i, line in enumerate(lines):
+        if re.search(rf"stacks of rank {rank} \(local rank \d+, pid \d+\), read with", line):
+            return "\n".join(lines[i:i + 12])
+    return None
