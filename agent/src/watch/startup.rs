@@ -6,7 +6,7 @@
 //! (`init`) and when it returns (`initdone`). A rank is hung before its first step when
 //! - it has been inside `init_process_group` longer than the limit, or
 //! - its group formed (it returned) but it reported no step, while another local rank has been
-//!   stepping for longer than the limit.
+//!   stepping for longer than the limit and its own stack did not move (`alive`) meanwhile.
 //!
 //! A rank that never calls `init_process_group` is never watched here (an inference script, a
 //! data preparation job): nothing in its silence says that it waits for anyone.
@@ -67,7 +67,13 @@ fn stuck_since(rank: &RankView, all: &[RankView]) -> Option<(Phase, Instant)> {
         .filter(|r| r.local_rank != rank.local_rank)
         .filter_map(|r| r.first_step)
         .min()?;
-    Some((Phase::FirstStep, returned.max(peers_stepping)))
+    // Its stack moving (the reporter's `alive`) is work, not a wait: a rank that prepares data
+    // at length before its first step is not stuck.
+    let since = returned.max(peers_stepping);
+    Some((
+        Phase::FirstStep,
+        rank.last_progress.map_or(since, |p| p.max(since)),
+    ))
 }
 
 /// The rank stuck longest before its first step, if one passed `limit`.
@@ -225,6 +231,11 @@ mod tests {
         let stall = decide(secs(5), &ranks, t0 + secs(16)).unwrap();
         assert_eq!((stall.local_rank, stall.stalled), (0, secs(6)));
         assert_eq!(stall.startup, Some(Phase::FirstStep));
+        // Its stack moved at 14 s: working, not stuck, until 19 s.
+        let mut ranks = ranks;
+        ranks[0].last_progress = Some(t0 + secs(14));
+        assert_eq!(decide(secs(5), &ranks, t0 + secs(19)), None);
+        assert!(decide(secs(5), &ranks, t0 + secs(20)).is_some());
     }
 
     #[test]
