@@ -33,8 +33,15 @@ It has its own connection to MUSTER_CHECKPOINT_SOCKET and says `watch`, not `hel
 knows the rank only reports: a rank without the helper cannot save, and the checkpoint barrier
 keeps forwarding SIGTERM to such scripts. Messages (newline-terminated ASCII words):
   worker -> agent: "watch <local_rank> <rank> <pid>", "step <n>", "alive",
-                   "faulthandler <signum> <path>"
+                   "faulthandler <signum> <path>", "init", "initdone"
   agent -> worker: "interval <ms>" (how often to say alive; 0: never, the hang watch is off)
+
+**Before the first step.** `torch.distributed.init_process_group` is wrapped (when
+`torch.distributed.distributed_c10d` is imported, before `torch.distributed` re-exports it): the
+rank connects when it enters it and says `init`, and `initdone` when it returns or raises, so the
+agent's --startup-timeout sees a rank whose process group never forms. The wrapper passes its
+arguments through, returns what torch returns and lets torch's exceptions through untouched.
+Scripts that never call it are not watched before their first step.
 
 Nothing here may break the script: every hook body is wrapped, and a failure turns the reporter
 off with at most one line on stderr. Off switch: MUSTER_AUTO_STEP_REPORTS=0 (what muster exports
@@ -50,6 +57,7 @@ __all__ = ["install", "stand_down"]
 SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
 SWITCH_ENV = "MUSTER_AUTO_STEP_REPORTS"
 _TARGET = "torch.optim.optimizer"
+_C10D = "torch.distributed.distributed_c10d"
 _OFF = ("0", "false", "no", "off")
 
 # How often the stack is sampled. Frequent enough that a loop whose iterations mostly wait in one
@@ -67,6 +75,7 @@ _MIN_REPORT_GAP_S = 0.01
 _MAX_PENDING = 64 * 1024
 
 _reporter = None
+_hooked = False
 _standing_down = False
 
 
@@ -120,6 +129,9 @@ class _Reporter:
                 import weakref
 
                 self._lead = weakref.ref(optimizer)
+                # The stepping thread is the one whose stack says alive (the connection may
+                # have been opened by init_process_group on another thread).
+                self._thread = _thread_ident()
             self._step += 1
             if self._sock is None and not self._start():
                 return
@@ -128,6 +140,17 @@ class _Reporter:
                 self._next_report = now + _MIN_REPORT_GAP_S
                 self._report_step()
         except Exception as err:  # never raise into the training loop
+            self.stop("%r" % (err,))
+
+    def on_init(self, word):
+        """`init` or `initdone`, from the init_process_group wrapper (connecting at `init`)."""
+        if self._off:
+            return
+        try:
+            if self._sock is None and not self._start():
+                return
+            self._send(word)
+        except Exception as err:  # never raise into the script's init_process_group
             self.stop("%r" % (err,))
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -314,20 +337,66 @@ class _Reporter:
                 self.stop("liveness sampler: %r" % (err,))
 
 
+def _thread_ident():
+    import _thread
+
+    return _thread.get_ident()
+
+
+def _the_reporter():
+    """This process's reporter, made at the first need; None when standing down."""
+    global _reporter
+    if _reporter is None and not _standing_down:
+        path = os.environ.get(SOCKET_ENV, "")
+        if not path:
+            return None
+        _reporter = _Reporter(path)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_reporter.after_fork)
+    return _reporter
+
+
 def _hook(module):
     """Registers the step hook on torch.optim.optimizer, once it is imported."""
-    global _reporter
+    global _hooked
     register = getattr(module, "register_optimizer_step_post_hook", None)
-    if register is None or _reporter is not None or _standing_down:
+    if register is None or _hooked or _standing_down:
         return
-    path = os.environ.get(SOCKET_ENV, "")
-    if not path:
+    reporter = _the_reporter()
+    if reporter is None:
         return
-    reporter = _Reporter(path)
     register(reporter.on_step)
-    _reporter = reporter
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=reporter.after_fork)
+    _hooked = True
+
+
+def _wrap_init(module):
+    """Wraps init_process_group in torch.distributed.distributed_c10d (and in
+    torch.distributed, when that already took the original)."""
+    original = getattr(module, "init_process_group", None)
+    if original is None or getattr(original, "_muster_wrapped", False):
+        return
+    import functools
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        reporter = _the_reporter()
+        if reporter is not None:
+            reporter.on_init(b"init\n")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if reporter is not None:
+                reporter.on_init(b"initdone\n")
+
+    init_process_group._muster_wrapped = True
+    module.init_process_group = init_process_group
+    package = sys.modules.get("torch.distributed")
+    if package is not None and getattr(package, "init_process_group", None) is original:
+        package.init_process_group = init_process_group
+
+
+def _wrap_failed(module, err):
+    _say_once("cannot wrap init_process_group: %r" % (err,))
 
 
 def _hook_failed(module, err):
@@ -344,6 +413,7 @@ def install():
     from muster_importhook import after_import
 
     after_import([_TARGET], _hook, _hook_failed)
+    after_import([_C10D], _wrap_init, _wrap_failed)
 
 
 def stand_down():

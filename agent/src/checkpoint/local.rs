@@ -17,7 +17,8 @@
 //!   takes part in the checkpoint barrier; its steps and sections feed the hang watch.
 //! - `watch <local_rank> <rank> <pid>`: muster's zero-code reporter (`python/muster_autoreport.py`,
 //!   an optimizer step hook loaded by muster's `sitecustomize`). It only reports — `step <n>`,
-//!   `alive` (the rank's stack moved: it works between steps), `faulthandler` — and the agent
+//!   `alive` (the rank's stack moved: it works between steps), `faulthandler`, `init` and
+//!   `initdone` (it entered and returned from `init_process_group`) — and the agent
 //!   answers `interval <ms>`, how often to say `alive` (0: never, the hang watch is off). Such a
 //!   rank cannot save, so it never counts as taking part in the barrier (a script without the
 //!   helper still gets SIGTERM forwarded), and its `alive` counts as progress for the hang watch.
@@ -110,6 +111,12 @@ pub struct RankWatch {
     pub faulthandler: Option<(i32, std::path::PathBuf)>,
     /// Reported by muster's zero-code reporter, not by the helper.
     pub zero_code: bool,
+    /// When the rank entered `torch.distributed.init_process_group` and returned from it (the
+    /// reporter's `init` and `initdone`), and when its first step report arrived: the hang
+    /// watch before the first step ([`crate::watch::startup`]).
+    pub init_entered: Option<Instant>,
+    pub init_returned: Option<Instant>,
+    pub first_step: Option<Instant>,
 }
 
 struct Link {
@@ -518,10 +525,26 @@ fn handle_line(
                         section: None,
                         faulthandler: None,
                         zero_code: role == Role::Reporter,
+                        init_entered: None,
+                        init_returned: None,
+                        first_step: None,
                     },
                     outbox: outbox.clone(),
                 },
             );
+            // The reporter said when the group formed; the helper connects after that.
+            if role == Role::Helper {
+                let init = links
+                    .reporters
+                    .get(&rank)
+                    .map(|l| (l.watch.init_entered, l.watch.init_returned));
+                if let (Some((entered, returned)), Some(link)) =
+                    (init, links.by_rank.get_mut(&rank))
+                {
+                    link.watch.init_entered = entered;
+                    link.watch.init_returned = returned;
+                }
+            }
         }
         Some("faulthandler") => {
             let (rank, role) = conn.ok_or("message before hello")?;
@@ -555,6 +578,18 @@ fn handle_line(
                 w.section = None;
             }
             w.last_progress = Some(now);
+        }
+        Some(kind @ ("init" | "initdone")) => {
+            let (rank, role) = conn.ok_or("init before watch")?;
+            let now = Instant::now();
+            if let Some(link) = lock(links).of(role).get_mut(&rank) {
+                if kind == "init" {
+                    link.watch.init_entered = Some(now);
+                    link.watch.init_returned = None;
+                } else {
+                    link.watch.init_returned = Some(now);
+                }
+            }
         }
         Some("alive") => {
             let (rank, role) = conn.ok_or("alive before watch")?;
@@ -637,6 +672,7 @@ impl Link {
         p.step = Some(step);
         p.reported_at = Some(now);
         let w = &mut self.watch;
+        w.first_step.get_or_insert(now);
         w.step = Some(step);
         w.last_progress = Some(now);
         w.slowest_period = match (w.slowest_period, p.step_period) {

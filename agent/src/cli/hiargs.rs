@@ -509,6 +509,10 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         },
         section_timeout: parse_duration(low, "section-timeout")?
             .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
+        startup_timeout: match parse_duration(low, "startup-timeout")? {
+            None => Some(crate::watch::startup::DEFAULT_TIMEOUT),
+            Some(limit) => (!limit.is_zero()).then_some(limit),
+        },
     };
     let on_off = |flag: &'static str| -> Result<bool, ConfigError> {
         match get(low, flag) {
@@ -784,6 +788,22 @@ mod tests {
     }
 
     const PATH: (&str, &str) = ("PATH", "/usr/bin:/bin");
+
+    #[test]
+    fn startup_timeout_defaults_to_five_minutes_and_zero_turns_it_off() {
+        let limit = |args: &[&str]| {
+            let mut all = args.to_vec();
+            all.push("train.py");
+            build_with(&all, &[PATH], 0).unwrap().hang.startup_timeout
+        };
+        assert_eq!(limit(&[]), Some(Duration::from_secs(300)));
+        assert_eq!(limit(&["--startup-timeout", "0"]), None);
+        assert_eq!(
+            limit(&["--startup-timeout", "7"]),
+            Some(Duration::from_secs(7))
+        );
+        assert!(build_with(&["--startup-timeout", "soon", "train.py"], &[PATH], 0).is_err());
+    }
 
     #[test]
     fn standalone_defaults_like_torchrun() {

@@ -24,6 +24,7 @@ use crate::launch::{BoxFuture, Watchdog, WatchedAttempt, WatchedWorker};
 use crate::watch::gang::{self, Notice};
 use crate::watch::hang::{self, Policy, RankView, Section, Stall, Waiting};
 use crate::watch::stacks::{self, Faulthandler, ProcessStacks};
+use crate::watch::startup;
 use crate::watch::Hang;
 
 /// The longest the watch sleeps before it looks at the reports again.
@@ -172,6 +173,9 @@ fn rank_views(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<RankView> 
                     })
                 }),
                 exited: exited.contains(&w.local_rank),
+                init_entered: report.and_then(|r| r.init_entered),
+                init_returned: report.and_then(|r| r.init_returned),
+                first_step: report.and_then(|r| r.first_step),
             }
         })
         .collect()
@@ -198,7 +202,7 @@ fn store_addr(attempt: &WatchedAttempt) -> Option<SocketAddr> {
 }
 
 async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Hang {
-    if policy.timeout == hang::HangTimeout::Off {
+    if policy.timeout == hang::HangTimeout::Off && policy.startup_timeout.is_none() {
         return std::future::pending().await;
     }
     let node = attempt.assignment.node_rank;
@@ -234,6 +238,12 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
         let views = rank_views(&attempt, &view.ranks());
         let now = Instant::now();
         if let Some(stall) = hang::decide(&policy, &views, now) {
+            break Trigger::Local(stall);
+        }
+        if let Some(stall) = policy
+            .startup_timeout
+            .and_then(|limit| startup::decide(limit, &views, now))
+        {
             break Trigger::Local(stall);
         }
         let at = hang::next_check(&policy, &views, now, POLL);
@@ -306,6 +316,12 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
         error!("hung: {}", hang.describe());
         return hang;
     }
+    if let Some(culprit) = startup_culprit(&policy, &attempt, &views, &dumps, &reports, &trigger) {
+        let hang = named(&attempt, &culprit, &dumps, reported_by);
+        error!("hung: {}", hang.describe());
+        continue_stopped(&attempt, &culprit, &reports);
+        return hang;
+    }
     match trigger {
         Trigger::Remote(_) => {
             info!(
@@ -338,6 +354,68 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
 }
 
 type Dump = (u32, Result<ProcessStacks, stacks::ReadError>);
+
+/// The cause of a hang before the first step among this node's ranks that have not stepped:
+/// with the startup watch on, when this node detected a startup stall, or another node's
+/// notice came and one of them is stopped (the node hosting a stopped rank names it; its
+/// peers elsewhere only see ranks waiting in `init_process_group`).
+fn startup_culprit(
+    policy: &Policy,
+    attempt: &WatchedAttempt,
+    views: &[RankView],
+    dumps: &[Dump],
+    reports: &[RankWatch],
+    trigger: &Trigger,
+) -> Option<Stall> {
+    let limit = policy.startup_timeout?;
+    let local_startup = matches!(trigger, Trigger::Local(s) if s.startup.is_some());
+    let candidates: Vec<startup::Candidate> =
+        startup::candidates(views, limit, attempt.started, Instant::now())
+            .into_iter()
+            .map(|stall| {
+                let waiting = dumps
+                    .iter()
+                    .find(|(local_rank, _)| *local_rank == stall.local_rank)
+                    .and_then(|(_, d)| d.as_ref().ok())
+                    .map_or(Waiting::Unknown, ProcessStacks::waiting);
+                let stopped = !stopped_pids(attempt, reports, stall.local_rank).is_empty();
+                startup::Candidate {
+                    stall,
+                    waiting,
+                    stopped,
+                }
+            })
+            .filter(|c| local_startup || c.stopped)
+            .collect();
+    startup::pick(&candidates)
+}
+
+/// The stopped processes of a local rank: its worker, or the Python process its reporter
+/// named (under a wrapper).
+fn stopped_pids(attempt: &WatchedAttempt, reports: &[RankWatch], local_rank: u32) -> Vec<u32> {
+    let Some(w) = attempt.workers.iter().find(|w| w.local_rank == local_rank) else {
+        return Vec::new();
+    };
+    let reported = current_report(attempt, reports, local_rank).and_then(|r| r.pid);
+    let mut pids = vec![w.pid];
+    pids.extend(reported.filter(|p| *p != w.pid));
+    pids.into_iter()
+        .filter(|p| startup::is_stopped(*p))
+        .collect()
+}
+
+/// A stopped process takes no SIGTERM until continued: the gang's stop would wait out the
+/// whole shutdown timeout for it. Its stacks are read; it may run on into the stop.
+fn continue_stopped(attempt: &WatchedAttempt, culprit: &Stall, reports: &[RankWatch]) {
+    for pid in stopped_pids(attempt, reports, culprit.local_rank) {
+        if let Ok(pid) = i32::try_from(pid) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGCONT,
+            );
+        }
+    }
+}
 
 /// Reads and logs every live local rank's stacks.
 async fn dump_all(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<Dump> {
@@ -422,7 +500,10 @@ fn named(
         last_step: stall.last_step,
         stalled: stall.stalled,
         limit: stall.limit,
-        section: stall.section.clone(),
+        section: stall
+            .section
+            .clone()
+            .or_else(|| stall.startup.map(|p| p.place().to_owned())),
         frame,
         stacks,
         reported_by,

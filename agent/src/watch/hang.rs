@@ -81,6 +81,8 @@ pub fn liveness_interval(timeout: HangTimeout) -> Option<Duration> {
 pub struct Policy {
     pub timeout: HangTimeout,
     pub section_timeout: Duration,
+    /// `--startup-timeout`: `None` is off ([`crate::watch::startup`]).
+    pub startup_timeout: Option<Duration>,
 }
 
 impl Default for Policy {
@@ -88,6 +90,7 @@ impl Default for Policy {
         Self {
             timeout: HangTimeout::Auto,
             section_timeout: DEFAULT_SECTION_TIMEOUT,
+            startup_timeout: Some(crate::watch::startup::DEFAULT_TIMEOUT),
         }
     }
 }
@@ -115,6 +118,12 @@ pub struct RankView {
     pub section: Option<Section>,
     /// The rank's process is gone (it exited: an early finisher is not hung).
     pub exited: bool,
+    /// When it entered `torch.distributed.init_process_group`, and returned from it (the
+    /// zero-code reporter's `init` and `initdone`: [`crate::watch::startup`]).
+    pub init_entered: Option<Instant>,
+    pub init_returned: Option<Instant>,
+    /// When its first step report arrived.
+    pub first_step: Option<Instant>,
 }
 
 impl RankView {
@@ -135,6 +144,7 @@ impl RankView {
             stalled,
             limit,
             section: self.section.as_ref().map(|s| s.name.clone()),
+            startup: None,
         }
     }
 }
@@ -151,6 +161,8 @@ pub struct Stall {
     pub limit: Duration,
     /// The open section it is stuck in, if any.
     pub section: Option<String>,
+    /// Stuck before its first step (`--startup-timeout`), and where.
+    pub startup: Option<crate::watch::startup::Phase>,
 }
 
 impl Stall {
@@ -159,6 +171,16 @@ impl Stall {
         let step = self
             .last_step
             .map_or_else(|| "none".to_owned(), |s| s.to_string());
+        if let Some(phase) = self.startup {
+            return format!(
+                "rank {} (local rank {}) {} for {:.1} s (--startup-timeout {})",
+                self.rank,
+                self.local_rank,
+                phase.describe(),
+                self.stalled.as_secs_f64(),
+                secs(self.limit)
+            );
+        }
         match &self.section {
             Some(name) => format!(
                 "rank {} (local rank {}) has been in section {name:?} for {:.1} s (last step {step}; --section-timeout {})",
@@ -300,6 +322,9 @@ mod tests {
             slowest_period: (steps > 1).then(|| Duration::from_millis(period_ms)),
             section: None,
             exited: false,
+            init_entered: None,
+            init_returned: None,
+            first_step: None,
         }
     }
 
@@ -307,6 +332,7 @@ mod tests {
         Policy {
             timeout: HangTimeout::Fixed(Duration::from_secs(secs)),
             section_timeout: Duration::from_secs(100),
+            startup_timeout: None,
         }
     }
 
@@ -460,6 +486,7 @@ mod tests {
             stalled: Duration::from_secs(secs),
             limit: Duration::from_secs(3),
             section: None,
+            startup: None,
         };
         let all_waiting = [
             (stall(0, 9), Waiting::InCollective),

@@ -4,6 +4,8 @@
 //!   `now`), and which stalled rank is the cause (the one not waiting in `torch.distributed`).
 //! - [`stacks`]: reading a worker's Python stacks: py-spy on its memory, or `faulthandler`
 //!   through the checkpoint helper where memory reads are refused.
+//! - [`startup`]: the same before a rank's first step — stuck in `init_process_group`, or no
+//!   first step while its peers step (`--startup-timeout`), and the stopped rank named.
 //! - [`gang`]: the store key through which the node that detects a hang tells every other
 //!   node, which dumps its own ranks' stacks too.
 //! - [`straggler`]: the pure straggler decisions — a rank's compute per step against the gang's
@@ -23,6 +25,7 @@ pub mod flight_recorder;
 pub mod gang;
 pub mod hang;
 pub mod stacks;
+pub mod startup;
 pub mod straggler;
 
 use std::time::Duration;
