@@ -297,7 +297,22 @@ impl<K: Kv> Rendezvous<K> {
                     self.cfg.join_timeout.as_secs_f64()
                 )));
             }
-            sleep(self.cfg.keep_alive_interval).await;
+            // Wait on the running generation's exit barrier instead of sleeping: once it
+            // completes node 0 takes the store down, and a spare that saw only that would end
+            // as if the store host were lost (205) although the job succeeded.
+            let done_all = self.keys.done_all(gen);
+            match self
+                .kv
+                .wait(
+                    std::slice::from_ref(&done_all),
+                    self.cfg.keep_alive_interval,
+                )
+                .await
+            {
+                Ok(()) => return Err(RdzvError::FinishedAsSpare),
+                Err(KvError::WaitTimeout) => {}
+                Err(e) => return Err(lost(e)),
+            }
         }
     }
 
@@ -1666,6 +1681,63 @@ mod tests {
         let (out, at) = early.await.expect("task");
         assert_eq!(out.expect("barrier"), BarrierOutcome::Done);
         assert!(at >= finished);
+    }
+
+    /// A gang of two and a third node waiting as a spare (answered by node 0's watcher).
+    async fn gang_and_spare(
+        kv: &MemKv,
+        c: &Config,
+        stop: &CancellationToken,
+    ) -> (
+        Vec<(Rendezvous<MemKv>, Joined)>,
+        tokio::task::JoinHandle<Result<Joined, RdzvError>>,
+    ) {
+        let formed = form_nodes(kv, c, 2).await;
+        // Both watch (and so heartbeat): node 1 is not lost while the spare waits.
+        for (r, j) in &formed {
+            let _w = spawn_watcher(r, kv, j, stop);
+        }
+        let mut spare = agent(kv, c, None, 1);
+        let spare = tokio::spawn(async move { spare.next_round(0).await });
+        // Long enough for node 0's watcher to read the newcomer and answer it "spare".
+        tokio::time::sleep(c.heartbeat_timeout * 2).await;
+        assert!(!spare.is_finished(), "the spare must wait");
+        (formed, spare)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spare_leaves_with_success_when_the_gang_finishes_without_it() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let stop = CancellationToken::new();
+        let (mut formed, spare) = gang_and_spare(&kv, &c, &stop).await;
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let b0 = spawn_barrier(r0, j0, CancellationToken::new());
+        let b1 = spawn_barrier(r1, j1, CancellationToken::new());
+        assert_eq!(
+            b0.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        assert_eq!(
+            b1.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        let out = spare.await.expect("task");
+        assert!(matches!(out, Err(RdzvError::FinishedAsSpare)), "{out:?}");
+        stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spare_that_loses_the_store_host_without_a_finish_reports_it_lost() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let stop = CancellationToken::new();
+        let (_formed, spare) = gang_and_spare(&kv, &c, &stop).await;
+        kv.take_down();
+        let out = spare.await.expect("task");
+        assert!(matches!(out, Err(RdzvError::StoreLost(_))), "{out:?}");
+        stop.cancel();
     }
 
     /// Node 0's view of which connections are open, set by hand.
