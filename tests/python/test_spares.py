@@ -45,6 +45,7 @@ def test_a_spare_exits_0_when_the_job_finishes_without_it(tmp_path):
     assert len(spares) == 1, results
     out, err = spares[0]
     assert FINISHED in err, out + err
+    assert "waiting as a spare: the gang is full" in err, err
     worlds = sorted(line.split("] ", 1)[1] for _, out, _ in results for line in out.splitlines()
                     if "RANK=" in line)
     assert worlds == ["RANK=0 WORLD_SIZE=2", "RANK=1 WORLD_SIZE=2"], worlds

@@ -89,7 +89,14 @@ pub struct Rendezvous<K: Kv> {
     record: GenRecord,
     /// What this node would carry if the store host were lost now: the last round it joined.
     memory: Option<GangMemory>,
+    /// Node 0's list of the hosts answered "spare" in the running generation.
+    spares: SpareHosts,
 }
+
+/// The hosts of the nodes node 0 answered "spare" in the running generation (replaced when a
+/// round completes, grown when the watcher answers a newcomer), for `/gangz` and the metrics.
+/// A spare that went away since is not noticed: it is forgotten at the next round.
+pub type SpareHosts = Arc<std::sync::Mutex<Vec<String>>>;
 
 impl<K: Kv> Rendezvous<K> {
     /// `reg.coordinator` decides whether this agent coordinates (it must be node rank 0).
@@ -104,7 +111,15 @@ impl<K: Kv> Rendezvous<K> {
             gen_raw: Vec::new(),
             record: GenRecord::first(),
             memory: None,
+            spares: SpareHosts::default(),
         }
+    }
+
+    /// Keeps the spare list in `spares` (shared with the caller, which outlives this value).
+    #[must_use]
+    pub fn with_spare_hosts(mut self, spares: SpareHosts) -> Self {
+        self.spares = spares;
+        self
     }
 
     /// The gang as this node last joined it: what it carries to a replacement store host.
@@ -256,9 +271,11 @@ impl<K: Kv> Rendezvous<K> {
                     }
                     Answer::Superseded => continue 'rounds,
                     Answer::Spare => {
+                        // Under the agent's own target: the launch shows this crate's logs
+                        // from warn only, and a pod that trains nothing must say why.
                         info!(
-                            gen,
-                            "the gang is full; waiting as a spare for the next round"
+                            target: "muster::spare",
+                            "waiting as a spare: the gang is full (generation {gen}); this node takes a place at the next round"
                         );
                         self.wait_for_new_generation(gen, deadline).await?;
                         continue 'rounds;
@@ -450,6 +467,13 @@ impl<K: Kv> Rendezvous<K> {
                             mine = Some(a.clone());
                         }
                         pairs.push(self.answer(gen, *slot_no, &Answer::Member(a.clone()))?);
+                    }
+                    if let Ok(mut list) = self.spares.lock() {
+                        *list = m
+                            .spares
+                            .iter()
+                            .map(|&i| state.arrivals[i].reg.host.clone())
+                            .collect();
                     }
                     for &i in &m.spares {
                         pairs.push(self.answer(gen, state.arrivals[i].slot, &Answer::Spare)?);
@@ -767,6 +791,7 @@ impl<K: Kv> Rendezvous<K> {
             group_size: a.group_world_size,
             answered: self.last_round.map_or(0, |(_, n)| n),
             presence: None,
+            spares: self.spares.clone(),
         }
     }
 }
@@ -802,6 +827,7 @@ pub struct Watcher<K: Kv> {
     answered: u64,
     /// Node 0's view of the members' connections (it hosts the store); `None` elsewhere.
     presence: Option<Arc<dyn Presence>>,
+    spares: SpareHosts,
 }
 
 /// What node 0 knows of the connection one member heartbeats on.
@@ -1024,6 +1050,9 @@ impl<K: Kv> Watcher<K> {
             // Spares stay registered; tell them once and stop re-reading them.
             if readable > 0 {
                 info!("{reason}");
+                if let Ok(mut list) = self.spares.lock() {
+                    list.extend(newcomers.iter().map(|r| r.host.clone()));
+                }
                 let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
                 let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
                 for slot in first..first + readable {

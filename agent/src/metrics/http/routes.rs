@@ -279,8 +279,18 @@ fn readyz(metrics: &Metrics) -> Reply {
 }
 
 fn gangz(metrics: &Metrics) -> Reply {
+    let spares = metrics.spare_hosts();
     if metrics.is_gang_running() {
-        Reply::text(200, "gang running\n".to_owned())
+        let body = if spares.is_empty() {
+            "gang running\n".to_owned()
+        } else {
+            format!(
+                "gang running; {} spare(s) waiting: {}\n",
+                spares.len(),
+                spares.join(", ")
+            )
+        };
+        Reply::text(200, body)
     } else {
         Reply::text(
             503,
