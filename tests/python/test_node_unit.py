@@ -10,7 +10,7 @@ from conftest import finish, free_port, muster_bin, muster_env, stop_process
 SCRIPT = """\
 import os, time
 print("RANK=%s WORLD_SIZE=%s" % (os.environ["RANK"], os.environ["WORLD_SIZE"]), flush=True)
-time.sleep(2)
+time.sleep(6)
 """
 
 

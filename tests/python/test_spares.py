@@ -12,18 +12,20 @@ from conftest import finish, free_port, muster_bin, muster_env, stop_process
 SCRIPT = """\
 import os, time
 print("RANK=%s WORLD_SIZE=%s" % (os.environ["RANK"], os.environ["WORLD_SIZE"]), flush=True)
-time.sleep(2)
+# Long enough for node 0 to answer the spare before the job ends (see the report's caveat:
+# a spare still unanswered when the store goes away ends as today, 205).
+time.sleep(6)
 """
 
 FINISHED = "the job finished while this pod waited as a spare"
 
 
-def agent(script, port):
+def agent(script, port, script_args=()):
     return subprocess.Popen(
         [muster_bin(), "--nnodes", "2:2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "spares",
          "--metrics-addr", "none", "--rdzv-conf", "join_timeout=60",
-         str(script)],
+         str(script), *script_args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=muster_env())
 
 
@@ -52,41 +54,12 @@ def test_a_spare_exits_0_when_the_job_finishes_without_it(tmp_path):
     assert worlds == ["RANK=0 WORLD_SIZE=2", "RANK=1 WORLD_SIZE=2"], worlds
 
 
-def indexed_agent(script, port, index, script_args=()):
-    """An agent as a pod of an Indexed Job with completions beyond MAX: its node rank comes
-    from JOB_COMPLETION_INDEX."""
-    return subprocess.Popen(
-        [muster_bin(), "--nnodes", "2:2", "--nproc-per-node", "1",
-         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "indexed",
-         "--metrics-addr", "none", "--rdzv-conf", "join_timeout=60", str(script), *script_args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=muster_env({"JOB_COMPLETION_INDEX": str(index)}))
-
-
-@pytest.mark.timeout(150)
-def test_an_indexed_job_index_beyond_max_is_a_spare_not_a_config_error(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text(SCRIPT)
-    port = free_port()
-    procs = [indexed_agent(script, port, i) for i in range(3)]
-    try:
-        results = [finish(p, 120) for p in procs]
-    finally:
-        for p in procs:
-            stop_process(p, 5)
-    for code, out, err in results:
-        assert code == 0, out + err
-    _, out, err = results[2]
-    assert "RANK=" not in out, out + err
-    assert "beyond --nnodes 2:2: this node waits as a spare" in err, err
-    assert FINISHED in err, err
-
-
 KILLABLE = """\
 import os, pathlib, sys, time
 d = pathlib.Path(sys.argv[1])
 print("RANK=%s WORLD_SIZE=%s" % (os.environ["RANK"], os.environ["WORLD_SIZE"]), flush=True)
-(d / ("rank%s.%d" % (os.environ["RANK"], os.getpid()))).touch()
+# The agent is the rank's parent: the test kills node 1's agent by this name.
+(d / ("rank%s.%d" % (os.environ["RANK"], os.getppid()))).touch()
 # Until the test has killed node 1, keep the gang running; after, finish quickly.
 deadline = time.monotonic() + 60
 while not (d / "killed").exists() and time.monotonic() < deadline:
@@ -101,22 +74,29 @@ def test_a_spare_takes_a_killed_members_place_and_the_job_finishes(tmp_path):
     script = tmp_path / "killable.py"
     script.write_text(KILLABLE)
     port = free_port()
-    procs = [indexed_agent(script, port, i, [str(tmp_path)]) for i in range(3)]
+    procs = [agent(script, port, [str(tmp_path)]) for _ in range(3)]
     try:
         deadline = time.monotonic() + 90
         while not list(tmp_path.glob("rank1.*")):
             assert time.monotonic() < deadline, "node 1 never started its rank"
             assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
             time.sleep(0.1)
+        agent_pid = int(next(tmp_path.glob("rank1.*")).suffix[1:])
+        killed = next(p for p in procs if p.pid == agent_pid)
         (tmp_path / "killed").touch()
-        procs[1].kill()
-        results = [finish(p, 120) for p in procs]
+        killed.kill()
+        results = {p: finish(p, 120) for p in procs}
     finally:
         for p in procs:
             stop_process(p, 5)
-    (code0, out0, err0), _, (code2, out2, err2) = results
-    assert code0 == 0, out0 + err0
-    assert code2 == 0, out2 + err2
-    # The spare ran node 1's ranks in the re-formed gang of two.
-    assert "RANK=1 WORLD_SIZE=2" in out2, out2 + err2
-    assert FINISHED not in err2, err2
+    assert results[killed][0] == -9
+    rest = [results[p] for p in procs if p is not killed]
+    for code, out, err in rest:
+        assert code == 0, out + err
+    # The spare (the survivor that trained nothing before the kill) ran node 1's ranks in the
+    # re-formed gang of two, and both survivors trained there.
+    spare = [r for r in rest if "waiting as a spare: the gang is full" in r[2]]
+    assert len(spare) == 1, rest
+    _, out, err = spare[0]
+    assert "RANK=1 WORLD_SIZE=2" in out, out + err
+    assert FINISHED not in err, err

@@ -155,18 +155,12 @@ impl GangRendezvous {
         let (claimed_rank, rank_source) =
             identity::node_rank(flag.as_deref(), index.as_deref(), &crate::host::name())
                 .map_err(|e| cfg_err(&e))?;
-        // An Indexed Job with more completions than MAX: the pods beyond it are spares, which
-        // join without identity and take the lowest free node rank when a member is lost.
-        let (claimed_rank, rank_source) = match claimed_rank {
-            Some(rank) if rank >= config.nnodes.max => {
-                info!(
-                    "node rank {rank} (from {rank_source}) is beyond --nnodes {}:{}: this node waits as a spare and takes the lowest free node rank when a member is lost",
-                    config.nnodes.min, config.nnodes.max
-                );
-                (None, identity::Source::Arrival)
-            }
-            rank => (rank, rank_source),
-        };
+        if let Some(rank) = claimed_rank.filter(|r| *r >= config.nnodes.max) {
+            return Err(LaunchError::Config(format!(
+                "node rank {rank} (from {rank_source}) is outside --nnodes {}:{}",
+                config.nnodes.min, config.nnodes.max
+            )));
+        }
         Ok(Self {
             cfg,
             endpoint,
