@@ -301,6 +301,7 @@ impl exit_code::Coded for LaunchError {
                 | crate::netcheck::gang::CheckError::StoreSlow(_),
             ) => exit_code::STORE_HOST_LOST,
             LaunchError::Rendezvous(RdzvError::Fatal { exit_code, .. }) => *exit_code,
+            LaunchError::Rendezvous(RdzvError::FinishedAsSpare) => exit_code::SUCCESS,
             LaunchError::GpusNotReleased { .. } | LaunchError::GpuFault(_) => {
                 exit_code::UNHEALTHY_GPU
             }
@@ -702,7 +703,20 @@ async fn attempts(
         }
         spec.publisher.phase(Phase::Rendezvous { restart_count });
         let round = tokio::select! {
-            round = rendezvous.next_round(config, restart_count, stop) => round?,
+            round = rendezvous.next_round(config, restart_count, stop) => match round {
+                Ok(round) => round,
+                Err(LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::FinishedAsSpare)) => {
+                    // Not a failure: under a Kubernetes Job a spare that ended 203/205 here
+                    // would mark its pod Failed although the job succeeded.
+                    tracing::info!("the job finished while this pod waited as a spare");
+                    return Ok(Outcome {
+                        exit_code: exit_code::SUCCESS,
+                        last: GroupOutcome::Succeeded,
+                        attempts: restart_count,
+                    });
+                }
+                Err(e) => return Err(e),
+            },
             () = stop.requested() => continue,
         };
         spec.publisher.event(Event::AttemptStarted {

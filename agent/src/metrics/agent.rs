@@ -406,6 +406,9 @@ impl Metered {
         metrics: Metrics,
         completed_reason: &'static str,
     ) -> Self {
+        if let Some(spares) = inner.spare_hosts() {
+            metrics.attach_spare_hosts(spares);
+        }
         Self {
             inner,
             metrics,
@@ -508,6 +511,10 @@ impl Rendezvous for Metered {
 
     fn gang_cause(&self) -> Option<crate::launch::gang_cause::GangCause> {
         self.inner.gang_cause()
+    }
+
+    fn spare_hosts(&self) -> Option<rendezvous::rdzv::driver::SpareHosts> {
+        self.inner.spare_hosts()
     }
 
     fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {

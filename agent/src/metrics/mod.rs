@@ -461,6 +461,9 @@ struct Inner {
     checkpoint_rejected: IntCounterVec,
     agent_ready: IntGauge,
     gang_running: IntGauge,
+    gang_spares: IntGauge,
+    /// Node 0's list of the spares' hosts (`muster_gang_spares`, `/gangz`).
+    spares: OnceLock<rendezvous::rdzv::driver::SpareHosts>,
 }
 
 /// Definitions are compile-time constants; a failure here is a bug that the unit tests catch.
@@ -771,6 +774,11 @@ impl Metrics {
                 "muster_gang_running",
                 "1 when /gangz answers 200: the gang has formed and this node's workers are running.",
             ),
+            gang_spares: defs.int_gauge(
+                "muster_gang_spares",
+                "Nodes waiting as spares in the running generation (beyond --nnodes MAX or a --node-unit multiple), as node 0 answered them; 0 on other nodes.",
+            ),
+            spares: OnceLock::new(),
             live,
             store,
             output,
@@ -1340,6 +1348,9 @@ impl Metrics {
         self.inner
             .gang_running
             .set(i64::from(self.is_gang_running()));
+        self.inner
+            .gang_spares
+            .set(i64::try_from(self.spare_hosts().len()).unwrap_or(i64::MAX));
         let mut families = self.inner.registry.gather();
         if let Some(script) = self.inner.script.get() {
             families.extend(script.families());
@@ -1355,6 +1366,20 @@ impl Metrics {
 
     /// Serves the training script's own metrics (see [`script`]) next to muster's from now on;
     /// a second call is ignored.
+    /// Shows the rendezvous's spare list (node 0 fills it) on `/gangz` and `muster_gang_spares`.
+    pub fn attach_spare_hosts(&self, spares: rendezvous::rdzv::driver::SpareHosts) {
+        let _first = self.inner.spares.set(spares);
+    }
+
+    /// The hosts node 0 answered "spare" in the running generation (empty elsewhere).
+    pub fn spare_hosts(&self) -> Vec<String> {
+        self.inner
+            .spares
+            .get()
+            .and_then(|list| list.lock().ok().map(|l| l.clone()))
+            .unwrap_or_default()
+    }
+
     pub fn attach_script_metrics(&self, script: Arc<ScriptMetrics>) {
         let _first = self.inner.script.set(script);
     }

@@ -1673,3 +1673,40 @@ fn the_endpoint_thread_serves_while_the_caller_is_blocked() {
         "closed after stop"
     );
 }
+
+#[tokio::test]
+async fn gangz_and_a_gauge_show_the_spares_node_0_answered() {
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let get = |path: &'static str| async move {
+        send(
+            addr,
+            format!("GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+    };
+    let spares = rendezvous::rdzv::driver::SpareHosts::default();
+    metrics.attach_spare_hosts(spares.clone());
+    metrics.set_phase(Phase::Running);
+    metrics.workers_started(1);
+    assert_eq!(get("/gangz").await.body, "gang running\n");
+    assert_eq!(
+        value(&scrape(&metrics), "muster_gang_spares", &[]),
+        Some(0.0)
+    );
+    spares
+        .lock()
+        .unwrap()
+        .extend(["pod-3".to_owned(), "pod-4".to_owned()]);
+    let reply = get("/gangz").await;
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.body,
+        "gang running; 2 spare(s) waiting: pod-3, pod-4\n"
+    );
+    assert_eq!(
+        value(&scrape(&metrics), "muster_gang_spares", &[]),
+        Some(2.0)
+    );
+    shutdown.cancel();
+}

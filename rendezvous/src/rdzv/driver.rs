@@ -89,7 +89,14 @@ pub struct Rendezvous<K: Kv> {
     record: GenRecord,
     /// What this node would carry if the store host were lost now: the last round it joined.
     memory: Option<GangMemory>,
+    /// Node 0's list of the hosts answered "spare" in the running generation.
+    spares: SpareHosts,
 }
+
+/// The hosts of the nodes node 0 answered "spare" in the running generation (replaced when a
+/// round completes, grown when the watcher answers a newcomer), for `/gangz` and the metrics.
+/// A spare that went away since is not noticed: it is forgotten at the next round.
+pub type SpareHosts = Arc<std::sync::Mutex<Vec<String>>>;
 
 impl<K: Kv> Rendezvous<K> {
     /// `reg.coordinator` decides whether this agent coordinates (it must be node rank 0).
@@ -104,7 +111,15 @@ impl<K: Kv> Rendezvous<K> {
             gen_raw: Vec::new(),
             record: GenRecord::first(),
             memory: None,
+            spares: SpareHosts::default(),
         }
+    }
+
+    /// Keeps the spare list in `spares` (shared with the caller, which outlives this value).
+    #[must_use]
+    pub fn with_spare_hosts(mut self, spares: SpareHosts) -> Self {
+        self.spares = spares;
+        self
     }
 
     /// The gang as this node last joined it: what it carries to a replacement store host.
@@ -256,9 +271,11 @@ impl<K: Kv> Rendezvous<K> {
                     }
                     Answer::Superseded => continue 'rounds,
                     Answer::Spare => {
+                        // Under the agent's own target: the launch shows this crate's logs
+                        // from warn only, and a pod that trains nothing must say why.
                         info!(
-                            gen,
-                            "the gang is full; waiting as a spare for the next round"
+                            target: "muster::spare",
+                            "waiting as a spare: the gang is full (generation {gen}); this node takes a place at the next round"
                         );
                         self.wait_for_new_generation(gen, deadline).await?;
                         continue 'rounds;
@@ -297,7 +314,22 @@ impl<K: Kv> Rendezvous<K> {
                     self.cfg.join_timeout.as_secs_f64()
                 )));
             }
-            sleep(self.cfg.keep_alive_interval).await;
+            // Wait on the running generation's exit barrier instead of sleeping: once it
+            // completes node 0 takes the store down, and a spare that saw only that would end
+            // as if the store host were lost (205) although the job succeeded.
+            let done_all = self.keys.done_all(gen);
+            match self
+                .kv
+                .wait(
+                    std::slice::from_ref(&done_all),
+                    self.cfg.keep_alive_interval,
+                )
+                .await
+            {
+                Ok(()) => return Err(RdzvError::FinishedAsSpare),
+                Err(KvError::WaitTimeout) => {}
+                Err(e) => return Err(lost(e)),
+            }
         }
     }
 
@@ -435,6 +467,13 @@ impl<K: Kv> Rendezvous<K> {
                             mine = Some(a.clone());
                         }
                         pairs.push(self.answer(gen, *slot_no, &Answer::Member(a.clone()))?);
+                    }
+                    if let Ok(mut list) = self.spares.lock() {
+                        *list = m
+                            .spares
+                            .iter()
+                            .map(|&i| state.arrivals[i].reg.host.clone())
+                            .collect();
                     }
                     for &i in &m.spares {
                         pairs.push(self.answer(gen, state.arrivals[i].slot, &Answer::Spare)?);
@@ -752,6 +791,7 @@ impl<K: Kv> Rendezvous<K> {
             group_size: a.group_world_size,
             answered: self.last_round.map_or(0, |(_, n)| n),
             presence: None,
+            spares: self.spares.clone(),
         }
     }
 }
@@ -787,6 +827,7 @@ pub struct Watcher<K: Kv> {
     answered: u64,
     /// Node 0's view of the members' connections (it hosts the store); `None` elsewhere.
     presence: Option<Arc<dyn Presence>>,
+    spares: SpareHosts,
 }
 
 /// What node 0 knows of the connection one member heartbeats on.
@@ -1009,6 +1050,9 @@ impl<K: Kv> Watcher<K> {
             // Spares stay registered; tell them once and stop re-reading them.
             if readable > 0 {
                 info!("{reason}");
+                if let Ok(mut list) = self.spares.lock() {
+                    list.extend(newcomers.iter().map(|r| r.host.clone()));
+                }
                 let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
                 let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
                 for slot in first..first + readable {
@@ -1666,6 +1710,63 @@ mod tests {
         let (out, at) = early.await.expect("task");
         assert_eq!(out.expect("barrier"), BarrierOutcome::Done);
         assert!(at >= finished);
+    }
+
+    /// A gang of two and a third node waiting as a spare (answered by node 0's watcher).
+    async fn gang_and_spare(
+        kv: &MemKv,
+        c: &Config,
+        stop: &CancellationToken,
+    ) -> (
+        Vec<(Rendezvous<MemKv>, Joined)>,
+        tokio::task::JoinHandle<Result<Joined, RdzvError>>,
+    ) {
+        let formed = form_nodes(kv, c, 2).await;
+        // Both watch (and so heartbeat): node 1 is not lost while the spare waits.
+        for (r, j) in &formed {
+            let _w = spawn_watcher(r, kv, j, stop);
+        }
+        let mut spare = agent(kv, c, None, 1);
+        let spare = tokio::spawn(async move { spare.next_round(0).await });
+        // Long enough for node 0's watcher to read the newcomer and answer it "spare".
+        tokio::time::sleep(c.heartbeat_timeout * 2).await;
+        assert!(!spare.is_finished(), "the spare must wait");
+        (formed, spare)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spare_leaves_with_success_when_the_gang_finishes_without_it() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let stop = CancellationToken::new();
+        let (mut formed, spare) = gang_and_spare(&kv, &c, &stop).await;
+        let (r1, j1) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let b0 = spawn_barrier(r0, j0, CancellationToken::new());
+        let b1 = spawn_barrier(r1, j1, CancellationToken::new());
+        assert_eq!(
+            b0.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        assert_eq!(
+            b1.await.expect("task").expect("barrier"),
+            BarrierOutcome::Done
+        );
+        let out = spare.await.expect("task");
+        assert!(matches!(out, Err(RdzvError::FinishedAsSpare)), "{out:?}");
+        stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spare_that_loses_the_store_host_without_a_finish_reports_it_lost() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let stop = CancellationToken::new();
+        let (_formed, spare) = gang_and_spare(&kv, &c, &stop).await;
+        kv.take_down();
+        let out = spare.await.expect("task");
+        assert!(matches!(out, Err(RdzvError::StoreLost(_))), "{out:?}");
+        stop.cancel();
     }
 
     /// Node 0's view of which connections are open, set by hand.

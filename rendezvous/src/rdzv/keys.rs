@@ -10,7 +10,7 @@
 //! | `g<G>/slot/<i>` | JSON [`super::Registration`] | SET by the joiner of slot i (1-based) |
 //! | `g<G>/assign/<i>` | JSON [`super::Answer`] | MULTI_SET by the coordinator |
 //! | `g<G>/acks` | ADD counter | joiners that read a terminal answer (timeout), so node 0 can leave |
-//! | `g<G>/done`, `g<G>/done_all` | ADD counter (+1 per report, +[`super::decide::ABORT`] per abort); `1` | exit barrier: reports, and aborts that end the generation early |
+//! | `g<G>/done`, `g<G>/done_all` | ADD counter (+1 per report, +[`super::decide::ABORT`] per abort); `1` | exit barrier: reports, and aborts that end the generation early; spares WAIT on `done_all` to leave with success when the job finishes without them |
 //! | `g<G>/left` | ADD counter | members that passed the exit barrier, so node 0 leaves last |
 //! | `memory` | JSON [`super::recovery::GangMemory`] | SET by a replacement node 0 that adopted the survivors' memory |
 //! | `g<G>/failures` | ADD counter: failures posted | ADD by a node whose worker failed ([`super::board`]) |

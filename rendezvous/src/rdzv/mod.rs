@@ -320,6 +320,10 @@ pub enum RdzvError {
     /// The store host stopped answering (exit 205).
     #[error("lost the store host (node 0): {0}")]
     StoreLost(String),
+    /// The gang's exit barrier completed (`g<G>/done_all`) while this node waited as a spare:
+    /// the job succeeded without it, so it leaves with success rather than outliving the store.
+    #[error("the job finished while this pod waited as a spare")]
+    FinishedAsSpare,
     /// This node cannot join (exit 202): duplicate node rank and the like.
     #[error("rejected by the rendezvous: {0}")]
     Rejected(String),

@@ -97,6 +97,9 @@ pub struct GangRendezvous {
     /// Whether a lost store host can come back: not in a Slurm step, whose tasks Slurm never
     /// restarts, so a survivor waiting for one would only wait out the join timeout.
     host_replaceable: bool,
+    /// Node 0's list of the spares, kept across the rendezvous values a lost store host
+    /// replaces (metrics hold on to it).
+    spare_hosts: rendezvous::rdzv::driver::SpareHosts,
     /// The endpoint resolves to loopback addresses only (the loopback elastic form).
     loopback_endpoint: bool,
     /// Set by the crash-loop guard: this node's failed attempt ends the job for everyone with
@@ -181,6 +184,7 @@ impl GangRendezvous {
             host_loss: Arc::default(),
             cause: None,
             host_replaceable: config.slurm.is_none(),
+            spare_hosts: rendezvous::rdzv::driver::SpareHosts::default(),
             loopback_endpoint: false,
             give_up: None,
         })
@@ -304,7 +308,8 @@ impl GangRendezvous {
             memory: None,
         };
         self.advertised = Some(advertised);
-        let mut rdzv = rdzv::Rendezvous::new(kv, self.cfg.clone(), reg);
+        let mut rdzv = rdzv::Rendezvous::new(kv, self.cfg.clone(), reg)
+            .with_spare_hosts(self.spare_hosts.clone());
         if let Some(memory) = self.recovering.as_ref().and_then(|r| r.memory.clone()) {
             rdzv.carry(memory);
         }
@@ -848,6 +853,10 @@ impl super::Rendezvous for GangRendezvous {
 
     fn gang_cause(&self) -> Option<GangCause> {
         self.cause.clone()
+    }
+
+    fn spare_hosts(&self) -> Option<rendezvous::rdzv::driver::SpareHosts> {
+        Some(self.spare_hosts.clone())
     }
 
     fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {

@@ -33,6 +33,11 @@ pub trait Rendezvous: Send {
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Round, LaunchError>>;
 
+    /// Node 0's list of the nodes waiting as spares (the gang rendezvous only).
+    fn spare_hosts(&self) -> Option<rendezvous::rdzv::driver::SpareHosts> {
+        None
+    }
+
     /// Resolves when the group must stop because the gang re-forms (another node failed, died
     /// or joined). Must be cancel-safe: it is dropped when the group ends first.
     fn watch(&mut self) -> BoxFuture<'_, ()> {

@@ -285,8 +285,18 @@ fn gangz(metrics: &Metrics) -> Reply {
         .iter()
         .flat_map(|f| [f.as_str(), "\n"])
         .collect();
+    let spares = metrics.spare_hosts();
     if metrics.is_gang_running() {
-        Reply::text(200, format!("gang running\n{findings}"))
+        let head = if spares.is_empty() {
+            "gang running".to_owned()
+        } else {
+            format!(
+                "gang running; {} spare(s) waiting: {}",
+                spares.len(),
+                spares.join(", ")
+            )
+        };
+        Reply::text(200, format!("{head}\n{findings}"))
     } else {
         Reply::text(
             503,
