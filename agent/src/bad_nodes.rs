@@ -159,15 +159,7 @@ pub async fn remember(config: &crate::launch::Config, finding: &Finding) {
 /// A connection to the gang's rendezvous store (`--rdzv-endpoint`, else `--master-addr`/`-port`),
 /// the first address of the endpoint that answers; `None` when none does.
 async fn connect(config: &crate::launch::Config) -> Option<rendezvous::rdzv::StoreKv> {
-    let text = if config.rdzv_endpoint.trim().is_empty() {
-        format!(
-            "{}:{}",
-            config.master_addr.as_deref().unwrap_or("127.0.0.1"),
-            config.master_port.unwrap_or(29500)
-        )
-    } else {
-        config.rdzv_endpoint.clone()
-    };
+    let text = config.rdzv_endpoint_text();
     let endpoint = crate::discovery::parse_endpoint(&text).ok()?;
     tracing::debug!("bad-node memory: connecting to the gang's store at {text}");
     let addrs = tokio::net::lookup_host((endpoint.host.as_str(), endpoint.port))

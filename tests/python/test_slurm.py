@@ -23,6 +23,7 @@ TRAIN_DDP = str(REPO / "tests" / "python" / "scripts" / "train_ddp_exit.py")
 TRAIN_CKPT = str(REPO / "examples" / "train_checkpoint.py")
 PREEMPTED_OK = 200
 STORE_HOST_LOST = 205
+RENDEZVOUS_TIMEOUT = 203
 # Slurm's KillWait in the test cluster: the step's grace between SIGTERM and SIGKILL.
 KILL_WAIT_S = 30
 
@@ -320,3 +321,30 @@ def test_a_lost_node0_agent_ends_the_step_without_waiting_for_a_replacement(clus
     # The survivor's own stop is marked as the agent's: its held ranks end on the SIGTERM, not
     # at the SIGKILL after --shutdown-timeout.
     assert "sending SIGKILL" not in survivor, survivor
+
+
+def test_a_lost_member_agent_ends_the_step_without_waiting_for_a_replacement(cluster, tmp_path):
+    # Node 1 (not the store host) is lost. A gang below its minimum waits for a replacement under
+    # Kubernetes; a Slurm step never restarts its tasks, so node 0 ends the job at once (203),
+    # restarts left or not: the survivors' failed ranks are consequences, not restarts.
+    cluster.wait_idle()
+    env = job_env(cluster, tmp_path, {"MUSTER_RDZV_CONF": "join_timeout=900"})
+    proc = srun(cluster, tmp_path, "lost1",
+                ["--nproc-per-node", "2", "--max-restarts", "3", TRAIN_CKPT, "--steps", "100000",
+                 "--step-seconds", "0.05", "--log-every", "5"], env)
+    dump = lambda: "\n".join(outputs(tmp_path).values())
+    job = job_id(cluster, "lost1")
+    wait_for(lambda: len(steps_seen(dump())) >= 2 and max(steps_seen(dump())) >= 10,
+             "training", 180, proc, dump)
+    pid = agent_pid(job, 1)
+    assert pid is not None, dump()
+    os.kill(pid, signal.SIGKILL)
+    try:
+        rc, out = finish(proc, 120)
+    finally:
+        cluster.run(["scancel", job], check=False)
+    survivor = outputs(tmp_path).get("out-0.txt", "")
+    assert "no replacement comes for a lost node (a Slurm step never restarts its tasks)" \
+        in survivor, out + survivor
+    assert f"task 0: Exited with exit code {RENDEZVOUS_TIMEOUT}" in out, out + survivor
+    assert rc == 128 + signal.SIGKILL, out

@@ -313,6 +313,20 @@ pub struct Config {
 }
 
 impl Config {
+    /// The rendezvous endpoint as given: `--rdzv-endpoint`, else the static form's
+    /// `--master-addr`/`--master-port` (torchrun's defaults 127.0.0.1:29500).
+    pub fn rdzv_endpoint_text(&self) -> String {
+        if self.rdzv_endpoint.trim().is_empty() {
+            format!(
+                "{}:{}",
+                self.master_addr.as_deref().unwrap_or("127.0.0.1"),
+                self.master_port.unwrap_or(29500)
+            )
+        } else {
+            self.rdzv_endpoint.clone()
+        }
+    }
+
     /// A single-node configuration running `program args...` directly; the starting point for
     /// tests and for other subcommands that launch workers.
     pub fn for_program(program: impl Into<OsString>, args: Vec<OsString>, nproc: u32) -> Self {

@@ -555,6 +555,27 @@ pub fn fatal_registration(reg: &Registration) -> Option<(u8, String)> {
     ))
 }
 
+/// Where no lost node is ever replaced ([`Config::unreplaceable_loss`]): the exit code and the
+/// reason that end the job when `lost` of the `group_size` members are gone and the rest are
+/// fewer than `min_nodes`; `None` when a replacement may come or the rest can go on.
+pub fn decide_unreplaceable_loss(
+    lost: usize,
+    group_size: u32,
+    cfg: &Config,
+) -> Option<(u8, String)> {
+    let code = cfg.unreplaceable_loss?;
+    let left = group_size.saturating_sub(u32::try_from(lost).unwrap_or(u32::MAX));
+    (left < cfg.min_nodes).then(|| {
+        (
+            code,
+            format!(
+                "no replacement comes for a lost node (a Slurm step never restarts its tasks) and {left} node(s) are fewer than the minimum of {}",
+                cfg.min_nodes
+            ),
+        )
+    })
+}
+
 /// The generation that ends the job for every node with `exit_code`.
 pub fn fatal_bump(
     current: &GenRecord,
@@ -1285,5 +1306,27 @@ mod tests {
         assert_eq!(v, StoreVerdict::Lost, "{why}");
         assert!(why.contains("its process is gone"), "{why}");
         assert_eq!(store_silence_allowed(StoreFault::Gone, &c), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_loss_ends_the_job_at_once_only_where_no_replacement_comes_and_too_few_remain() {
+        let mut cfg = Config::new("job", 2, 3);
+        assert_eq!(
+            decide_unreplaceable_loss(1, 2, &cfg),
+            None,
+            "a replacement may come"
+        );
+        cfg.unreplaceable_loss = Some(203);
+        let (code, why) = decide_unreplaceable_loss(1, 2, &cfg).unwrap();
+        assert_eq!(code, 203);
+        assert!(
+            why.contains("1 node(s) are fewer than the minimum of 2"),
+            "{why}"
+        );
+        assert_eq!(
+            decide_unreplaceable_loss(1, 3, &cfg),
+            None,
+            "two remain: MIN is kept"
+        );
     }
 }

@@ -997,7 +997,17 @@ impl<K: Kv> Watcher<K> {
                     debug!("{reason}");
                     return Ok(Some(Event::Completed));
                 }
-                Liveness::Lost(_) => return self.end_generation(format!("lost {reason}")).await,
+                Liveness::Lost(dead) => {
+                    let fatal =
+                        decide::decide_unreplaceable_loss(dead.len(), self.group_size, &self.cfg);
+                    return match fatal {
+                        Some((code, why)) => {
+                            self.end_generation(format!("lost {reason}; {why}"), Some(code))
+                                .await
+                        }
+                        None => self.end_generation(format!("lost {reason}"), None).await,
+                    };
+                }
                 Liveness::Alive => {}
             }
         } else if barrier == Barrier::Complete {
@@ -1029,7 +1039,7 @@ impl<K: Kv> Watcher<K> {
                     .collect();
                 let (decision, why) = recovery::decide_memories(&current, &memories, &self.cfg);
                 if decision.adopt.is_some() {
-                    return self.end_generation(why).await;
+                    return self.end_generation(why, None).await;
                 }
                 turned_away = decision
                     .rejected
@@ -1045,7 +1055,7 @@ impl<K: Kv> Watcher<K> {
             let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
             let (restart, reason) = decide::decide_newcomers(&members, &newcomers, &self.cfg);
             if restart {
-                return self.end_generation(reason).await;
+                return self.end_generation(reason, None).await;
             }
             // Spares stay registered; tell them once and stop re-reading them.
             if readable > 0 {
@@ -1094,14 +1104,20 @@ impl<K: Kv> Watcher<K> {
 
     /// Ends the running generation early, unless its exit barrier completed first: the abort
     /// and the reports meet on one counter ([`decide::decide_abort`]).
-    async fn end_generation(&mut self, reason: String) -> Result<Option<Event>, KvError> {
+    /// Aborts the running generation for `reason`; the next one is a membership change, or with
+    /// `fatal` the job's end for every node with that code.
+    async fn end_generation(
+        &mut self,
+        reason: String,
+        fatal: Option<u8>,
+    ) -> Result<Option<Event>, KvError> {
         let after = self
             .kv
             .add(&self.keys.done(self.gen), decide::ABORT)
             .await?;
         let (abort, why) = decide::decide_abort(after, self.group_size);
         match abort {
-            Abort::Won => self.bump_membership(reason).await,
+            Abort::Won => self.bump(reason, fatal).await,
             Abort::Completed => {
                 info!("not acting on \"{reason}\": {why}");
                 // The last reporter may not have woken the barrier yet.
@@ -1115,7 +1131,7 @@ impl<K: Kv> Watcher<K> {
         }
     }
 
-    async fn bump_membership(&mut self, reason: String) -> Result<Option<Event>, KvError> {
+    async fn bump(&mut self, reason: String, fatal: Option<u8>) -> Result<Option<Event>, KvError> {
         let current: GenRecord = match serde_json::from_slice(&self.gen_raw) {
             Ok(rec) => rec,
             Err(e) => {
@@ -1124,7 +1140,10 @@ impl<K: Kv> Watcher<K> {
                 ))))
             }
         };
-        let next = decide::membership_bump(&current, self.node_rank, reason.clone());
+        let next = match fatal {
+            Some(code) => decide::fatal_bump(&current, Some(self.node_rank), code, reason.clone()),
+            None => decide::membership_bump(&current, self.node_rank, reason.clone()),
+        };
         let key = self.keys.gen();
         let body = match serde_json::to_vec(&next) {
             Ok(body) => body,

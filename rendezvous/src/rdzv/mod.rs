@@ -89,6 +89,11 @@ pub struct Config {
     /// `--node-unit K`: every gang's node count is a multiple of this (a model sharded over K
     /// nodes); members beyond the largest multiple wait as spares. 1: any size.
     pub node_unit: u32,
+    /// `Some(code)` where a lost node is never replaced (a Slurm step never restarts its tasks):
+    /// a loss that leaves fewer than `min_nodes` members ends the job at once with `code` instead
+    /// of a new round that would wait out the join timeout for a replacement. `None` where one
+    /// comes (Kubernetes re-creates the pod).
+    pub unreplaceable_loss: Option<u8>,
 }
 
 impl Config {
@@ -107,6 +112,7 @@ impl Config {
             poll_interval: DEFAULT_POLL_INTERVAL,
             barrier_observe_delay: Duration::ZERO,
             node_unit: 1,
+            unreplaceable_loss: None,
         }
     }
 

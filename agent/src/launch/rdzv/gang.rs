@@ -122,6 +122,11 @@ impl GangRendezvous {
         let mut cfg = rdzv::Config::new(&config.run_id, config.nnodes.min, config.nnodes.max);
         cfg.max_restarts = config.max_restarts;
         cfg.node_unit = config.node_unit;
+        if config.slurm.is_some() {
+            // Slurm never restarts a task of a running step: a gang below its minimum ends now
+            // instead of waiting out the join timeout for a replacement.
+            cfg.unreplaceable_loss = Some(exit_code::RENDEZVOUS_TIMEOUT);
+        }
         let conf: String = config
             .rdzv_conf
             .iter()
@@ -143,15 +148,7 @@ impl GangRendezvous {
                 warn!("--rdzv-conf {key}: unknown key, ignored");
             }
         }
-        let endpoint_text = if config.rdzv_endpoint.trim().is_empty() {
-            format!(
-                "{}:{}",
-                config.master_addr.as_deref().unwrap_or("127.0.0.1"),
-                config.master_port.unwrap_or(29500)
-            )
-        } else {
-            config.rdzv_endpoint.clone()
-        };
+        let endpoint_text = config.rdzv_endpoint_text();
         let endpoint = discovery::parse_endpoint(&endpoint_text).map_err(|e| cfg_err(&e))?;
         let flag = config.node_rank_given.then(|| config.node_rank.to_string());
         let index = std::env::var("JOB_COMPLETION_INDEX").ok();
