@@ -66,7 +66,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     let multi_node = rdzv::is_multi_node(launch.config());
     // A node this job already found bad fails fast with that finding, before any check runs.
     if multi_node {
-        if let Some((node, finding)) = crate::bad_nodes::probe(launch.config()).await {
+        if let Some((node, finding)) = crate::launch::bad_nodes::probe(launch.config()).await {
             return Err(Exit::new(finding.exit_code, finding.refusal(&node)).into());
         }
     }
@@ -290,11 +290,11 @@ fn watch_stragglers(
     let remember_in = std::sync::Arc::new(config.clone());
     watch = watch.on_exclude(std::sync::Arc::new(move |excluded| {
         let config = remember_in.clone();
-        let finding = crate::bad_nodes::Finding::new(
+        let finding = crate::launch::bad_nodes::Finding::new(
             crate::exit_code::SLOW_NODE_EXCLUDED,
             &format!("straggler: {}", excluded.what),
         );
-        Box::pin(async move { crate::bad_nodes::remember(&config, &finding).await })
+        Box::pin(async move { crate::launch::bad_nodes::remember(&config, &finding).await })
     }));
     let leave = watch.leave();
     launch

@@ -38,7 +38,6 @@
 #![deny(unsafe_code)]
 
 pub mod app;
-pub mod bad_nodes;
 pub mod checkpoint;
 pub mod cli;
 pub mod cmd;

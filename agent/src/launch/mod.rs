@@ -28,6 +28,7 @@
 //! [`Launch::on_terminate`]: the hook runs instead of the immediate stop and calls
 //! [`StopRequest::request`] when the checkpoint barrier is done.
 
+pub mod bad_nodes;
 pub mod config;
 pub mod crash_loop;
 pub mod env;

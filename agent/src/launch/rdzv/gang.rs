@@ -686,9 +686,10 @@ async fn loss_followed(
 
 /// A fixed-size gang's node whose GPU pre-flight failed joins only to end the job (its
 /// registration carries the fatal verdict): it records itself as a bad node first, so a later
-/// pod of the job on the same Kubernetes node fails fast ([`crate::bad_nodes`]).
+/// pod of the job on the same Kubernetes node fails fast ([`crate::launch::bad_nodes`]).
 async fn record_fatal_gpu(kv: &mut StoreKv, run_id: &str, verdict: &serde_json::Value) {
-    let (Some(node), Some(fatal)) = (crate::bad_nodes::node_name(), verdict.get("fatal")) else {
+    let (Some(node), Some(fatal)) = (crate::launch::bad_nodes::node_name(), verdict.get("fatal"))
+    else {
         return;
     };
     let code = fatal
@@ -700,8 +701,8 @@ async fn record_fatal_gpu(kv: &mut StoreKv, run_id: &str, verdict: &serde_json::
         .get("message")
         .and_then(serde_json::Value::as_str)
         .unwrap_or("GPU pre-flight failed");
-    let finding = crate::bad_nodes::Finding::new(code, message);
-    if let Err(e) = crate::bad_nodes::record(kv, run_id, &node, &finding).await {
+    let finding = crate::launch::bad_nodes::Finding::new(code, message);
+    if let Err(e) = crate::launch::bad_nodes::record(kv, run_id, &node, &finding).await {
         warn!("could not record node {node} as bad in the gang's store: {e}");
     }
 }
@@ -936,12 +937,14 @@ async fn network_check(
         Action::Proceed => Ok(true),
         Action::End { message } => Err(LaunchError::NetworkCheckFailed(message)),
         Action::Leave { ranks, message } if ranks.contains(&round.me.group_rank) => {
-            if let Some(node) = crate::bad_nodes::node_name() {
-                let finding = crate::bad_nodes::Finding::new(
+            if let Some(node) = crate::launch::bad_nodes::node_name() {
+                let finding = crate::launch::bad_nodes::Finding::new(
                     crate::exit_code::NETWORK_CHECK_FAILED,
                     &message,
                 );
-                if let Err(e) = crate::bad_nodes::record(kv, &round.run_id, &node, &finding).await {
+                if let Err(e) =
+                    crate::launch::bad_nodes::record(kv, &round.run_id, &node, &finding).await
+                {
                     warn!("could not record node {node} as bad in the gang's store: {e}");
                 }
             }

@@ -112,7 +112,7 @@ pub async fn lookup<K: Kv>(
 /// and one was made. One bounded look ([`LOOKUP_BUDGET`]): `None` when the endpoint cannot be
 /// reached yet (node 0's store is not up, or this is node 0) or nothing is recorded, and the
 /// checks run as usual.
-pub async fn probe(config: &crate::launch::Config) -> Option<(String, Finding)> {
+pub async fn probe(config: &super::Config) -> Option<(String, Finding)> {
     let node = node_name()?;
     let look = async {
         let mut kv = connect(config).await?;
@@ -134,7 +134,7 @@ pub async fn probe(config: &crate::launch::Config) -> Option<(String, Finding)> 
 /// Records `finding` for this pod's node (`NODE_NAME`) in the gang's store, from a part of the
 /// agent that holds no rendezvous connection (the slow-node exclusion). Bounded by
 /// [`LOOKUP_BUDGET`]; a failure is logged, never fatal: the node leaves either way.
-pub async fn remember(config: &crate::launch::Config, finding: &Finding) {
+pub async fn remember(config: &super::Config, finding: &Finding) {
     let Some(node) = node_name() else {
         return;
     };
@@ -158,7 +158,7 @@ pub async fn remember(config: &crate::launch::Config, finding: &Finding) {
 
 /// A connection to the gang's rendezvous store (`--rdzv-endpoint`, else `--master-addr`/`-port`),
 /// the first address of the endpoint that answers; `None` when none does.
-async fn connect(config: &crate::launch::Config) -> Option<rendezvous::rdzv::StoreKv> {
+async fn connect(config: &super::Config) -> Option<rendezvous::rdzv::StoreKv> {
     let text = config.rdzv_endpoint_text();
     let endpoint = crate::discovery::parse_endpoint(&text).ok()?;
     tracing::debug!("bad-node memory: connecting to the gang's store at {text}");
