@@ -46,6 +46,8 @@ CONDITIONAL = {
     # Exported only for streams that have a log file (--log-dir with --redirects/--tee).
     "muster_worker_log_file_lines_dropped_total",
     "muster_worker_log_file_write_failures_total",
+    # One series per standing finding of the straggler watch: none on a healthy job.
+    "muster_straggler_finding_info",
 }
 
 WORKER = r"""
