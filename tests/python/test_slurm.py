@@ -295,25 +295,31 @@ def agent_pid(job, node_id):
     return None
 
 
-def test_a_lost_node0_agent_ends_the_step_without_waiting_for_a_replacement(cluster, tmp_path):
+def kill_an_agent_while_it_trains(cluster, tmp_path, name, node_id, *flags):
+    """Trains on 2 nodes, SIGKILLs node `node_id`'s agent, and returns srun's code, its output
+    and the other task's output."""
     cluster.wait_idle()
     # A join timeout far beyond the test's own limit: waiting it out would fail the test.
     env = job_env(cluster, tmp_path, {"MUSTER_RDZV_CONF": "join_timeout=900"})
-    proc = srun(cluster, tmp_path, "lost",
-                ["--nproc-per-node", "2", TRAIN_CKPT, "--steps", "100000",
+    proc = srun(cluster, tmp_path, name,
+                ["--nproc-per-node", "2", *flags, TRAIN_CKPT, "--steps", "100000",
                  "--step-seconds", "0.05", "--log-every", "5"], env)
     dump = lambda: "\n".join(outputs(tmp_path).values())
-    job = job_id(cluster, "lost")
+    job = job_id(cluster, name)
     wait_for(lambda: len(steps_seen(dump())) >= 2 and max(steps_seen(dump())) >= 10,
              "training", 180, proc, dump)
-    pid = agent_pid(job, 0)
+    pid = agent_pid(job, node_id)
     assert pid is not None, dump()
     os.kill(pid, signal.SIGKILL)
     try:
         rc, out = finish(proc, 120)
     finally:
         cluster.run(["scancel", job], check=False)
-    survivor = outputs(tmp_path).get("out-1.txt", "")
+    return rc, out, outputs(tmp_path).get(f"out-{1 - node_id}.txt", "")
+
+
+def test_a_lost_node0_agent_ends_the_step_without_waiting_for_a_replacement(cluster, tmp_path):
+    rc, out, survivor = kill_an_agent_while_it_trains(cluster, tmp_path, "lost", 0)
     assert "under Slurm a lost node 0 is not replaced" in survivor, out + survivor
     # srun names each task's end; it returns the largest code, the killed agent's 137.
     assert f"task 1: Exited with exit code {STORE_HOST_LOST}" in out, out + survivor
@@ -327,23 +333,8 @@ def test_a_lost_member_agent_ends_the_step_without_waiting_for_a_replacement(clu
     # Node 1 (not the store host) is lost. A gang below its minimum waits for a replacement under
     # Kubernetes; a Slurm step never restarts its tasks, so node 0 ends the job at once (203),
     # restarts left or not: the survivors' failed ranks are consequences, not restarts.
-    cluster.wait_idle()
-    env = job_env(cluster, tmp_path, {"MUSTER_RDZV_CONF": "join_timeout=900"})
-    proc = srun(cluster, tmp_path, "lost1",
-                ["--nproc-per-node", "2", "--max-restarts", "3", TRAIN_CKPT, "--steps", "100000",
-                 "--step-seconds", "0.05", "--log-every", "5"], env)
-    dump = lambda: "\n".join(outputs(tmp_path).values())
-    job = job_id(cluster, "lost1")
-    wait_for(lambda: len(steps_seen(dump())) >= 2 and max(steps_seen(dump())) >= 10,
-             "training", 180, proc, dump)
-    pid = agent_pid(job, 1)
-    assert pid is not None, dump()
-    os.kill(pid, signal.SIGKILL)
-    try:
-        rc, out = finish(proc, 120)
-    finally:
-        cluster.run(["scancel", job], check=False)
-    survivor = outputs(tmp_path).get("out-0.txt", "")
+    rc, out, survivor = kill_an_agent_while_it_trains(cluster, tmp_path, "lost1", 1,
+                                                      "--max-restarts", "3")
     assert "no replacement comes for a lost node (a Slurm step never restarts its tasks)" \
         in survivor, out + survivor
     assert f"task 0: Exited with exit code {RENDEZVOUS_TIMEOUT}" in out, out + survivor
