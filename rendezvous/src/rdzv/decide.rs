@@ -522,16 +522,10 @@ pub fn decide_give_up(
     what: &str,
 ) -> (GenRecord, String) {
     let reason = format!("node {node_rank}: {what}");
-    let rec = GenRecord {
-        gen: current.gen + 1,
-        restarts: current.restarts,
-        kind: BumpKind::Fatal,
-        by: Some(node_rank),
-        reason: reason.clone(),
-        exit_code: Some(exit_code),
-        recovered_from: current.recovered_from,
-    };
-    (rec, reason)
+    (
+        fatal_bump(current, Some(node_rank), exit_code, reason.clone()),
+        reason,
+    )
 }
 
 /// A registration that ends the job for everyone (its GPU pre-flight failed under `require`):
