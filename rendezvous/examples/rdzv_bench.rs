@@ -82,6 +82,8 @@ async fn one(
             coordinator: rank == 0,
             gpu: serde_json::Value::Null,
             memory: None,
+            held: false,
+            spare_index: None,
         };
         agents.push(Rendezvous::new(Counted { inner, ops }, cfg.clone(), reg));
     }

@@ -1,6 +1,7 @@
 """The crash-loop guard (`--max-no-progress-restarts`): a rank that raises at step 3 on every
 attempt stops the job with exit 209 after N restarts without progress, long before
-`--max-restarts 10` is spent — on one node, and in a gang, where every node ends with 209."""
+`--max-restarts 10` is spent — on one node, and in a gang, where every node ends with 209 and
+nodes failing in turn are one crash loop."""
 
 import re
 import subprocess
@@ -18,9 +19,12 @@ import os, sys, time
 import muster_checkpoint
 ckpt = muster_checkpoint.Checkpointer()
 rank = int(os.environ["RANK"])
+failing = os.environ.get("FAILING_RANK", "0")
+# "turns": rank 0 fails on even attempts, rank 1 on odd ones (nodes failing in turn).
+failing = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) % 2 if failing == "turns" else int(failing)
 for step in range(1000):
     ckpt.should_save(step)
-    if step == 3 and rank == int(os.environ.get("FAILING_RANK", "0")):
+    if step == 3 and rank == failing:
         sys.stderr.write("Traceback (most recent call last):\\nValueError: bad batch at step 3\\n")
         sys.stderr.flush()
         os._exit(1)
@@ -55,7 +59,8 @@ def test_a_rank_failing_at_step_3_every_attempt_stops_with_209(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_in_a_gang_the_failing_node_ends_the_job_for_every_node_with_209(tmp_path):
+def test_in_a_gang_nodes_failing_in_turn_are_one_crash_loop_ended_for_every_node_with_209(
+        tmp_path):
     script = tmp_path / "bug.py"
     script.write_text(SCRIPT)
     p = subprocess.Popen(
@@ -64,12 +69,15 @@ def test_in_a_gang_the_failing_node_ends_the_job_for_every_node_with_209(tmp_pat
          "--rdzv-conf", "join_timeout=60,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3",
          str(script)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=muster_env({"FAILING_RANK": "1"}))
+        env=muster_env({"FAILING_RANK": "turns"}))
     code, out, err = finish(p, 200)
     text = out + err
     assert code == NO_PROGRESS, text
+    # Attempt 0 (rank 0 fails) is progress from nothing; attempt 1 (rank 1, on node 1) counts on
+    # every node, so attempt 2's failure (rank 0 again) reaches 2: node 0 ends the job.
     assert "crash loop: 2 restart(s) in a row made no progress" in text, text
-    assert "the repeated failure: rank 1 failed (exit code 1)" in text, text
+    assert "the repeated failure: rank 0 failed (exit code 1)" in text, text
     assert "agents exited with [209, 209]; job exit code 209" in text, text
-    # Node 0 ends because node 1 said so, naming it.
-    assert "[node 0]  WARN the job failed on another node: node 1: crash loop:" in text, text
+    # Node 1 ends because node 0 said so, naming it.
+    assert "[node 1]  WARN the job failed on another node: node 0: crash loop:" in text, text
+    assert "[node 0]  WARN crash-loop guard: no progress" in text, text

@@ -2,12 +2,13 @@
 spare leaves with success (exit 0) by itself, so a Kubernetes Job does not mark its pod Failed;
 it does not outlive the job as a store host either (the loopback elastic form)."""
 
+import re
 import subprocess
 import time
 
 import pytest
 
-from conftest import finish, free_port, muster_bin, muster_env, stop_process
+from conftest import REPO, finish, free_port, muster_bin, muster_env, stop_process
 
 SCRIPT = """\
 import os, time
@@ -100,3 +101,104 @@ def test_a_spare_takes_a_killed_members_place_and_the_job_finishes(tmp_path):
     _, out, err = spare[0]
     assert "RANK=1 WORLD_SIZE=2" in out, out + err
     assert FINISHED not in err, err
+
+
+INDEXED = """\
+import os, pathlib, sys, time
+d = pathlib.Path(sys.argv[1])
+print("RANK=%s WORLD_SIZE=%s" % (os.environ["RANK"], os.environ["WORLD_SIZE"]), flush=True)
+# The agent is the rank's parent: the test finds each pod's agent by this name.
+(d / ("rank%s.%d" % (os.environ["RANK"], os.getppid()))).touch()
+deadline = time.monotonic() + 90
+while not (d / "done").exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+os._exit(0)
+"""
+
+
+class Pod:
+    """An Indexed Job's pod on loopback: JOB_COMPLETION_INDEX and no --node-rank; its output
+    goes to files the test can read while it runs."""
+
+    def __init__(self, tmp_path, index, port, script):
+        self.out = tmp_path / f"pod{index}.{time.monotonic_ns()}.out"
+        self.err = self.out.with_suffix(".err")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.p = subprocess.Popen(
+                [muster_bin(), "--nnodes", "2", "--nproc-per-node", "1",
+                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+                 "--rdzv-id", "indexed", "--metrics-addr", "none",
+                 "--rdzv-conf", "join_timeout=60,keep_alive_interval=1,heartbeat_timeout=3",
+                 str(script), str(tmp_path)],
+                stdout=out, stderr=err, env=muster_env({"JOB_COMPLETION_INDEX": str(index)}))
+
+    def log(self):
+        return self.out.read_text() + self.err.read_text()
+
+
+def wait_for(what, predicate, procs, limit=60):
+    deadline = time.monotonic() + limit
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        assert all(p.p.poll() is None for p in procs), [(p.p.poll(), p.log()) for p in procs]
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(150)
+def test_an_indexed_jobs_pod_beyond_max_takes_a_killed_members_place_and_the_pod_back_waits(
+        tmp_path):
+    """Indexes 0-2 of an Indexed Job for `--nnodes 2`: index 2 is a spare (not 202). Index 1's
+    pod is killed: the spare takes node rank 1 without a restart (--max-restarts 0). Index 1's
+    new pod finds its rank held and waits as a spare instead of breaking up the gang; every pod
+    ends 0 when the job finishes."""
+    script = tmp_path / "indexed.py"
+    script.write_text(INDEXED)
+    port = free_port()
+    pods = [Pod(tmp_path, i, port, script) for i in range(3)]
+    try:
+        wait_for("the gang of indexes 0 and 1 never started", lambda: list(tmp_path.glob("rank1.*")),
+                 pods)
+        wait_for("index 2 never waited as a spare",
+                 lambda: "waiting as a spare: the gang is full" in pods[2].log(), pods)
+        assert "JOB_COMPLETION_INDEX 2 is beyond --nnodes 2: this pod is a spare" in pods[2].log()
+        killed = pods[1]
+        assert next(tmp_path.glob("rank1.*")).suffix == f".{killed.p.pid}"
+        killed.p.kill()
+        assert killed.p.wait(10) == -9
+        spare_rank = tmp_path / f"rank1.{pods[2].p.pid}"
+        wait_for("the spare never ran node rank 1", spare_rank.exists, [pods[0], pods[2]])
+        back = Pod(tmp_path, 1, port, script)
+        wait_for("index 1's new pod never waited as a spare",
+                 lambda: "waiting as a spare" in back.log(), [pods[0], pods[2], back])
+        (tmp_path / "done").touch()
+        codes = {name: p.p.wait(60) for name, p in [("0", pods[0]), ("2", pods[2]), ("1b", back)]}
+    finally:
+        for p in pods + [locals().get("back")]:
+            if p is not None:
+                stop_process(p.p, 5)
+    assert codes == {"0": 0, "2": 0, "1b": 0}, [p.log() for p in (pods[0], pods[2], back)]
+    assert "RANK=1 WORLD_SIZE=2" in pods[2].log()
+    assert FINISHED in back.log(), back.log()
+    assert "node rank 1's own pod" in pods[0].log() and "a spare holds the rank" in pods[0].log()
+    # The loss was a membership change: no restart was needed (the budget is 0).
+    assert "no restarts left" not in pods[0].log() + pods[2].log()
+
+
+@pytest.mark.timeout(200)
+def test_the_dry_run_starts_spares_and_one_takes_a_lost_nodes_place(tmp_path):
+    example = str(REPO / "examples" / "train_checkpoint.py")
+    r = subprocess.run(
+        [muster_bin(), "dry-run", "--nnodes", "2", "--nproc-per-node", "1", "--spares", "1",
+         "--fault", "kill:1@2", "--metrics-addr", "none",
+         "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3",
+         example, "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "80", "--step-seconds", "0.05",
+         "--log-every", "1000"],
+        capture_output=True, text=True, env=muster_env(), timeout=180)
+    log = r.stdout + r.stderr
+    # Node 1 is lost for good and --max-restarts is 0: the spare is what lets the job finish.
+    assert r.returncode == 0, log
+    assert "2 agents and 1 spare (node 2)" in log, log
+    spare = [line for line in log.splitlines() if line.startswith("[node 2]")]
+    assert any("waiting as a spare" in line for line in spare), log
+    assert any(re.search(r"round \d+: node 1 is group rank 1 of 2", line) for line in spare), log
+    assert re.search(r"gang resumed: all 2 workers joined again", log), log

@@ -17,6 +17,12 @@
 //! ever reported a step and this one ran longer than [`SILENT_JOB_GRACE`]: such a script reports
 //! no steps at all (no helper, reporter off), and an hours-long attempt of it is not a loop.
 //!
+//! In a gang every node records every restart: a failure restart counts on every node, whichever
+//! node's rank failed, so nodes failing in turn are one crash loop with one count, and the node
+//! whose failure reaches the limit ends the job for all; a membership change (a lost node, and a
+//! rank failure that was its consequence) counts nowhere, though its progress starts the count
+//! over.
+//!
 //! A committed checkpoint is progress too; the only checkpoint the agent sees committed is the
 //! preemption barrier's, which ends the run instead of restarting it, so steps decide here.
 
@@ -78,22 +84,9 @@ impl Guard {
         }
     }
 
-    /// Takes note of an attempt that ended for another reason than a local failure (another
-    /// node's failure, a membership change): its steps move the baseline and its progress
-    /// starts the count over, but it does not count — the failing node's guard judges it.
-    pub fn observe(&mut self, attempt: AttemptProgress) {
-        if self.progressed(attempt) {
-            self.streak = 0;
-        }
-        if let Some(step) = attempt.max_step {
-            self.baseline = Some(step);
-            self.ever_reported = true;
-        }
-    }
-
-    /// Judges a failed attempt that is about to be restarted; returns the verdict and why.
-    pub fn judge(&mut self, attempt: AttemptProgress) -> (Verdict, String) {
-        let progressed = self.progressed(attempt);
+    /// What counting `attempt` as a failure restart would decide, and why; changes nothing (the
+    /// launch asks before the rendezvous says whether the restart counts at all).
+    pub fn judge(&self, attempt: AttemptProgress) -> (Verdict, String) {
         let reached = attempt.max_step.map_or_else(
             || "no step reported".to_owned(),
             |s| format!("last step {s}"),
@@ -101,31 +94,44 @@ impl Guard {
         let before = self
             .baseline
             .map_or_else(|| "none".to_owned(), |s| s.to_string());
-        if let Some(step) = attempt.max_step {
-            self.baseline = Some(step);
-            self.ever_reported = true;
-        }
-        if self.limit == 0 || progressed {
-            self.streak = 0;
+        if self.limit == 0 || self.progressed(attempt) {
             return (
                 Verdict::Progress,
                 format!("the attempt made progress ({reached}; before: {before})"),
             );
         }
-        self.streak += 1;
+        let streak = self.streak + 1;
         let reason = format!(
-            "no progress ({reached}; the previous attempt reached {before}): {} of {} restarts without progress",
-            self.streak, self.limit
+            "no progress ({reached}; the previous attempt reached {before}): {streak} of {} restarts without progress",
+            self.limit
         );
-        if self.streak >= self.limit {
+        if streak >= self.limit {
             (Verdict::Stop, reason)
         } else {
-            (
-                Verdict::NoProgress {
-                    streak: self.streak,
-                },
-                reason,
-            )
+            (Verdict::NoProgress { streak }, reason)
+        }
+    }
+
+    /// Records a restarted attempt: `counts` for a failure restart (this node's or another
+    /// node's: every node keeps the gang's one count), not for a membership change. Progress
+    /// starts the count over either way, and the attempt's steps become the baseline. Returns
+    /// the warning when a restart without progress was counted.
+    pub fn record(&mut self, attempt: AttemptProgress, counts: bool) -> Option<String> {
+        let (verdict, reason) = self.judge(attempt);
+        if let Some(step) = attempt.max_step {
+            self.baseline = Some(step);
+            self.ever_reported = true;
+        }
+        match verdict {
+            Verdict::Progress => {
+                self.streak = 0;
+                None
+            }
+            Verdict::NoProgress { .. } | Verdict::Stop if counts => {
+                self.streak += 1;
+                Some(reason)
+            }
+            Verdict::NoProgress { .. } | Verdict::Stop => None,
         }
     }
 }
@@ -145,6 +151,13 @@ pub fn stop_message(limit: u32, failure: &str, last_step: Option<u64>) -> String
 mod tests {
     use super::*;
 
+    /// Judges a failure restart of `attempt`, then records it.
+    fn fail(g: &mut Guard, attempt: AttemptProgress) -> (Verdict, String) {
+        let out = g.judge(attempt);
+        g.record(attempt, true);
+        out
+    }
+
     fn at(step: Option<u64>) -> AttemptProgress {
         AttemptProgress {
             max_step: step,
@@ -156,11 +169,17 @@ mod tests {
     fn a_rank_failing_at_the_same_step_stops_after_the_limit() {
         let mut g = Guard::new(3);
         // Attempt 0 reached step 3 from nothing: progress.
-        assert_eq!(g.judge(at(Some(3))).0, Verdict::Progress);
-        assert_eq!(g.judge(at(Some(3))).0, Verdict::NoProgress { streak: 1 });
-        assert_eq!(g.judge(at(Some(2))).0, Verdict::NoProgress { streak: 2 });
+        assert_eq!(fail(&mut g, at(Some(3))).0, Verdict::Progress);
+        assert_eq!(
+            fail(&mut g, at(Some(3))).0,
+            Verdict::NoProgress { streak: 1 }
+        );
+        assert_eq!(
+            fail(&mut g, at(Some(2))).0,
+            Verdict::NoProgress { streak: 2 }
+        );
         // Measured against the previous attempt, not the best one.
-        let (verdict, reason) = g.judge(at(Some(2)));
+        let (verdict, reason) = fail(&mut g, at(Some(2)));
         assert_eq!(verdict, Verdict::Stop);
         assert!(
             reason.contains("last step 2; the previous attempt reached 2): 3 of 3"),
@@ -171,57 +190,69 @@ mod tests {
     #[test]
     fn progress_starts_the_count_over() {
         let mut g = Guard::new(2);
-        g.judge(at(Some(10)));
-        assert_eq!(g.judge(at(Some(10))).0, Verdict::NoProgress { streak: 1 });
-        assert_eq!(g.judge(at(Some(11))).0, Verdict::Progress);
-        assert_eq!(g.judge(at(Some(11))).0, Verdict::NoProgress { streak: 1 });
-        assert_eq!(g.judge(at(Some(5))).0, Verdict::Stop);
+        fail(&mut g, at(Some(10)));
+        assert_eq!(
+            fail(&mut g, at(Some(10))).0,
+            Verdict::NoProgress { streak: 1 }
+        );
+        assert_eq!(fail(&mut g, at(Some(11))).0, Verdict::Progress);
+        assert_eq!(
+            fail(&mut g, at(Some(11))).0,
+            Verdict::NoProgress { streak: 1 }
+        );
+        assert_eq!(fail(&mut g, at(Some(5))).0, Verdict::Stop);
     }
 
     #[test]
     fn an_attempt_without_steps_counts_once_the_job_is_known_to_report() {
         let mut g = Guard::new(2);
-        g.judge(at(Some(4)));
+        fail(&mut g, at(Some(4)));
         // Dies on import now: nothing reported, no progress.
-        assert_eq!(g.judge(at(None)).0, Verdict::NoProgress { streak: 1 });
+        assert_eq!(fail(&mut g, at(None)).0, Verdict::NoProgress { streak: 1 });
         // The baseline stays the last reported step.
-        assert_eq!(g.judge(at(Some(4))).0, Verdict::Stop);
+        assert_eq!(fail(&mut g, at(Some(4))).0, Verdict::Stop);
     }
 
     #[test]
     fn a_job_that_never_reports_counts_only_short_attempts() {
         let mut g = Guard::new(2);
-        assert_eq!(g.judge(at(None)).0, Verdict::NoProgress { streak: 1 });
+        assert_eq!(fail(&mut g, at(None)).0, Verdict::NoProgress { streak: 1 });
         let long = AttemptProgress {
             max_step: None,
             ran_for: SILENT_JOB_GRACE,
         };
-        assert_eq!(g.judge(long).0, Verdict::Progress);
-        assert_eq!(g.judge(at(None)).0, Verdict::NoProgress { streak: 1 });
-        assert_eq!(g.judge(at(None)).0, Verdict::Stop);
+        assert_eq!(fail(&mut g, long).0, Verdict::Progress);
+        assert_eq!(fail(&mut g, at(None)).0, Verdict::NoProgress { streak: 1 });
+        assert_eq!(fail(&mut g, at(None)).0, Verdict::Stop);
     }
 
     #[test]
-    fn a_peer_failure_moves_the_baseline_without_counting() {
+    fn a_membership_change_moves_the_baseline_without_counting() {
         let mut g = Guard::new(2);
-        g.judge(at(Some(3)));
-        assert_eq!(g.judge(at(Some(3))).0, Verdict::NoProgress { streak: 1 });
-        // Another node failed this time, at step 3 again: no count, no reset.
-        g.observe(at(Some(3)));
-        assert_eq!(g.judge(at(Some(3))).0, Verdict::Stop);
+        fail(&mut g, at(Some(3)));
+        assert_eq!(
+            fail(&mut g, at(Some(3))).0,
+            Verdict::NoProgress { streak: 1 }
+        );
+        // The gang lost a member this time, at step 3 again: no count, no reset.
+        g.record(at(Some(3)), false);
+        assert_eq!(fail(&mut g, at(Some(3))).0, Verdict::Stop);
         let mut g = Guard::new(2);
-        g.judge(at(Some(3)));
-        g.judge(at(Some(3)));
-        // Progress seen through a peer's restart starts over.
-        g.observe(at(Some(9)));
-        assert_eq!(g.judge(at(Some(9))).0, Verdict::NoProgress { streak: 1 });
+        fail(&mut g, at(Some(3)));
+        fail(&mut g, at(Some(3)));
+        // Progress seen through a membership change starts over.
+        g.record(at(Some(9)), false);
+        assert_eq!(
+            fail(&mut g, at(Some(9))).0,
+            Verdict::NoProgress { streak: 1 }
+        );
     }
 
     #[test]
     fn zero_turns_the_guard_off() {
         let mut g = Guard::new(0);
         for _ in 0..10 {
-            assert_eq!(g.judge(at(Some(1))).0, Verdict::Progress);
+            assert_eq!(fail(&mut g, at(Some(1))).0, Verdict::Progress);
         }
     }
 

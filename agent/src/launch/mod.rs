@@ -58,7 +58,7 @@ use tokio_util::sync::CancellationToken;
 pub use config::Config;
 pub use group::{run_group, Attempt, WorkerGroupSpec};
 pub use observe::{Event, Observer, Phase, Publisher, RestartCause};
-pub use rdzv::{AfterGroup, BoxFuture, LocalRendezvous, Rendezvous};
+pub use rdzv::{AfterGroup, BoxFuture, GangRestart, LocalRendezvous, Rendezvous};
 pub use reaper::{ExitStatus, Reaper};
 pub use signals::{StopRequest, TerminateHook};
 pub use store_host::HostedStore;
@@ -763,25 +763,21 @@ async fn attempts(
             GroupOutcome::Failed(f)
                 if round.assignment.restart_count < config.max_restarts && !stop.is_requested() =>
             {
-                judge_crash_loop(&mut guard, progress, f, config, rendezvous)
+                judge_crash_loop(&guard, progress, f, config, rendezvous)
             }
-            GroupOutcome::Failed(_) => None,
-            // Another node's failure or a membership change: this node's steps still move the
-            // baseline, and progress still starts the count over.
-            _ => {
-                guard.observe(progress);
-                None
-            }
+            _ => None,
         };
         match rendezvous.after_group(&outcome, stop).await? {
-            Some(AfterGroup::Restart) => {
+            Some(AfterGroup::Restart(why)) => {
                 restart_count += 1;
-                // A local failure restarts the gang from here; otherwise another node's failure
-                // (or a membership change, which the rendezvous does not tell apart yet) made
-                // the gang re-form.
-                let cause = match &outcome {
-                    GroupOutcome::Failed(f) if f.hang.is_some() => RestartCause::Hang,
-                    GroupOutcome::Failed(_) => RestartCause::WorkerFailure,
+                // Every node counts every failure restart of the gang, its own or another
+                // node's, so nodes failing in turn are one crash loop; a membership change
+                // (and a local failure that was its consequence) only moves the baseline.
+                note_crash_loop(&mut guard, progress, why == GangRestart::Failure);
+                let cause = match (&outcome, why) {
+                    (_, GangRestart::Membership) => RestartCause::MembershipChange,
+                    (GroupOutcome::Failed(f), _) if f.hang.is_some() => RestartCause::Hang,
+                    (GroupOutcome::Failed(_), _) => RestartCause::WorkerFailure,
                     _ => RestartCause::PeerFailure,
                 };
                 spec.publisher.event(Event::Restarting {
@@ -811,6 +807,7 @@ async fn attempts(
                 if restart_count < config.max_restarts && !stop.is_requested() =>
             {
                 restart_count += 1;
+                note_crash_loop(&mut guard, progress, true);
                 if let Some(hang) = &f.hang {
                     tracing::warn!(
                         "{}; restarting the worker group with cause hang (restart {restart_count} of {})",
@@ -847,9 +844,10 @@ async fn attempts(
 /// The crash-loop guard's verdict on a failed attempt that a restart would follow: `Some` with
 /// the message when the job ends with [`exit_code::NO_PROGRESS`] here. In a gang the message
 /// goes to the rendezvous, which ends the job for every node ([`Rendezvous::end_on_failure`]);
-/// `None` then, and the rendezvous says `Finish`.
+/// `None` then, and the rendezvous says `Finish` (or restarts after all, when the failure turns
+/// out to be the consequence of a lost member).
 fn judge_crash_loop(
-    guard: &mut crash_loop::Guard,
+    guard: &crash_loop::Guard,
     progress: crash_loop::AttemptProgress,
     failure: &Failure,
     config: &Config,
@@ -857,12 +855,9 @@ fn judge_crash_loop(
 ) -> Option<String> {
     let (verdict, reason) = guard.judge(progress);
     match verdict {
-        crash_loop::Verdict::Progress => None,
-        crash_loop::Verdict::NoProgress { .. } => {
-            tracing::warn!("crash-loop guard: {reason}");
-            None
-        }
+        crash_loop::Verdict::Progress | crash_loop::Verdict::NoProgress { .. } => None,
         crash_loop::Verdict::Stop => {
+            tracing::warn!("crash-loop guard: {reason}");
             let what = match &failure.hang {
                 Some(hang) => format!("cause hang: {}", hang.describe()),
                 None => summary::restart_reason(failure),
@@ -872,6 +867,18 @@ fn judge_crash_loop(
             tracing::error!("{message}");
             (!rendezvous.end_on_failure(exit_code::NO_PROGRESS, message.clone())).then_some(message)
         }
+    }
+}
+
+/// Records a restarted attempt in the crash-loop guard; `counts`: a failure restart (not a
+/// membership change).
+fn note_crash_loop(
+    guard: &mut crash_loop::Guard,
+    progress: crash_loop::AttemptProgress,
+    counts: bool,
+) {
+    if let Some(reason) = guard.record(progress, counts) {
+        tracing::warn!("crash-loop guard: {reason}");
     }
 }
 

@@ -41,15 +41,20 @@ pub struct Membership {
     pub rejected: Vec<(usize, String)>,
 }
 
-/// Gives every arrival its node rank: claimed ranks first (a second claim of the same rank is
-/// rejected, first come first served), then arrivals without identity take the lowest free
-/// ranks in arrival order; whoever does not fit under `max_nodes` is a spare. Ranks never come
-/// from sorting host names.
+/// Gives every arrival its node rank, in this order of precedence:
+/// 1. ranks claimed as the node's own identity (flag, Job index, host ordinal), the store
+///    host's first: a second claim of the same rank is rejected, first come first served;
+/// 2. ranks held from an earlier round ([`Registration::held`]), where no one claims them as
+///    their own: a node whose held rank was claimed takes a free rank like a newcomer;
+/// 3. arrivals without a rank, in arrival order, take the lowest free ranks;
+/// 4. pods started beyond `max_nodes` ([`Registration::spare_index`]) last, in arrival order.
+///
+/// Whoever does not fit under `max_nodes` is a spare. Ranks never come from sorting host names.
 pub fn resolve_members(arrivals: &[Arrival], max_nodes: u32) -> Membership {
     let mut out = Membership::default();
     let mut taken: BTreeMap<u32, usize> = BTreeMap::new();
     // The coordinator's claim first: MASTER_ADDR is its address, so it must be node 0.
-    let claims = arrivals
+    let own_claims = arrivals
         .iter()
         .enumerate()
         .filter(|(_, a)| a.reg.coordinator)
@@ -57,9 +62,9 @@ pub fn resolve_members(arrivals: &[Arrival], max_nodes: u32) -> Membership {
             arrivals
                 .iter()
                 .enumerate()
-                .filter(|(_, a)| !a.reg.coordinator),
+                .filter(|(_, a)| !a.reg.coordinator && !a.reg.held),
         );
-    for (i, a) in claims {
+    for (i, a) in own_claims {
         let Some(rank) = a.reg.node_rank else {
             continue;
         };
@@ -81,14 +86,30 @@ pub fn resolve_members(arrivals: &[Arrival], max_nodes: u32) -> Membership {
             taken.insert(rank, i);
         }
     }
+    let mut without_rank = Vec::new();
+    for (i, a) in arrivals.iter().enumerate() {
+        if a.reg.coordinator || !a.reg.held {
+            continue;
+        }
+        match a.reg.node_rank {
+            Some(rank) if rank < max_nodes && !taken.contains_key(&rank) => {
+                taken.insert(rank, i);
+            }
+            _ => without_rank.push(i),
+        }
+    }
+    let anonymous = |spare: bool| {
+        arrivals.iter().enumerate().filter(move |(_, a)| {
+            a.reg.node_rank.is_none() && !a.reg.held && a.reg.spare_index.is_some() == spare
+        })
+    };
+    without_rank.extend(anonymous(false).map(|(i, _)| i));
+    without_rank.extend(anonymous(true).map(|(i, _)| i));
     let mut free = (0..max_nodes)
         .filter(|r| !taken.contains_key(r))
         .collect::<Vec<_>>();
     free.reverse();
-    for (i, a) in arrivals.iter().enumerate() {
-        if a.reg.node_rank.is_some() {
-            continue;
-        }
+    for i in without_rank {
         match free.pop() {
             Some(rank) => {
                 taken.insert(rank, i);
@@ -413,20 +434,25 @@ pub fn decide_liveness(
 }
 
 /// Whether nodes that registered while a round runs justify a new round: yes when there is room
-/// (fewer than `max_nodes` members) or when a newcomer claims a member's node rank (Kubernetes
-/// restarted that pod, so the member we think is running is gone). Otherwise they are spares.
+/// (fewer than `max_nodes` members) or when a newcomer claims, as its own, the rank of a member
+/// that holds it as its own too (Kubernetes restarted that pod, so the member we think is
+/// running is gone). A newcomer whose own rank a spare took in a lost member's place
+/// (`held_ranks`) waits as a spare and gets its rank back at the next round. Otherwise they are
+/// spares.
 pub fn decide_newcomers(
     members: &[u32],
+    held_ranks: &[u32],
     newcomers: &[Registration],
     cfg: &Config,
 ) -> (bool, String) {
     if newcomers.is_empty() {
         return (false, "no newcomers".into());
     }
-    if let Some(reg) = newcomers
-        .iter()
-        .find(|r| r.node_rank.is_some_and(|n| members.contains(&n)))
-    {
+    if let Some(reg) = newcomers.iter().find(|r| {
+        !r.held
+            && r.node_rank
+                .is_some_and(|n| members.contains(&n) && !held_ranks.contains(&n))
+    }) {
         let rank = reg.node_rank.unwrap_or_default();
         return (
             true,
@@ -461,14 +487,21 @@ pub fn decide_newcomers(
             ),
         );
     }
-    (
-        false,
-        format!(
-            "{} node(s) waiting as spares: the gang is full ({} nodes)",
-            newcomers.len(),
-            cfg.max_nodes
-        ),
-    )
+    let mut why = format!(
+        "{} node(s) waiting as spares: the gang is full ({} nodes)",
+        newcomers.len(),
+        cfg.max_nodes
+    );
+    for reg in newcomers.iter().filter(|r| !r.held) {
+        if let Some(rank) = reg.node_rank.filter(|n| held_ranks.contains(n)) {
+            let _ = write!(
+                why,
+                "; node rank {rank}'s own pod {} is back while a spare holds the rank in a lost member's place: it takes the rank at the next round",
+                reg.host
+            );
+        }
+    }
+    (false, why)
 }
 
 /// The next generation after a worker failure on `node_rank`: a counted restart while the
@@ -837,6 +870,8 @@ mod tests {
             coordinator: false,
             gpu: serde_json::Value::Null,
             memory: None,
+            held: false,
+            spare_index: None,
         }
     }
 
@@ -872,6 +907,58 @@ mod tests {
         let m = resolve_members(&s.arrivals, 4);
         assert_eq!(m.members, vec![(0, 1), (1, 0), (2, 3), (3, 2)]);
         assert!(m.spares.is_empty() && m.rejected.is_empty());
+    }
+
+    #[test]
+    fn own_ranks_win_over_held_ones_and_pods_beyond_max_come_last() {
+        let t0 = Instant::now();
+        let mut s = state(
+            t0,
+            &[
+                (Some(0), "w0", 0),
+                (None, "w3", 0),
+                (Some(1), "spare-in-1", 0),
+                (Some(1), "w1", 0),
+                (None, "anon", 0),
+            ],
+        );
+        // w3 is Job index 3 of a 3-node gang; spare-in-1 holds rank 1 since w1 was lost, and
+        // w1's own pod is back.
+        s.arrivals[1].reg.spare_index = Some(3);
+        s.arrivals[2].reg.held = true;
+        let m = resolve_members(&s.arrivals, 3);
+        // w1 takes its own rank; the displaced holder is first in line for a free one, ahead of
+        // the anonymous node; the pod beyond MAX waits.
+        assert_eq!(m.members, vec![(0, 0), (1, 3), (2, 2)]);
+        assert_eq!(m.spares, vec![4, 1]);
+        assert!(m.rejected.is_empty(), "{:?}", m.rejected);
+        // A free rank goes to the pod beyond MAX when nobody else wants it.
+        let mut s = state(
+            t0,
+            &[(Some(0), "w0", 0), (None, "w3", 0), (Some(1), "w1", 0)],
+        );
+        s.arrivals[1].reg.spare_index = Some(3);
+        let m = resolve_members(&s.arrivals, 3);
+        assert_eq!(m.members, vec![(0, 0), (1, 2), (2, 1)]);
+        assert!(m.spares.is_empty());
+    }
+
+    #[test]
+    fn a_pod_back_for_a_rank_a_spare_holds_waits_instead_of_restarting_the_gang() {
+        let c = cfg(3, 3);
+        let w1 = reg(Some(1), "w1");
+        let (bump, why) = decide_newcomers(&[0, 1, 2], &[1], std::slice::from_ref(&w1), &c);
+        assert!(!bump, "{why}");
+        assert!(
+            why.contains("node rank 1's own pod w1 is back while a spare holds the rank"),
+            "{why}"
+        );
+        // Held claims never mean "that member's pod restarted".
+        let mut old = reg(Some(2), "moved");
+        old.held = true;
+        assert!(!decide_newcomers(&[0, 1, 2], &[], &[old], &c).0);
+        // The member holding its own rank is gone when its pod comes back.
+        assert!(decide_newcomers(&[0, 1, 2], &[], &[w1], &c).0);
     }
 
     #[test]
@@ -1011,13 +1098,13 @@ mod tests {
     #[test]
     fn newcomers_restart_the_gang_when_there_is_room_or_they_replace_a_member() {
         let c = cfg(2, 3);
-        let (bump, why) = decide_newcomers(&[0, 1], &[reg(None, "n")], &c);
+        let (bump, why) = decide_newcomers(&[0, 1], &[], &[reg(None, "n")], &c);
         assert!(bump && why.contains("scaling up"), "{why}");
-        let (bump, why) = decide_newcomers(&[0, 1, 2], &[reg(None, "n")], &c);
+        let (bump, why) = decide_newcomers(&[0, 1, 2], &[], &[reg(None, "n")], &c);
         assert!(!bump && why.contains("spares"), "{why}");
-        let (bump, why) = decide_newcomers(&[0, 1, 2], &[reg(Some(1), "w1b")], &c);
+        let (bump, why) = decide_newcomers(&[0, 1, 2], &[], &[reg(Some(1), "w1b")], &c);
         assert!(bump && why.contains("node rank 1 re-joined"), "{why}");
-        assert!(!decide_newcomers(&[0], &[], &c).0);
+        assert!(!decide_newcomers(&[0], &[], &[], &c).0);
     }
 
     #[test]
@@ -1072,12 +1159,13 @@ mod tests {
         };
         assert_eq!((m.members.len(), m.spares.len()), (2, 1));
         // One newcomer to a gang of 4 waits; a second one makes 6: scale up.
-        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[reg(None, "n")], &c);
+        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[], &[reg(None, "n")], &c);
         assert!(
             !bump && why.contains("not a multiple of --node-unit 2"),
             "{why}"
         );
-        let (bump, why) = decide_newcomers(&[0, 1, 2, 3], &[reg(None, "n"), reg(None, "m")], &c);
+        let (bump, why) =
+            decide_newcomers(&[0, 1, 2, 3], &[], &[reg(None, "n"), reg(None, "m")], &c);
         assert!(bump && why.contains("scaling up"), "{why}");
     }
 

@@ -91,6 +91,9 @@ pub struct Rendezvous<K: Kv> {
     memory: Option<GangMemory>,
     /// Node 0's list of the hosts answered "spare" in the running generation.
     spares: SpareHosts,
+    /// Node 0: the running generation's ranks whose member does not hold them as its own
+    /// identity (given by arrival, or a spare in a lost member's place).
+    held_ranks: Vec<u32>,
 }
 
 /// The hosts of the nodes node 0 answered "spare" in the running generation (replaced when a
@@ -112,6 +115,7 @@ impl<K: Kv> Rendezvous<K> {
             record: GenRecord::first(),
             memory: None,
             spares: SpareHosts::default(),
+            held_ranks: Vec::new(),
         }
     }
 
@@ -174,8 +178,12 @@ impl<K: Kv> Rendezvous<K> {
         } else {
             self.join().await?
         };
-        // An agent that got its rank by arrival keeps it in later rounds.
-        self.reg.node_rank = Some(joined.assignment.node_rank);
+        // An agent that got its rank by arrival, or in a lost member's place, keeps it in later
+        // rounds, as held: a node claiming that rank as its own identity gets it back.
+        let assigned = joined.assignment.node_rank;
+        let owns = self.reg.node_rank == Some(assigned) && !self.reg.held;
+        self.reg.node_rank = Some(assigned);
+        self.reg.held = !owns;
         // Carried to this store: it holds the gang's memory now.
         self.reg.memory = None;
         Ok(joined)
@@ -211,7 +219,8 @@ impl<K: Kv> Rendezvous<K> {
     async fn join(&mut self) -> Result<Joined, RdzvError> {
         // The coordinator's own deadline comes first, so its message (naming the missing ranks)
         // normally wins; this one only fires when node 0 itself is missing or stuck.
-        let deadline = Instant::now() + self.cfg.join_timeout + self.cfg.keep_alive_interval * 2;
+        let join_wait = self.cfg.join_timeout + self.cfg.keep_alive_interval * 2;
+        let mut deadline = Instant::now() + join_wait;
         'rounds: loop {
             let (raw, rec) = self.current_gen().await?;
             check_fatal(&rec)?;
@@ -277,7 +286,10 @@ impl<K: Kv> Rendezvous<K> {
                             target: "muster::spare",
                             "waiting as a spare: the gang is full (generation {gen}); this node takes a place at the next round"
                         );
-                        self.wait_for_new_generation(gen, deadline).await?;
+                        self.wait_for_new_generation(gen).await?;
+                        // A spare waits as long as the gang runs; the round it is called to
+                        // gets the whole join timeout, like a first one.
+                        deadline = Instant::now() + join_wait;
                         continue 'rounds;
                     }
                     Answer::Rejected { reason } => return Err(RdzvError::Rejected(reason)),
@@ -291,11 +303,10 @@ impl<K: Kv> Rendezvous<K> {
         }
     }
 
-    async fn wait_for_new_generation(
-        &mut self,
-        gen: u64,
-        deadline: Instant,
-    ) -> Result<(), RdzvError> {
+    /// A spare's wait: heartbeating, until the generation moves on (a place opens), the job
+    /// finishes without it, or the store host is lost. No deadline: a spare of a week-long job
+    /// waits a week.
+    async fn wait_for_new_generation(&mut self, gen: u64) -> Result<(), RdzvError> {
         let hb = self.keys.heartbeat(&self.reg.agent_id);
         let mut beat: u64 = 0;
         loop {
@@ -308,25 +319,22 @@ impl<K: Kv> Rendezvous<K> {
             if rec.gen != gen {
                 return Ok(());
             }
-            if Instant::now() >= deadline {
-                return Err(RdzvError::Timeout(format!(
-                    "waited {:.1}s as a spare and no new round opened",
-                    self.cfg.join_timeout.as_secs_f64()
-                )));
-            }
-            // Wait on the running generation's exit barrier instead of sleeping: once it
-            // completes node 0 takes the store down, and a spare that saw only that would end
-            // as if the store host were lost (205) although the job succeeded.
-            let done_all = self.keys.done_all(gen);
+            // Wait for the running generation to end instead of sleeping: a lost member's
+            // place is taken at once, and a finished job is seen before node 0 takes the store
+            // down (a spare that saw only that would end as if the store host were lost, 205,
+            // although the job succeeded).
+            let over = self.keys.over(gen);
             match self
                 .kv
-                .wait(
-                    std::slice::from_ref(&done_all),
-                    self.cfg.keep_alive_interval,
-                )
+                .wait(std::slice::from_ref(&over), self.cfg.keep_alive_interval)
                 .await
             {
-                Ok(()) => return Err(RdzvError::FinishedAsSpare),
+                Ok(()) => {
+                    let done = self.kv.get(&self.keys.done_all(gen)).await.map_err(lost)?;
+                    if !done.is_empty() {
+                        return Err(RdzvError::FinishedAsSpare);
+                    }
+                }
                 Err(KvError::WaitTimeout) => {}
                 Err(e) => return Err(lost(e)),
             }
@@ -502,6 +510,15 @@ impl<K: Kv> Rendezvous<K> {
                         return Err(RdzvError::Rejected(why));
                     };
                     assignment.members = decide::members(&state, &m);
+                    self.held_ranks = m
+                        .members
+                        .iter()
+                        .filter(|&&(rank, i)| {
+                            let reg = &state.arrivals[i].reg;
+                            reg.held || reg.node_rank != Some(rank)
+                        })
+                        .map(|&(rank, _)| rank)
+                        .collect();
                     self.remember_round(gen, seen, raw, rec.clone(), &assignment);
                     return Ok(Some(Joined {
                         assignment,
@@ -773,7 +790,9 @@ impl<K: Kv> Rendezvous<K> {
         self.kv
             .set(&self.keys.done_all(gen), b"1")
             .await
-            .map_err(lost)
+            .map_err(lost)?;
+        wake_spares(&mut self.kv, &self.keys, gen, b"done").await;
+        Ok(())
     }
 
     /// A watcher for the round just joined, on its own store connection `kv`.
@@ -792,6 +811,7 @@ impl<K: Kv> Rendezvous<K> {
             answered: self.last_round.map_or(0, |(_, n)| n),
             presence: None,
             spares: self.spares.clone(),
+            held_ranks: self.held_ranks.clone(),
         }
     }
 }
@@ -809,7 +829,21 @@ async fn bump<K: Kv>(
         .compare_set(&key, expected_raw, &body)
         .await
         .map_err(lost)?;
-    parse_json(&key, &now)
+    let now: GenRecord = parse_json(&key, &now)?;
+    if &now == next {
+        if let Ok(ended) = serde_json::from_slice::<GenRecord>(expected_raw) {
+            wake_spares(kv, keys, ended.gen, b"bump").await;
+        }
+    }
+    Ok(now)
+}
+
+/// Tells the spares of generation `gen` that it ended (see [`Keys::over`]). Best effort: a spare
+/// that misses it reads `gen` at its next keep-alive tick.
+async fn wake_spares<K: Kv>(kv: &mut K, keys: &Keys, gen: u64, why: &[u8]) {
+    if let Err(e) = kv.set(&keys.over(gen), why).await {
+        debug!(gen, "could not wake the spares: {e}");
+    }
 }
 
 /// Watches one running round; see [`Watcher::run`].
@@ -828,6 +862,7 @@ pub struct Watcher<K: Kv> {
     /// Node 0's view of the members' connections (it hosts the store); `None` elsewhere.
     presence: Option<Arc<dyn Presence>>,
     spares: SpareHosts,
+    held_ranks: Vec<u32>,
 }
 
 /// What node 0 knows of the connection one member heartbeats on.
@@ -1053,13 +1088,15 @@ impl<K: Kv> Watcher<K> {
                 .map(|(_, r)| r)
                 .collect();
             let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
-            let (restart, reason) = decide::decide_newcomers(&members, &newcomers, &self.cfg);
+            let (restart, reason) =
+                decide::decide_newcomers(&members, &self.held_ranks, &newcomers, &self.cfg);
             if restart {
                 return self.end_generation(reason, None).await;
             }
             // Spares stay registered; tell them once and stop re-reading them.
             if readable > 0 {
-                info!("{reason}");
+                // Under the agent's target, like the spare's own line: node 0 says who waits.
+                info!(target: "muster::spare", "{reason}");
                 if let Ok(mut list) = self.spares.lock() {
                     list.extend(newcomers.iter().map(|r| r.host.clone()));
                 }
@@ -1122,6 +1159,7 @@ impl<K: Kv> Watcher<K> {
                 info!("not acting on \"{reason}\": {why}");
                 // The last reporter may not have woken the barrier yet.
                 self.kv.set(&self.keys.done_all(self.gen), b"1").await?;
+                wake_spares(&mut self.kv, &self.keys, self.gen, b"done").await;
                 Ok(Some(Event::Completed))
             }
             Abort::Follow => {
@@ -1155,6 +1193,7 @@ impl<K: Kv> Watcher<K> {
             Ok(rec) => {
                 if rec == next {
                     warn!("{reason}; starting round {}", next.gen);
+                    wake_spares(&mut self.kv, &self.keys, current.gen, b"bump").await;
                 }
                 Ok(Some(Event::Generation(rec)))
             }
@@ -1256,6 +1295,8 @@ mod tests {
                 coordinator: rank == Some(0),
                 gpu: serde_json::Value::Null,
                 memory: None,
+                held: false,
+                spare_index: None,
             },
         )
     }
@@ -1754,11 +1795,15 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_spare_leaves_with_success_when_the_gang_finishes_without_it() {
+    async fn a_spare_waits_past_the_join_timeout_and_leaves_with_success_when_the_gang_finishes_without_it(
+    ) {
         let kv = MemKv::default();
         let c = cfg(2, 2);
         let stop = CancellationToken::new();
         let (mut formed, spare) = gang_and_spare(&kv, &c, &stop).await;
+        // A spare waits as long as the gang runs, far past the join timeout.
+        tokio::time::sleep(c.join_timeout * 3).await;
+        assert!(!spare.is_finished(), "the spare must still wait");
         let (r1, j1) = formed.pop().expect("node 1");
         let (r0, j0) = formed.pop().expect("node 0");
         let b0 = spawn_barrier(r0, j0, CancellationToken::new());

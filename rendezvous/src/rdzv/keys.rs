@@ -10,7 +10,8 @@
 //! | `g<G>/slot/<i>` | JSON [`super::Registration`] | SET by the joiner of slot i (1-based) |
 //! | `g<G>/assign/<i>` | JSON [`super::Answer`] | MULTI_SET by the coordinator |
 //! | `g<G>/acks` | ADD counter | joiners that read a terminal answer (timeout), so node 0 can leave |
-//! | `g<G>/done`, `g<G>/done_all` | ADD counter (+1 per report, +[`super::decide::ABORT`] per abort); `1` | exit barrier: reports, and aborts that end the generation early; spares WAIT on `done_all` to leave with success when the job finishes without them |
+//! | `g<G>/done`, `g<G>/done_all` | ADD counter (+1 per report, +[`super::decide::ABORT`] per abort); `1` | exit barrier: reports, and aborts that end the generation early; a spare that `g<G>/over` woke reads `done_all` to know the job finished without it |
+//! | `g<G>/over` | `bump` or `done` | SET by whoever ends generation G (a won bump of `gen`, or the exit barrier's completion after `done_all`): spares WAIT on it, so one takes a lost member's place at once |
 //! | `g<G>/left` | ADD counter | members that passed the exit barrier, so node 0 leaves last |
 //! | `memory` | JSON [`super::recovery::GangMemory`] | SET by a replacement node 0 that adopted the survivors' memory |
 //! | `g<G>/failures` | ADD counter: failures posted | ADD by a node whose worker failed ([`super::board`]) |
@@ -63,6 +64,10 @@ impl Keys {
 
     pub fn done_all(&self, gen: u64) -> Vec<u8> {
         format!("{}g{gen}/done_all", self.prefix).into_bytes()
+    }
+
+    pub fn over(&self, gen: u64) -> Vec<u8> {
+        format!("{}g{gen}/over", self.prefix).into_bytes()
     }
 
     pub fn left(&self, gen: u64) -> Vec<u8> {

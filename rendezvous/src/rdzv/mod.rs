@@ -206,6 +206,16 @@ pub struct Registration {
     /// The node rank this agent claims (flag, Job index, hostname ordinal), or `None` when it
     /// has no identity and takes the lowest free rank in arrival order.
     pub node_rank: Option<u32>,
+    /// `node_rank` was given by an earlier round (by arrival, or in a lost member's place), not
+    /// the node's own identity: a node that claims the same rank as its own wins it at the next
+    /// round, and its arrival is not taken for the member's pod restarting.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub held: bool,
+    /// The Job index of a pod started beyond `--nnodes MAX` (an Indexed Job with more
+    /// completions than nodes): it has no rank of its own and takes a free one only after every
+    /// other arrival, so it waits as a spare while the gang is full.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spare_index: Option<u32>,
     /// The address the agent advertises (its pod IP); node 0's becomes MASTER_ADDR.
     pub addr: String,
     /// The host name, only for messages.

@@ -267,6 +267,8 @@ mod tests {
                     coordinator: rank == 0,
                     gpu: serde_json::Value::Null,
                     memory: None,
+                    held: false,
+                    spare_index: None,
                 };
                 Rendezvous::new(kv, cfg, reg).next_round(5555).await
             }));

@@ -22,6 +22,10 @@
 //! when due, starts a killed node's replacement after `--replace-after`, and prints a timeline
 //! ([`crate::cmd::dry_run::timeline`]) at the end. A node a fault killed for good does not make the job's code.
 //!
+//! With `--spares N` it also starts N agents the way an Indexed Job's pods beyond `--nnodes MAX`
+//! start (`JOB_COMPLETION_INDEX` MAX.., no node rank): they wait as spares and take a lost
+//! node's place; their output is tagged with that index.
+//!
 //! With `--chaos SEED[:COUNT]` (see [`crate::cmd::dry_run::chaos`]) the faults are a seeded
 //! schedule, pods come back as a Job would bring them back, and a report of what each strike
 //! cost follows the timeline.
@@ -65,6 +69,8 @@ const STOP_SIGNALS: [Signal; 4] = [
 /// What the dry run takes from the agents' command line.
 struct Plan {
     nnodes: u32,
+    /// `--spares N`: started after the nodes, as an Indexed Job's pods beyond MAX.
+    spares: u32,
     nproc_per_node: u32,
     format: LogFormat,
     /// `--metrics-addr none` (or `MUSTER_METRICS_ADDR=none`): no agent serves metrics.
@@ -72,9 +78,10 @@ struct Plan {
 }
 
 impl Plan {
-    fn of(config: &Config) -> Self {
+    fn of(config: &Config, spares: u32) -> Self {
         Self {
             nnodes: config.nnodes.max,
+            spares,
             nproc_per_node: config.nproc_per_node,
             format: config.logs.format,
             metrics_off: config.metrics_addr.is_some_and(|a| a.addr().is_none()),
@@ -105,7 +112,7 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
         }
     }
     faults
-        .check(config.nnodes.max, world)
+        .check(config.nnodes.max.saturating_add(faults.spares), world)
         .map_err(|e| Exit::config(e.to_string()))?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -121,7 +128,14 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             logs::Diagnostics::Console(writer.sink()),
             crate::app::LAUNCH_LOG_FILTER,
         );
-        drive(&rest, &Plan::of(&config), &writer.sink(), &faults, chaos).await
+        drive(
+            &rest,
+            &Plan::of(&config, faults.spares),
+            &writer.sink(),
+            &faults,
+            chaos,
+        )
+        .await
     })
 }
 
@@ -217,9 +231,13 @@ fn agent_command(
     rest: &[OsString],
 ) -> tokio::process::Command {
     let mut cmd = std::process::Command::new(me);
-    cmd.arg("--node-rank")
-        .arg(node.to_string())
-        .arg("--rdzv-backend")
+    if node < plan.nnodes {
+        cmd.arg("--node-rank").arg(node.to_string());
+    } else {
+        // A spare is what an Indexed Job's pod beyond MAX is: its index, and no rank of its own.
+        cmd.env("JOB_COMPLETION_INDEX", node.to_string());
+    }
+    cmd.arg("--rdzv-backend")
         .arg("c10d")
         .arg("--rdzv-endpoint")
         .arg(format!("127.0.0.1:{port}"))
@@ -348,8 +366,17 @@ async fn drive(
             }
         });
     }
+    let spares = match plan.spares {
+        0 => String::new(),
+        1 => format!(" and 1 spare (node {})", plan.nnodes),
+        n => format!(
+            " and {n} spares (nodes {} to {})",
+            plan.nnodes,
+            plan.nnodes + n - 1
+        ),
+    };
     tracing::info!(
-        "muster dry-run: {} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
+        "muster dry-run: {}{spares} on 127.0.0.1, rendezvous store on port {port} (run id {run_id})",
         agents(plan.nnodes as usize)
     );
     if chaos.is_some() && plan.metrics_off {
@@ -367,7 +394,7 @@ async fn drive(
     }
     let started = Instant::now();
     let mut rehearsal = (!faults.is_empty() || chaos.is_some())
-        .then(|| Rehearsal::new(faults, plan.nnodes, started, plan.format));
+        .then(|| Rehearsal::new(faults, plan.nnodes + plan.spares, started, plan.format));
     let mut chaos = chaos.map(|(settings, strikes)| {
         let world = plan.nnodes.saturating_mul(plan.nproc_per_node) as usize;
         chaos::runner::Runner::new(settings, strikes, world, started)
@@ -386,7 +413,7 @@ async fn drive(
     };
     let mut pids: Vec<Option<Pid>> = Vec::new();
     let mut pumps = tokio::task::JoinSet::new();
-    for node in 0..plan.nnodes {
+    for node in 0..plan.nnodes + plan.spares {
         match spawner.spawn(node, 0, &mut pumps) {
             Ok(pid) => pids.push(pid),
             Err(e) => {

@@ -34,8 +34,8 @@ use crate::events::{Event, Events};
 use crate::exit_code;
 use crate::launch::gang_cause::{GangCause, PostedFailure};
 use crate::launch::{
-    AfterGroup, BoxFuture, Config, Failure, GroupOutcome, HostedStore, LaunchError, RankAssignment,
-    Round, StopRequest,
+    AfterGroup, BoxFuture, Config, Failure, GangRestart, GroupOutcome, HostedStore, LaunchError,
+    RankAssignment, Round, StopRequest,
 };
 
 struct Running {
@@ -73,6 +73,8 @@ pub struct GangRendezvous {
     allow_loopback: bool,
     claimed_rank: Option<u32>,
     rank_source: identity::Source,
+    /// `JOB_COMPLETION_INDEX` at or beyond `--nnodes MAX`: this pod is one of the gang's spares.
+    spare_index: Option<u32>,
     local_world_size: u32,
     /// Set after the first round's discovery.
     rdzv: Option<rdzv::Rendezvous<StoreKv>>,
@@ -155,12 +157,23 @@ impl GangRendezvous {
         let (claimed_rank, rank_source) =
             identity::node_rank(flag.as_deref(), index.as_deref(), &crate::host::name())
                 .map_err(|e| cfg_err(&e))?;
-        if let Some(rank) = claimed_rank.filter(|r| *r >= config.nnodes.max) {
-            return Err(LaunchError::Config(format!(
-                "node rank {rank} (from {rank_source}) is outside --nnodes {}:{}",
-                config.nnodes.min, config.nnodes.max
-            )));
-        }
+        let (claimed_rank, spare_index) = match claimed_rank {
+            // An Indexed Job (or JobSet) with more completions than nodes: the pods beyond MAX
+            // are the gang's spares, by design rather than by mistake.
+            Some(index)
+                if index >= config.nnodes.max
+                    && rank_source == identity::Source::JobCompletionIndex =>
+            {
+                (None, Some(index))
+            }
+            Some(rank) if rank >= config.nnodes.max => {
+                return Err(LaunchError::Config(format!(
+                    "node rank {rank} (from {rank_source}) is outside --nnodes {}:{}",
+                    config.nnodes.min, config.nnodes.max
+                )));
+            }
+            claimed => (claimed, None),
+        };
         Ok(Self {
             cfg,
             endpoint,
@@ -168,6 +181,7 @@ impl GangRendezvous {
             allow_loopback,
             claimed_rank,
             rank_source,
+            spare_index,
             local_world_size: config.nproc_per_node,
             rdzv: None,
             advertised: None,
@@ -225,6 +239,9 @@ impl GangRendezvous {
         let mut endpoint_ips = None;
         let is_host = if let Some(rank) = self.claimed_rank {
             rank == 0
+        } else if self.spare_index.is_some() {
+            // Index 0 hosts, even on one machine's loopback (the dry run's spares).
+            false
         } else {
             let ips = discovery::resolve(&self.endpoint.host, deadline, &self.events)
                 .await
@@ -238,11 +255,21 @@ impl GangRendezvous {
             endpoint_ips = Some(ips);
             hosts
         };
+        if let Some(index) = self.spare_index {
+            info!(
+                "JOB_COMPLETION_INDEX {index} is beyond --nnodes {}: this pod is a spare; it takes a node rank when one is free (a lost member's, or the gang's first round missing a node) and otherwise waits, already through the GPU pre-flight",
+                self.cfg.max_nodes
+            );
+        }
         info!(
             "node rank {} (from {}), advertising {advertised}; {} the rendezvous store at {}",
             self.claimed_rank
                 .map_or_else(|| "?".to_owned(), |r| r.to_string()),
-            self.rank_source,
+            if self.spare_index.is_some() {
+                identity::Source::Arrival
+            } else {
+                self.rank_source
+            },
             if is_host { "hosting" } else { "joining" },
             self.endpoint
         );
@@ -303,6 +330,8 @@ impl GangRendezvous {
             coordinator: is_host,
             gpu: self.gpu_verdict.clone(),
             memory: None,
+            held: false,
+            spare_index: if is_host { None } else { self.spare_index },
         };
         self.advertised = Some(advertised);
         let mut rdzv = rdzv::Rendezvous::new(kv, self.cfg.clone(), reg)
@@ -563,7 +592,7 @@ impl GangRendezvous {
                             running.stop.cancel();
                             let _ = running.task.await;
                             self.host_lost(why)?;
-                            return Ok(AfterGroup::Restart);
+                            return Ok(AfterGroup::Restart(GangRestart::Membership));
                         }
                         Err(e) => return Err(LaunchError::Rendezvous(e)),
                     };
@@ -582,7 +611,7 @@ impl GangRendezvous {
                         );
                         running.stop.cancel();
                         let _ = running.task.await;
-                        return Ok(AfterGroup::Restart);
+                        return Ok(AfterGroup::Restart(GangRestart::Membership));
                     }
                     running.stop.cancel();
                     let _ = running.task.await;
@@ -605,7 +634,7 @@ impl GangRendezvous {
                         // Most likely the failure *is* the loss: node 0's ranks died with it.
                         Err(RdzvError::StoreLost(why)) => {
                             self.host_lost(format!("{why} (reporting: {what})"))?;
-                            return Ok(AfterGroup::Restart);
+                            return Ok(AfterGroup::Restart(GangRestart::Membership));
                         }
                         Err(e) => return Err(LaunchError::Rendezvous(e)),
                     };
@@ -614,7 +643,7 @@ impl GangRendezvous {
                         rdzv.leave_after_fatal(&running.assignment).await;
                         return Ok(AfterGroup::Finish(rec.exit_code.unwrap_or(code)));
                     }
-                    return Ok(AfterGroup::Restart);
+                    return Ok(AfterGroup::Restart(GangRestart::of(rec.kind)));
                 }
                 GroupOutcome::Stopped { .. } => {
                     running.stop.cancel();
@@ -638,7 +667,7 @@ impl GangRendezvous {
                     let own = posted(running.poster).await;
                     self.cause = read_cause(rdzv, &running.assignment, own.as_ref()).await;
                 }
-                Ok(AfterGroup::Restart)
+                Ok(AfterGroup::Restart(GangRestart::of(rec.kind)))
             }
             // The gang is stopping (a preemption shared through the store): node 0 ending with
             // it is part of the stop, not a loss to wait out, and the outcome stays this node's.
@@ -647,7 +676,7 @@ impl GangRendezvous {
             }
             Ok(WatchEvent::StoreLost(why)) => {
                 self.host_lost(why)?;
-                Ok(AfterGroup::Restart)
+                Ok(AfterGroup::Restart(GangRestart::Membership))
             }
             Ok(WatchEvent::Stopped | WatchEvent::Completed) | Err(_) => {
                 Ok(AfterGroup::Finish(outcome.exit_code()))

@@ -71,8 +71,29 @@ pub trait Rendezvous: Send {
 /// What the rendezvous decided after an attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AfterGroup {
-    /// Start another attempt (the rendezvous counts restarts itself).
-    Restart,
+    /// Start another attempt (the rendezvous counts restarts itself), for this reason.
+    Restart(GangRestart),
     /// End the launch with this exit code.
     Finish(u8),
+}
+
+/// Why the gang starts another attempt: what the restart budget and the crash-loop guard count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GangRestart {
+    /// A worker failed, here or on another node: one restart of `--max-restarts`.
+    Failure,
+    /// The membership changed (a node lost or admitted, the store host replaced); a local
+    /// failure that followed a loss is its consequence. Uses no restart.
+    Membership,
+}
+
+impl GangRestart {
+    /// The restart the generation record `kind` stands for.
+    pub fn of(kind: rendezvous::rdzv::BumpKind) -> Self {
+        if kind == rendezvous::rdzv::BumpKind::Failure {
+            Self::Failure
+        } else {
+            Self::Membership
+        }
+    }
 }

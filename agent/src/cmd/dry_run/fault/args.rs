@@ -38,6 +38,13 @@ pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
                killed node stays lost",
     },
     DryRunFlag {
+        name: "spares",
+        value_name: "N",
+        help: "Also start N spare agents, as pods beyond --nnodes MAX of an Indexed Job \
+               (JOB_COMPLETION_INDEX N..): they pass the pre-flight, wait, and take a lost \
+               node's place at the next round (default 0)",
+    },
+    DryRunFlag {
         name: "chaos",
         value_name: "SEED[:COUNT]",
         help:
@@ -77,6 +84,7 @@ fn dashed(name: &str) -> &'static str {
     match name {
         "fault" => "--fault",
         "replace-after" => "--replace-after",
+        "spares" => "--spares",
         "chaos" => "--chaos",
         "chaos-kinds" => "--chaos-kinds",
         "chaos-interval" => "--chaos-interval",
@@ -147,6 +155,12 @@ pub fn split(args: &[OsString]) -> Result<(Options, Vec<OsString>), SpecError> {
                 "replace-after" => {
                     options.replace_after =
                         Some(spec::parse_seconds(&value).ok_or(SpecError::ReplaceAfter(value))?);
+                }
+                "spares" => {
+                    options.spares = value
+                        .trim()
+                        .parse()
+                        .map_err(|_| SpecError::Spares(value.clone()))?;
                 }
                 "chaos" => options.chaos.chaos = Some(value),
                 "chaos-kinds" => options.chaos.kinds = Some(value),

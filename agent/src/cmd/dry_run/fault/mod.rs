@@ -45,6 +45,8 @@ pub struct Options {
     /// After a `kill` fault, start the node's replacement agent this much later; `None`: the
     /// node stays lost.
     pub replace_after: Option<Duration>,
+    /// `--spares N`: agents started as pods beyond `--nnodes MAX` (node indexes MAX..MAX+N).
+    pub spares: u32,
     /// The `--chaos` flags as given.
     pub chaos: crate::cmd::dry_run::chaos::Args,
     /// Replace agents as a Job with muster's `podFailurePolicy` would (`--chaos`): also one that

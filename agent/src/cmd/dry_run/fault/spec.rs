@@ -98,6 +98,8 @@ pub enum SpecError {
     NoSuchRank { spec: String, rank: u32, world: u32 },
     #[error("--replace-after `{0}`: expected a number of seconds (0 or more)")]
     ReplaceAfter(String),
+    #[error("--spares `{0}`: expected a whole number of spare agents (0 or more)")]
+    Spares(String),
     #[error("--replace-after without a kill:NODE@SECS fault: there is no agent to replace")]
     NothingToReplace,
     #[error("{flag} needs a value")]
