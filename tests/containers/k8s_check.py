@@ -17,13 +17,14 @@ Three layers, each of which fails on a typo:
 3. muster's own contract on every pod template: muster is the command, its flags and MUSTER_*
    variables exist, the grace period is wired, probes and Prometheus annotations are on port 8000
    and every kubelet probe targets an endpoint the probe doc lists as independent of other pods,
-   the rendezvous endpoint is pod 0's headless name, the trainer container runs restricted (non-root,
-   no capabilities, no privilege escalation, RuntimeDefault seccomp, read-only root) with emptyDirs
-   at /tmp and /dev/shm, a NetworkPolicy admits the job's own pods and the monitoring namespace's
-   scrapes only, the exit codes in failure policies are the reserved ones documented in
-   agent/src/exit_code.rs with the actions README.md explains, and — simulated per API — a
-   preempted pod's exit code is never taken as success, never fails the job, and is retried
-   without consuming the backoff budget wherever the API can do that.
+   the rendezvous endpoint is pod 0's headless name, --nnodes is the number of pods (an Indexed
+   Job may have more: spares, if a successPolicy completes it when index 0 succeeds), the trainer
+   container runs restricted (non-root, no capabilities, no privilege escalation, RuntimeDefault
+   seccomp, read-only root) with emptyDirs at /tmp and /dev/shm, a NetworkPolicy admits the job's
+   own pods and the monitoring namespace's scrapes only, the exit codes in failure policies are the
+   reserved ones documented in agent/src/exit_code.rs with the actions README.md explains, and —
+   simulated per API — a preempted pod's exit code is never taken as success, never fails the
+   job, and is retried without consuming the backoff budget wherever the API can do that.
 """
 
 from __future__ import annotations
@@ -355,14 +356,19 @@ class Checker:
         self.restricted(spec, c, where, errors)
         # The job's shape.
         if ctx.get("endpoint") is not None:
-            if "--nnodes" in flags and flags["--nnodes"] != str(ctx["nodes"]):
+            most = flags.get("--nnodes", "").rpartition(":")[2]
+            # Pods beyond --nnodes MAX wait as spares (docs/multinode.md, "Spares"); the caller
+            # checks that its API lets the job end without them (`spares`).
+            spares = ctx.get("spares") and most.isdigit() and int(most) < (ctx["nodes"] or 0)
+            if "--nnodes" in flags and flags["--nnodes"] != str(ctx["nodes"]) and not spares:
                 errors.append(f"{where}: --nnodes={flags['--nnodes']} but the job has {ctx['nodes']} pods")
             if flags.get("--rdzv-endpoint") != ctx["endpoint"]:
                 errors.append(f"{where}: --rdzv-endpoint={flags.get('--rdzv-endpoint')} is not pod 0's "
                               f"headless name {ctx['endpoint']}")
             if RDZV_PORT not in ports:
                 errors.append(f"{where}: container port {RDZV_PORT} (rendezvous) missing")
-        return {"name": c.get("name"), "preempted": preempted}
+        return {"name": c.get("name"), "preempted": preempted,
+                "max_nodes": int(most) if ctx.get("endpoint") is not None and most.isdigit() else None}
 
     def probes(self, c: dict, where: str, errors: list) -> None:
         """The kubelet's probes: liveness on /healthz, readiness on an endpoint the probe doc lists
@@ -553,6 +559,22 @@ class Checker:
             if want and seen.get(code) != want:
                 errors.append(f"{where}: exit code {code} ({name}) should be {want}, is {seen.get(code)}")
 
+    @staticmethod
+    def job_spares(spec: dict, max_nodes: int, where: str, errors: list) -> None:
+        """An Indexed Job with more pods than --nnodes MAX: the extra indexes are spares, which may
+        never train and so never succeed. The Job must be able to complete without them: a
+        successPolicy rule on index 0 alone (node 0 exits last, after the gang's exit barrier).
+        Without it the Job waits for every index and hangs on a spare that is still waiting."""
+        pods = spec.get("completions")
+        rules = (spec.get("successPolicy") or {}).get("rules", [])
+        if not any(r.get("succeededIndexes") == "0" and r.get("succeededCount") is None for r in rules):
+            errors.append(f"{where}: {pods} pods for --nnodes {max_nodes}: the pods beyond it wait as "
+                          f"spares, which may never succeed; the Job needs successPolicy rules "
+                          f"[{{succeededIndexes: \"0\"}}] to complete when node 0 does")
+        if spec.get("parallelism", 1) != pods:
+            errors.append(f"{where}: parallelism {spec.get('parallelism', 1)} != completions {pods}: "
+                          f"a spare must run alongside the gang, not after an index finished")
+
     def network_policy(self, docs: list, pod_labels: dict, identity: set, where: str,
                        errors: list) -> None:
         """One NetworkPolicy selects the job's pods and admits exactly: every port from the job's
@@ -641,8 +663,11 @@ class Checker:
                 errors.append(f"{where}: completionMode must be Indexed (JOB_COMPLETION_INDEX)")
             if "kueue.x-k8s.io/queue-name" in doc["metadata"].get("labels", {}) and spec.get("suspend") is not True:
                 errors.append(f"{where}: a Kueue job is created suspended")
-            ctx = {"nodes": spec.get("completions"), "endpoint": f"{name}-0.{sub}:{RDZV_PORT}"}
+            ctx = {"nodes": spec.get("completions"), "endpoint": f"{name}-0.{sub}:{RDZV_PORT}",
+                   "spares": True}
             c = self.muster_pod(spec.get("template", {}), f"{where} pod", ctx, errors, used)
+            if c and c["max_nodes"] is not None and c["max_nodes"] < (spec.get("completions") or 0):
+                self.job_spares(spec, c["max_nodes"], where, errors)
             if c:
                 self.pod_failure_policy(spec, c["name"], where, errors)
                 self.preempted("Job", where, self.preempted_codes(c),

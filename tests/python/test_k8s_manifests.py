@@ -89,6 +89,8 @@ def test_every_example_kind_is_present():
             "TrainJob"} <= kinds
     texts = "\n".join(m.read_text() for m in MANIFESTS)
     assert "schedulerName: volcano" in texts and "kueue.x-k8s.io/queue-name" in texts
+    # An Indexed Job with a spare (more pods than --nnodes), completed by node 0's success.
+    assert (EXAMPLES / "indexed-job-spares.yaml") in MANIFESTS and "succeededIndexes" in texts
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS, ids=lambda p: p.name)
@@ -132,6 +134,13 @@ MUTATIONS = [
      "container `node`"),
     ("trainer-v2.yaml", "  trainer:\n    numNodes: 3", "  trainer:\n    env: [{name: PET_NNODES, value: \"3\"}]\n    numNodes: 3",
      "webhook rejects"),
+    # Spares (#32): without a success policy on index 0, a spare still waiting hangs the Job.
+    ("indexed-job-spares.yaml", "  successPolicy:\n    rules:\n      - succeededIndexes: \"0\"\n", "",
+     "wait as spares"),
+    ("indexed-job-spares.yaml", 'succeededIndexes: "0"', 'succeededIndexes: "0-3"', "wait as spares"),
+    ("indexed-job-spares.yaml", "  parallelism: 4", "  parallelism: 3", "run alongside the gang"),
+    ("indexed-job-spares.yaml", "- succeededIndexes:", "- succeedIndexes:", "succeedIndexes"),
+    ("indexed-job-spares.yaml", "- --nnodes=3", "- --nnodes=5", "but the job has 4 pods"),
 ]
 
 # What a preempted pod's exit code does to each API (#12): never success, never a budget.
