@@ -40,8 +40,8 @@ pub enum RestartCause {
     WorkerFailure,
     /// Another node's worker failed or a peer died; the whole gang restarts together.
     PeerFailure,
-    /// A node joined or left within `--nnodes MIN:MAX` (does not consume the restart budget).
-    /// The gang rendezvous does not tell this apart from a peer failure yet.
+    /// A node was lost or admitted, or the store host replaced (does not consume the restart
+    /// budget); also a local failure that was the consequence of a lost peer.
     MembershipChange,
     /// A local rank hung (`--hang-timeout`): the agent stopped the attempt.
     Hang,

@@ -334,6 +334,13 @@ impl<K: Kv> Rendezvous<K> {
                     if !done.is_empty() {
                         return Err(RdzvError::FinishedAsSpare);
                     }
+                    let (_, rec) = self.read_gen().await?;
+                    if rec.gen != gen {
+                        return Ok(());
+                    }
+                    // `over` without a new generation or a finish: not written by a member
+                    // (a stray client); it stays set, so waiting on it again would spin.
+                    sleep(self.cfg.keep_alive_interval).await;
                 }
                 Err(KvError::WaitTimeout) => {}
                 Err(e) => return Err(lost(e)),
@@ -1818,6 +1825,27 @@ mod tests {
         );
         let out = spare.await.expect("task");
         assert!(matches!(out, Err(RdzvError::FinishedAsSpare)), "{out:?}");
+        stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stray_wake_up_key_neither_ends_a_spare_nor_spins_it() {
+        let kv = MemKv::default();
+        let c = cfg(2, 2);
+        let stop = CancellationToken::new();
+        let (_formed, spare) = gang_and_spare(&kv, &c, &stop).await;
+        let keys = Keys::new(&c.run_id);
+        let mut stray = kv.connect();
+        stray.set(&keys.over(0), b"bump").await.expect("set");
+        let before = kv.ops();
+        tokio::time::sleep(c.keep_alive_interval * 10).await;
+        assert!(!spare.is_finished(), "the spare must still wait");
+        // A handful of operations per keep-alive interval, not a busy loop.
+        assert!(
+            kv.ops() - before < 200,
+            "{} store operations",
+            kv.ops() - before
+        );
         stop.cancel();
     }
 
