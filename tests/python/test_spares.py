@@ -147,15 +147,22 @@ def wait_for(what, predicate, procs, limit=60):
 @pytest.mark.timeout(150)
 def test_an_indexed_jobs_pod_beyond_max_takes_a_killed_members_place_and_the_pod_back_waits(
         tmp_path):
-    """Indexes 0-2 of an Indexed Job for `--nnodes 2`: index 2 is a spare (not 202). Index 1's
-    pod is killed: the spare takes node rank 1 without a restart (--max-restarts 0). Index 1's
-    new pod finds its rank held and waits as a spare instead of breaking up the gang; every pod
-    ends 0 when the job finishes."""
+    """Indexes 0-2 of an Indexed Job for `--nnodes 2`: index 2 is a spare (not 202), and index 1,
+    started after it, still gets its own rank. Index 1's pod is killed: the spare takes node
+    rank 1 without a restart (--max-restarts 0). Index 1's new pod finds its rank held and waits
+    as a spare instead of breaking up the gang; every pod ends 0 when the job finishes."""
     script = tmp_path / "indexed.py"
     script.write_text(INDEXED)
     port = free_port()
-    pods = [Pod(tmp_path, i, port, script) for i in range(3)]
+    # Index 1 comes last: the spare arrived first, but a rank no round had yet waits for its own
+    # pod through the last call (30 s by default) before a spare stands in for it.
+    started = {i: Pod(tmp_path, i, port, script) for i in (0, 2)}
     try:
+        wait_for("index 2 never reached the store",
+                 lambda: "connected to the rendezvous store" in started[2].log(), started.values())
+        time.sleep(0.5)
+        started[1] = Pod(tmp_path, 1, port, script)
+        pods = [started[i] for i in range(3)]
         wait_for("the gang of indexes 0 and 1 never started", lambda: list(tmp_path.glob("rank1.*")),
                  pods)
         wait_for("index 2 never waited as a spare",
@@ -173,7 +180,7 @@ def test_an_indexed_jobs_pod_beyond_max_takes_a_killed_members_place_and_the_pod
         (tmp_path / "done").touch()
         codes = {name: p.p.wait(60) for name, p in [("0", pods[0]), ("2", pods[2]), ("1b", back)]}
     finally:
-        for p in pods + [locals().get("back")]:
+        for p in [*started.values(), locals().get("back")]:
             if p is not None:
                 stop_process(p.p, 5)
     assert codes == {"0": 0, "2": 0, "1b": 0}, [p.log() for p in (pods[0], pods[2], back)]

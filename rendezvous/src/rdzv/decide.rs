@@ -150,7 +150,19 @@ pub fn decide_round(now: Instant, state: &RoundState, cfg: &Config) -> (RoundDec
         cfg.node_unit,
     );
     let n = membership.members.len() as u32;
-    if n >= cfg.max_nodes {
+    // A pod beyond MAX standing in for a node rank that no round had yet: that rank's own pod
+    // may only be slow to start, so it gets the last call to claim it. A rank some round had
+    // was lost, and a spare takes it at once.
+    let stand_ins = membership
+        .members
+        .iter()
+        .filter(|&&(rank, i)| {
+            state.arrivals[i].reg.spare_index.is_some()
+                && !state.arrivals[i].reg.held
+                && !state.known_hosts.contains_key(&rank)
+        })
+        .count();
+    if n >= cfg.max_nodes && stand_ins == 0 {
         let reason = format!("round {} complete: all {n} nodes joined", state.gen);
         return (RoundDecision::Complete(membership), reason);
     }
@@ -941,6 +953,37 @@ mod tests {
         let m = resolve_members(&s.arrivals, 3);
         assert_eq!(m.members, vec![(0, 0), (1, 2), (2, 1)]);
         assert!(m.spares.is_empty());
+    }
+
+    #[test]
+    fn a_spare_stands_in_for_a_rank_never_seen_only_after_the_last_call() {
+        let t0 = Instant::now();
+        let c = cfg(2, 2);
+        let mut s = state(t0, &[(Some(0), "w0", 0), (None, "w2", 0)]);
+        s.arrivals[1].reg.spare_index = Some(2);
+        // Index 1 may only be slow to start: its rank waits for it through the last call.
+        let (d, why) = decide_round(t0, &s, &c);
+        assert_eq!(d, RoundDecision::Wait, "{why}");
+        let (d, why) = decide_round(t0 + c.last_call_timeout, &s, &c);
+        assert!(matches!(d, RoundDecision::Complete(_)), "{why}");
+        // Index 1 in time: it takes its own rank, the spare waits.
+        let mut s = state(
+            t0,
+            &[(Some(0), "w0", 0), (None, "w2", 0), (Some(1), "w1", 0)],
+        );
+        s.arrivals[1].reg.spare_index = Some(2);
+        let RoundDecision::Complete(m) = decide_round(t0, &s, &c).0 else {
+            panic!("both owners are in")
+        };
+        assert_eq!((m.members, m.spares), (vec![(0, 0), (1, 2)], vec![1]));
+        // Rank 1 was in an earlier round, so its holder was lost: the spare takes it at once.
+        let mut s = state(t0, &[(Some(0), "w0", 0), (None, "w2", 0)]);
+        s.arrivals[1].reg.spare_index = Some(2);
+        s.known_hosts.insert(1, "w1, 10.0.0.2".into());
+        assert!(matches!(
+            decide_round(t0, &s, &c).0,
+            RoundDecision::Complete(_)
+        ));
     }
 
     #[test]
