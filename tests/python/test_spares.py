@@ -197,7 +197,7 @@ def test_the_dry_run_starts_spares_and_one_takes_a_lost_nodes_place(tmp_path):
     r = subprocess.run(
         [muster_bin(), "dry-run", "--nnodes", "2", "--nproc-per-node", "1", "--spares", "1",
          "--fault", "kill:1@2", "--metrics-addr", "none",
-         "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3",
+         "--rdzv-conf", "keep_alive_interval=0.2,heartbeat_timeout=3",
          example, "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", "80", "--step-seconds", "0.05",
          "--log-every", "1000"],
         capture_output=True, text=True, env=muster_env(), timeout=180)
