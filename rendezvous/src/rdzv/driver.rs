@@ -330,7 +330,19 @@ impl<K: Kv> Rendezvous<K> {
                 .await
             {
                 Ok(()) => {
-                    let done = self.kv.get(&self.keys.done_all(gen)).await.map_err(lost)?;
+                    let done = match self.kv.get(&self.keys.done_all(gen)).await {
+                        Ok(done) => done,
+                        // Node 0 takes the store down only after the job finished (after a new
+                        // round it stays up to run it): gone right after the generation ended,
+                        // the job finished while this spare was slow to look.
+                        Err(e) => {
+                            debug!(
+                                gen,
+                                "the store went right after generation {gen} ended: {e}"
+                            );
+                            return Err(RdzvError::FinishedAsSpare);
+                        }
+                    };
                     if !done.is_empty() {
                         return Err(RdzvError::FinishedAsSpare);
                     }
