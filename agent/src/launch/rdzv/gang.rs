@@ -331,7 +331,7 @@ impl GangRendezvous {
             gpu: self.gpu_verdict.clone(),
             memory: None,
             held: false,
-            spare_index: if is_host { None } else { self.spare_index },
+            spare_index: self.spare_index,
         };
         self.advertised = Some(advertised);
         let mut rdzv = rdzv::Rendezvous::new(kv, self.cfg.clone(), reg)
