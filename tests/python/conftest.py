@@ -129,3 +129,16 @@ def wait_until(predicate, timeout=10.0, interval=0.05, what="condition"):
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture
+def cpu_hogs():
+    """Two CPU-bound neighbour processes for the test's duration: a watch must stay right on a
+    loaded node (every core of this machine busy with something else), not only on an idle one."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for _ in range(2)]
+    yield hogs
+    for hog in hogs:
+        hog.kill()
+        hog.wait()
