@@ -15,14 +15,25 @@ update, as HF's and Lightning's `global_step` count it; a step that AMP's GradSc
 1: the reporter cannot know which step a resumed script starts from.
 
 **Liveness.** Silence is not a hang: scripts evaluate, save and load data for long stretches
-without an optimizer step. A daemon thread samples the stack of the thread that steps the lead
-optimizer (`sys._current_frames()`) every `_SAMPLE_S` and, once per interval (the agent sends it,
-from the hang limit), sends `alive` when the innermost two frames or their positions changed
-between two samples. Evaluation, data loading and saving in Python move; a rank blocked in one C
-call, a lock, a sleep or a collective that waits for a peer does not. Caveats: one long C call
-(a huge `torch.load`, a single long kernel synchronisation) is not liveness; a Python busy loop
-is; ranks that wait in a collective while one peer works alone for longer than the limit are
-stalled (the hang watch then names a rank, as for any hang).
+without an optimizer step. Once per interval (the agent sends it, from the hang limit) a daemon
+thread sends `alive` when, since the last interval, the thread that steps the lead optimizer
+(the *stepping thread*) did any of:
+- a forward pass: it called any `torch.nn.Module` (training, `no_grad` evaluation,
+  `inference_mode`). A global forward pre-hook (`register_module_forward_pre_hook`) is armed once
+  per interval and removes itself at the first module call it sees, so the cost is one hook call
+  per interval, not one per module call;
+- drew a batch from a `torch.utils.data.DataLoader` (its iterator's `__next__` returned);
+- stepped another optimizer than the lead one;
+- moved its stack: the innermost two frames or their positions differ between two samples of
+  `sys._current_frames()` taken every `_SAMPLE_S` (data preparation and saving in Python).
+A rank blocked in a collective, a lock, a sleep, a socket read or a data loader that never
+returns does none of these. Not counted: CPU time (a CUDA synchronisation spins while it waits for
+a hung NCCL collective), and other threads' work (a thread that evaluates while the stepping thread
+is blocked does not hide the block). Caveats: one long C call (a huge `torch.load`, a single long
+kernel synchronisation) is not liveness, nor is a loop of bare tensor functions that are not
+modules, whose time is spent in one C call on one line (its stack looks still); ranks that wait in a
+collective while one peer works alone for longer than the limit are stalled (the hang watch then
+names the working rank, as for any hang).
 
 **Not twice.** When the script uses the helper (`muster_checkpoint.Checkpointer`, directly or
 through muster's framework callbacks), its step reports are the rank's steps: the Checkpointer
@@ -58,6 +69,8 @@ SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
 SWITCH_ENV = "MUSTER_AUTO_STEP_REPORTS"
 _TARGET = "torch.optim.optimizer"
 _C10D = "torch.distributed.distributed_c10d"
+_MODULES = "torch.nn.modules.module"
+_DATALOADER = "torch.utils.data.dataloader"
 _OFF = ("0", "false", "no", "off")
 
 # How often the stack is sampled. Frequent enough that a loop whose iterations mostly wait in one
@@ -114,6 +127,11 @@ class _Reporter:
         self._thread = None
         self._interval = _DEFAULT_INTERVAL_S
         self._inbox = b""
+        # Forward passes and batches drawn on the stepping thread: liveness. The forward hook is
+        # registered only while armed (its handle here), see `_arm_forward_hook`.
+        self._forwards = 0
+        self._batches = 0
+        self._armed = None
 
     # -- the optimizer hook: the only code on the training loop's path -----------------------
 
@@ -152,6 +170,41 @@ class _Reporter:
             self._send(word)
         except Exception as err:  # never raise into the script's init_process_group
             self.stop("%r" % (err,))
+
+    def on_forward(self, module, args):
+        """The armed global forward pre-hook: counts one forward pass of the stepping thread and
+        disarms (the sampler arms it again at the next interval)."""
+        try:
+            if self._off:
+                self._disarm()
+            elif _thread_ident() == self._thread:
+                self._forwards += 1
+                self._disarm()
+        except Exception as err:  # never raise into the model's forward
+            self.stop("forward hook: %r" % (err,))
+        return None
+
+    def on_batch(self):
+        """A batch drawn from a DataLoader (its iterator's `__next__` returned)."""
+        if not self._off and _thread_ident() == self._thread:
+            self._batches += 1
+
+    def _arm_forward_hook(self):
+        """Registers the forward pre-hook unless it is registered. A global module hook makes
+        every module call take torch's slower hook path, so it is there only until the first
+        module call after arming; from the sampler thread, once per interval."""
+        if self._armed is not None or self._off:
+            return
+        module = sys.modules.get(_MODULES)
+        register = getattr(module, "register_module_forward_pre_hook", None)
+        if register is None:
+            return
+        self._armed = register(self.on_forward)
+
+    def _disarm(self):
+        handle, self._armed = self._armed, None
+        if handle is not None:
+            handle.remove()
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -226,6 +279,10 @@ class _Reporter:
         self._off = True
         if why:
             _say_once(why)
+        try:
+            self._disarm()
+        except Exception:
+            pass
         if self._lock is None:
             return
         # Under the lock: a send in flight on another thread must not reach a descriptor number
@@ -239,7 +296,8 @@ class _Reporter:
                     pass
 
     def after_fork(self):
-        """A forked child shares the parent's connection: it must never write to it."""
+        """A forked child shares the parent's connection: it must never write to it. A forward
+        hook armed at the fork removes itself at the child's first module call."""
         self._off = True
         self._sock = None
 
@@ -290,8 +348,11 @@ class _Reporter:
             last = None
             moved = False
             others = self._other_steps
+            forwards = self._forwards
+            batches = self._batches
             step = self._step
             due = time.monotonic() + self._interval
+            self._arm_forward_hook()
             while not self._off:
                 if self._sock is None:
                     return
@@ -321,8 +382,8 @@ class _Reporter:
                 if here != last:
                     moved = moved or last is not None
                     last = here
-                if self._other_steps != others:
-                    others = self._other_steps
+                if (self._other_steps, self._forwards, self._batches) != (others, forwards, batches):
+                    others, forwards, batches = self._other_steps, self._forwards, self._batches
                     moved = True
                 now = time.monotonic()
                 if now < due:
@@ -332,6 +393,7 @@ class _Reporter:
                     self._send(b"alive\n")
                 moved = False
                 step = self._step
+                self._arm_forward_hook()
         except Exception as err:  # the sampler is a helper thread: it must never be noisy
             if not self._off and sys is not None and not sys.is_finalizing():
                 self.stop("liveness sampler: %r" % (err,))
@@ -395,6 +457,31 @@ def _wrap_init(module):
         package.init_process_group = init_process_group
 
 
+def _wrap_batches(module):
+    """Counts the batches a DataLoader iterator returns (every iterator class inherits
+    `_BaseDataLoaderIter.__next__`)."""
+    base = getattr(module, "_BaseDataLoaderIter", None)
+    original = getattr(base, "__next__", None)
+    if original is None or getattr(original, "_muster_wrapped", False):
+        return
+    import functools
+
+    @functools.wraps(original)
+    def __next__(self):
+        batch = original(self)
+        reporter = _reporter
+        if reporter is not None:
+            reporter.on_batch()
+        return batch
+
+    __next__._muster_wrapped = True
+    base.__next__ = __next__
+
+
+def _batches_failed(module, err):
+    _say_once("cannot count DataLoader batches: %r" % (err,))
+
+
 def _wrap_failed(module, err):
     _say_once("cannot wrap init_process_group: %r" % (err,))
 
@@ -414,6 +501,7 @@ def install():
 
     after_import([_TARGET], _hook, _hook_failed)
     after_import([_C10D], _wrap_init, _wrap_failed)
+    after_import([_DATALOADER], _wrap_batches, _batches_failed)
 
 
 def stand_down():

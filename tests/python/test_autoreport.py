@@ -146,6 +146,108 @@ def test_a_long_evaluation_without_optimizer_steps_is_not_a_hang(tmp_path):
     assert sorted(re.findall(r"DONE rank=(\d)", out)) == ["0", "1"], out
 
 
+# The issue's plain loop: 20 steps, then a long evaluation whose loop body is one source line (the
+# time is spent in one module call: the stack looks the same at every sample), then 20 steps.
+# BLOCK=<how> makes rank 1 block at step 20 instead, while rank 0 waits for it in dist.all_reduce.
+EVAL_LOOP = r'''
+import os, socket, threading, time
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(rank)
+# One layer large enough that its matmul is most of a pass: the stack sampler finds the rank in
+# the same C call, in frames at the same addresses, at almost every look.
+net = torch.nn.Linear(1024, 1024)
+model = DDP(net)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+x = torch.randn(1024, 1024)
+mode, block = os.environ.get("MODE", "eval"), os.environ.get("BLOCK", "")
+
+
+def evaluate(seconds):
+    end, passes = time.time() + seconds, 0
+    with (torch.inference_mode() if mode == "inference" else torch.no_grad()):
+        while time.time() < end: net(x); passes += 1
+    return passes
+
+
+def train(steps):
+    for _ in range(steps):
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+train(20)
+if block:
+    if rank == 1:
+        print(f"BLOCKING rank=1 in={block}", flush=True)
+        if block == "lock":
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
+        elif block == "read":
+            reader, writer = socket.socketpair()
+            reader.recv(1)
+        else:
+            raise SystemExit(f"unknown BLOCK={block}")
+    else:
+        dist.all_reduce(torch.ones(1))
+print(f"EVAL rank={rank} passes={evaluate(float(os.environ['EVAL_S']))}", flush=True)
+train(20)
+print(f"DONE rank={rank}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def eval_loop(tmp_path, env):
+    script = tmp_path / "eval_loop.py"
+    script.write_text(EVAL_LOOP)
+    args = ["--standalone", "--nproc-per-node", "2", "--hang-timeout", str(HANG_TIMEOUT),
+            "--max-restarts", "0", "--metrics-addr", "none", "--gpu-release-timeout", "0",
+            "--shutdown-timeout", "5", str(script)]
+    return Agent([muster_bin(), *args], muster_env(env))
+
+
+@pytest.mark.parametrize("mode", ["eval", "inference"])
+def test_forward_passes_in_one_line_are_progress_on_a_loaded_node(tmp_path, cpu_hogs, mode):
+    # The false hang of issue 39: the stack of `while ...: net(x)` looks the same at every
+    # sample (one module call dominates), so only the forward passes say the rank works.
+    run = eval_loop(tmp_path, {"MODE": mode, "EVAL_S": str(3 * HANG_TIMEOUT)})
+    try:
+        code = run.finish(timeout=300)
+    finally:
+        run.kill()
+    out = run.text()
+    assert code == 0, out
+    assert "hang detected" not in out, out
+    assert len(re.findall(r"EVAL rank=\d passes=\d+", out)) == 2, out
+    assert sorted(re.findall(r"DONE rank=(\d)", out)) == ["0", "1"], out
+
+
+@pytest.mark.parametrize("how", ["lock", "read"])
+def test_a_rank_blocked_in_a_lock_or_a_read_is_still_found_while_its_peer_waits_in_all_reduce(
+        tmp_path, cpu_hogs, how):
+    run = eval_loop(tmp_path, {"BLOCK": how, "EVAL_S": "1"})
+    try:
+        code = run.finish(timeout=180)
+    finally:
+        run.kill()
+    out = run.text()
+    assert code == 207, out
+    blocked, detected = run.first(r"BLOCKING rank=1"), run.first(r"hang detected")
+    assert blocked is not None and detected is not None, out
+    # The limit plus the last step's report delay and the watch's poll; slack for a loaded node.
+    assert detected - blocked < HANG_TIMEOUT + 15, out
+    # Rank 1 is named, not rank 0 that waits for it in dist.all_reduce.
+    assert re.search(r"hung: rank 1 \(local rank 1\)", out), out
+    assert re.search(r"muster:\s+node: 0 \(\S+\)\s+rank: 1 \(local_rank 1\)", out), out
+
+
 def scrape_steps(tmp_path, args, env, steps=12):
     """Runs STEPPER on one rank; its muster_worker_last_step once it stepped, and the line it
     printed about the reporter."""
@@ -225,7 +327,8 @@ def load_reporter():
 
 
 class FakeAgent:
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, interval_ms=0):
+        self.interval_ms = interval_ms
         self.path = str(tmp_path / "agent.sock")
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(self.path)
@@ -237,7 +340,7 @@ class FakeAgent:
     def lines(self, until, timeout=10):
         if self.conn is None:
             self.conn, _ = self.server.accept()
-            self.conn.sendall(b"interval 0\n")
+            self.conn.sendall(b"interval %d\n" % self.interval_ms)
             self.conn.settimeout(0.1)
         deadline = time.monotonic() + timeout
         while not until(self.data.decode().splitlines()) and time.monotonic() < deadline:
@@ -291,3 +394,68 @@ def test_the_reporter_never_raises_into_the_script(tmp_path, capfd):
         assert reporter.on_step(Optimizer(), (), {}) is None
     err = capfd.readouterr().err
     assert err.count("muster: zero-code step reports off") == 1, err
+
+
+def test_forward_passes_and_batches_are_liveness_and_the_forward_hook_disarms(tmp_path):
+    import threading
+
+    import torch
+    import torch.nn.modules.module as modules
+    from torch.utils.data import DataLoader
+
+    agent = FakeAgent(tmp_path, interval_ms=200)
+    module = load_reporter()
+    module._wrap_batches(sys.modules["torch.utils.data.dataloader"])
+    hooks_before = len(modules._global_forward_pre_hooks)
+    module._reporter = reporter = module._Reporter(agent.path)
+    try:
+        reporter.on_step(Optimizer(), (), {})
+        agent.lines(lambda l: "step 1" in l)
+        alive_at = []
+
+        def collect():
+            while True:
+                try:
+                    chunk = agent.conn.recv(4096)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                alive_at.extend([time.monotonic()] * chunk.count(b"alive\n"))
+
+        threading.Thread(target=collect, daemon=True).start()
+
+        def alive_during(work, seconds):
+            """`alive`s sent while `work` ran in a loop for `seconds`, after the first
+            intervals (which may still report the change from what came before)."""
+            start = time.monotonic()
+            work()
+            while time.monotonic() < start + seconds:
+                work()
+            end = time.monotonic()
+            time.sleep(0.3)
+            return len([t for t in alive_at if start + 0.8 < t < end])
+
+        net, x = torch.nn.Linear(64, 64), torch.randn(8, 64)
+        # One module call on one line: the stack looks the same at every sample.
+        with torch.no_grad():
+            assert alive_during(lambda: net(x), 1.5) >= 2
+        assert reporter._forwards >= 2
+        # Armed at most once: one hook call per interval, never one per module call.
+        assert len(modules._global_forward_pre_hooks) - hooks_before <= 1
+        batches = iter(DataLoader(list(range(10**6)), batch_size=4))
+        assert alive_during(lambda: next(batches), 1.5) >= 2
+        assert reporter._batches > 0
+        # Blocked (one sleep): nothing moves, nothing is said.
+        assert alive_during(lambda: time.sleep(2.0), 0) == 0
+        # Another thread's forward passes are not this thread's progress.
+        worker = threading.Thread(target=lambda: [net(x) for _ in range(3000)])
+        worker.start()
+        assert alive_during(lambda: time.sleep(2.0), 0) == 0
+        worker.join()
+    finally:
+        reporter.stop()
+        module._reporter = None
+    assert len(modules._global_forward_pre_hooks) == hooks_before, "stop() disarms"

@@ -17,7 +17,7 @@ from test_watch import Agent
 STARTUP_TIMEOUT = 5
 
 WORKER = r'''
-import os, signal, sys
+import os, signal, sys, time
 import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import register_rendezvous_handler, rendezvous
@@ -26,11 +26,17 @@ rank = int(os.environ["RANK"])
 marker = os.environ["MARKER"]
 first = not os.path.exists(marker + ".done")
 where = os.environ["STOP_WHERE"]
+how = os.environ.get("STOP_HOW", "stop")
 
 
 def stop_here():
     open(marker + ".done", "w").close()
-    print("STOPPING rank=%d where=%s" % (rank, where), flush=True)
+    print("STOPPING rank=%d where=%s how=%s" % (rank, where, how), flush=True)
+    if how == "sleep":  # slow, not stopped
+        time.sleep(3600)
+    elif how == "compute":
+        while True:
+            sum(i * i for i in range(1000))
     os.kill(os.getpid(), signal.SIGSTOP)  # STOP LINE
 
 
@@ -127,9 +133,11 @@ def test_a_script_that_never_forms_a_group_is_not_watched_before_its_first_step(
 
 
 
-def test_across_nodes_the_node_hosting_the_stopped_rank_names_it(tmp_path):
-    # 2 nodes x 1 rank: rank 1 (node 1) stops before init_process_group; only node 0 sees a rank
-    # waiting in it. Node 0 tells node 1, which finds its rank stopped and names it.
+@pytest.mark.parametrize("how", ["stop", "sleep", "compute"])
+def test_across_nodes_the_node_hosting_the_rank_not_in_init_names_it(tmp_path, cpu_hogs, how):
+    # 2 nodes x 1 rank: rank 1 (node 1) stops, sleeps or computes before init_process_group;
+    # only node 0 sees a rank waiting in it. Node 0 tells node 1, which finds its rank outside
+    # torch.distributed and names it; the first error line of either node names rank 1.
     from conftest import free_port
     from test_watch import CONF
 
@@ -145,7 +153,8 @@ def test_across_nodes_the_node_hosting_the_stopped_rank_names_it(tmp_path):
                     "--node-rank", str(node), "--max-restarts", "1",
                     "--startup-timeout", str(STARTUP_TIMEOUT), "--metrics-addr", "none",
                     "--gpu-release-timeout", "0", "--shutdown-timeout", "5", str(script)]
-            env = muster_env({"MARKER": str(tmp_path / "marker"), "STOP_WHERE": "before"})
+            env = muster_env({"MARKER": str(tmp_path / "marker"), "STOP_WHERE": "before",
+                              "STOP_HOW": how})
             agents.append(Agent(args, env))
         codes = [a.finish(timeout=180) for a in agents]
     finally:
@@ -159,6 +168,9 @@ def test_across_nodes_the_node_hosting_the_stopped_rank_names_it(tmp_path):
                      r"\"init_process_group\"", out1), both
     assert "startup_worker.py" in (rank_block_any(out1, 1) or ""), both
     assert "DONE rank=0 sum=2" in out0 and "DONE rank=1 sum=2" in out1, both
+    assert "the cause is elsewhere" not in out1, both
+    errors = [line for line in (out0 + out1).splitlines() if re.search(r"\bERROR\b", line)]
+    assert errors and all("rank 0 (local rank 0) on node 0" not in e for e in errors), both
 
 
 def rank_block_any(out, rank):

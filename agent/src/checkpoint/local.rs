@@ -117,6 +117,9 @@ pub struct RankWatch {
     pub init_entered: Option<Instant>,
     pub init_returned: Option<Instant>,
     pub first_step: Option<Instant>,
+    /// When its last step report arrived (`last_progress` also moves with `alive`): a rank that
+    /// works without stepping while its peers wait for it is the cause of their stall.
+    pub last_step: Option<Instant>,
 }
 
 struct Link {
@@ -528,6 +531,7 @@ fn handle_line(
                         init_entered: None,
                         init_returned: None,
                         first_step: None,
+                        last_step: None,
                     },
                     outbox: outbox.clone(),
                 },
@@ -675,6 +679,7 @@ impl Link {
         w.first_step.get_or_insert(now);
         w.step = Some(step);
         w.last_progress = Some(now);
+        w.last_step = Some(now);
         w.slowest_period = match (w.slowest_period, p.step_period) {
             (Some(old), Some(new)) => Some(old.max(new)),
             (old, new) => old.or(new),

@@ -176,6 +176,7 @@ fn rank_views(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<RankView> 
                 init_entered: report.and_then(|r| r.init_entered),
                 init_returned: report.and_then(|r| r.init_returned),
                 first_step: report.and_then(|r| r.first_step),
+                last_step: report.and_then(|r| r.last_step),
             }
         })
         .collect()
@@ -259,8 +260,10 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
 
     let limit = match &trigger {
         Trigger::Local(stall) => {
-            error!(
-                "hang detected on node {node}: {}; dumping every local rank's stacks{}",
+            // A warning, not the error: the rank that passed its limit first is often one that
+            // waits for the cause; the `hung:` error below names the cause.
+            warn!(
+                "hang detected on node {node}: {}; dumping every local rank's stacks to find the cause{}",
                 stall.describe(),
                 if store.is_some() {
                     " and telling the other nodes"
@@ -273,6 +276,7 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
                     node_rank: node,
                     rank: stall.rank,
                     limit: stall.limit,
+                    startup: stall.startup.is_some(),
                     what: stall.describe(),
                 };
                 let run_id = run_id.clone();
@@ -296,14 +300,11 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
     let reports = view.ranks();
     let dumps = dump_all(&attempt, &reports).await;
     let views = rank_views(&attempt, &view.ranks());
-    let stalled: Vec<(Stall, Waiting)> = hang::stalled_ranks(&views, limit, Instant::now())
+    let now = Instant::now();
+    let stalled: Vec<(Stall, Waiting)> = hang::stalled_ranks(&views, limit, now)
         .into_iter()
         .map(|s| {
-            let waiting = dumps
-                .iter()
-                .find(|(local_rank, _)| *local_rank == s.local_rank)
-                .and_then(|(_, d)| d.as_ref().ok())
-                .map_or(Waiting::Unknown, ProcessStacks::waiting);
+            let waiting = waiting_of(&dumps, s.local_rank);
             (s, waiting)
         })
         .collect();
@@ -312,6 +313,22 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
         Trigger::Local(_) => None,
     };
     if let Some(culprit) = hang::pick_culprit(&stalled) {
+        let hang = named(&attempt, culprit, &dumps, reported_by);
+        error!("hung: {}", hang.describe());
+        return hang;
+    }
+    // Every stalled rank here waits in torch.distributed. A rank of this node that works
+    // outside it without stepping (an evaluation of its own, a loop that never ends) is the
+    // one they wait for; only a rank whose stack was read counts (an unknown stack names nobody).
+    let working: Vec<(Stall, Waiting)> = hang::working_ranks(&views, limit, now)
+        .into_iter()
+        .map(|s| {
+            let waiting = waiting_of(&dumps, s.local_rank);
+            (s, waiting)
+        })
+        .filter(|(_, w)| *w == Waiting::Elsewhere)
+        .collect();
+    if let Some(culprit) = hang::pick_culprit(&working) {
         let hang = named(&attempt, culprit, &dumps, reported_by);
         error!("hung: {}", hang.describe());
         return hang;
@@ -355,6 +372,15 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
 
 type Dump = (u32, Result<ProcessStacks, stacks::ReadError>);
 
+/// Where `local_rank`'s main thread was when its stacks were read.
+fn waiting_of(dumps: &[Dump], local_rank: u32) -> Waiting {
+    dumps
+        .iter()
+        .find(|(l, _)| *l == local_rank)
+        .and_then(|(_, d)| d.as_ref().ok())
+        .map_or(Waiting::Unknown, ProcessStacks::waiting)
+}
+
 /// The cause of a hang before the first step among this node's ranks that have not stepped:
 /// with the startup watch on, when this node detected a startup stall, or another node's
 /// notice came and one of them is stopped (the node hosting a stopped rank names it; its
@@ -368,16 +394,18 @@ fn startup_culprit(
     trigger: &Trigger,
 ) -> Option<Stall> {
     let limit = policy.startup_timeout?;
-    let local_startup = matches!(trigger, Trigger::Local(s) if s.startup.is_some());
+    // Before the first step, a rank that has not stepped and is not inside torch.distributed
+    // (sleeping, computing, importing) is the cause, on the node that detected the stall as on
+    // a node another one told; for a stall after the first step only a stopped one is.
+    let local_startup = match trigger {
+        Trigger::Local(s) => s.startup.is_some(),
+        Trigger::Remote(notice) => notice.startup,
+    };
     let candidates: Vec<startup::Candidate> =
         startup::candidates(views, limit, attempt.started, Instant::now())
             .into_iter()
             .map(|stall| {
-                let waiting = dumps
-                    .iter()
-                    .find(|(local_rank, _)| *local_rank == stall.local_rank)
-                    .and_then(|(_, d)| d.as_ref().ok())
-                    .map_or(Waiting::Unknown, ProcessStacks::waiting);
+                let waiting = waiting_of(dumps, stall.local_rank);
                 let stopped = !stopped_pids(attempt, reports, stall.local_rank).is_empty();
                 startup::Candidate {
                     stall,
@@ -507,5 +535,6 @@ fn named(
         frame,
         stacks,
         reported_by,
+        working: stall.working,
     }
 }

@@ -249,12 +249,21 @@ fn render_hang(failure: &Failure, hang: &crate::watch::Hang, attempts: u32) -> S
         .section
         .as_ref()
         .map_or_else(String::new, |s| format!(" inside section {s:?}"));
-    let _ = writeln!(
-        out,
-        "muster:   last step: {step}  no progress{place} for {:.1} s (limit {} s)",
-        hang.stalled.as_secs_f64(),
-        hang.limit.as_secs_f64()
-    );
+    if hang.working {
+        let _ = writeln!(
+            out,
+            "muster:   last step: {step}  no step for {:.1} s, working outside torch.distributed while its peers waited (limit {} s)",
+            hang.stalled.as_secs_f64(),
+            hang.limit.as_secs_f64()
+        );
+    } else {
+        let _ = writeln!(
+            out,
+            "muster:   last step: {step}  no progress{place} for {:.1} s (limit {} s)",
+            hang.stalled.as_secs_f64(),
+            hang.limit.as_secs_f64()
+        );
+    }
     let _ = writeln!(
         out,
         "muster:   innermost frame: {}",
@@ -637,6 +646,7 @@ mod tests {
             frame: Some("stuck_in_loader (/app/train.py:42)".into()),
             stacks: "read with py-spy".into(),
             reported_by: Some(0),
+            working: false,
         };
         let f = Failure {
             host: "node-1".into(),

@@ -15,18 +15,22 @@ pub struct Notice {
     pub rank: u32,
     /// The limit the detecting node applied.
     pub limit: Duration,
+    /// The stall was before the rank's first step (`--startup-timeout`): its peers wait for a
+    /// rank that has not stepped yet, so every node looks among its ranks that have not stepped.
+    pub startup: bool,
     /// Its description of the stall.
     pub what: String,
 }
 
 impl Notice {
-    /// `<node_rank> <rank> <limit_ms> <what>`.
+    /// `<node_rank> <rank> <limit_ms> startup|step <what>`.
     pub fn encode(&self) -> Vec<u8> {
         format!(
-            "{} {} {} {}",
+            "{} {} {} {} {}",
             self.node_rank,
             self.rank,
             self.limit.as_millis(),
+            if self.startup { "startup" } else { "step" },
             self.what.replace('\n', " ")
         )
         .into_bytes()
@@ -34,14 +38,20 @@ impl Notice {
 
     pub fn decode(raw: &[u8]) -> Option<Notice> {
         let text = std::str::from_utf8(raw).ok()?;
-        let mut words = text.splitn(4, ' ');
+        let mut words = text.splitn(5, ' ');
         let node_rank = words.next()?.parse().ok()?;
         let rank = words.next()?.parse().ok()?;
         let limit = Duration::from_millis(words.next()?.parse().ok()?);
+        let startup = match words.next()? {
+            "startup" => true,
+            "step" => false,
+            _ => return None,
+        };
         Some(Notice {
             node_rank,
             rank,
             limit,
+            startup,
             what: words.next().unwrap_or_default().to_owned(),
         })
     }
@@ -89,12 +99,17 @@ mod tests {
             node_rank: 1,
             rank: 3,
             limit: Duration::from_millis(2500),
+            startup: false,
             what: "rank 3 (local rank 1) made no progress\nfor 3 s".into(),
         };
         let back = Notice::decode(&n.encode()).unwrap();
         assert_eq!(back.what, "rank 3 (local rank 1) made no progress for 3 s");
         assert_eq!((back.node_rank, back.rank, back.limit), (1, 3, n.limit));
+        assert!(!back.startup);
+        let startup = Notice { startup: true, ..n };
+        assert!(Notice::decode(&startup.encode()).unwrap().startup);
         assert_eq!(Notice::decode(b"x y"), None);
+        assert_eq!(Notice::decode(b"1 3 2500 sometimes what"), None);
     }
 
     #[tokio::test]
@@ -112,6 +127,7 @@ mod tests {
             node_rank: 1,
             rank: 3,
             limit: Duration::from_secs(3),
+            startup: false,
             what: "first".into(),
         };
         let second = Notice {

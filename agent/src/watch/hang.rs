@@ -124,6 +124,8 @@ pub struct RankView {
     pub init_returned: Option<Instant>,
     /// When its first step report arrived.
     pub first_step: Option<Instant>,
+    /// When its last step report arrived (its `last_progress` also moves with liveness).
+    pub last_step: Option<Instant>,
 }
 
 impl RankView {
@@ -145,6 +147,7 @@ impl RankView {
             limit,
             section: self.section.as_ref().map(|s| s.name.clone()),
             startup: None,
+            working: false,
         }
     }
 }
@@ -163,6 +166,9 @@ pub struct Stall {
     pub section: Option<String>,
     /// Stuck before its first step (`--startup-timeout`), and where.
     pub startup: Option<crate::watch::startup::Phase>,
+    /// It was not stalled but working (its stack moved, it ran forward passes) without a step
+    /// while its peers waited for it: `stalled` counts from its last step.
+    pub working: bool,
 }
 
 impl Stall {
@@ -177,6 +183,15 @@ impl Stall {
                 self.rank,
                 self.local_rank,
                 phase.describe(),
+                self.stalled.as_secs_f64(),
+                secs(self.limit)
+            );
+        }
+        if self.working {
+            return format!(
+                "rank {} (local rank {}) worked outside torch.distributed without a step for {:.1} s while its peers waited for it (last step {step}; limit {})",
+                self.rank,
+                self.local_rank,
                 self.stalled.as_secs_f64(),
                 secs(self.limit)
             );
@@ -283,6 +298,27 @@ pub fn stalled_ranks(ranks: &[RankView], limit: Duration, now: Instant) -> Vec<S
         .collect()
 }
 
+/// The live ranks that are not stalled but made no step for at least half of `limit`: working
+/// (their stacks move) without stepping. When the stalled ranks all wait in collectives, such a
+/// rank outside `torch.distributed` is the one they wait for ([`pick_culprit`] over these).
+pub fn working_ranks(ranks: &[RankView], limit: Duration, now: Instant) -> Vec<Stall> {
+    ranks
+        .iter()
+        .filter(|r| !r.exited && r.section.is_none())
+        .filter(|r| {
+            r.idle_since()
+                .is_none_or(|since| now.saturating_duration_since(since) < limit / 2)
+        })
+        .filter_map(|r| {
+            let without_step = now.saturating_duration_since(r.last_step?);
+            (without_step >= limit / 2).then(|| Stall {
+                working: true,
+                ..r.stall(without_step, limit)
+            })
+        })
+        .collect()
+}
+
 /// Where a stalled rank's main thread is, from its stack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Waiting {
@@ -325,6 +361,7 @@ mod tests {
             init_entered: None,
             init_returned: None,
             first_step: None,
+            last_step: (steps > 0).then_some(last),
         }
     }
 
@@ -478,6 +515,44 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_that_works_without_stepping_while_its_peer_stalls_is_working_not_stalled() {
+        let t0 = Instant::now();
+        let limit = Duration::from_secs(10);
+        // Both stepped last at t0; rank 1 then kept its stack moving (alive at 7 s).
+        let mut ranks = [rank(0, 20, t0, 100), rank(1, 20, t0, 100)];
+        ranks[1].last_progress = Some(t0 + Duration::from_secs(7));
+        let now = t0 + Duration::from_secs(11);
+        let stalled = stalled_ranks(&ranks, limit, now);
+        assert_eq!(
+            stalled.iter().map(|s| s.local_rank).collect::<Vec<_>>(),
+            [0]
+        );
+        let working = working_ranks(&ranks, limit, now);
+        assert_eq!(working.len(), 1);
+        let w = &working[0];
+        assert_eq!(
+            (w.local_rank, w.stalled, w.working),
+            (1, Duration::from_secs(11), true)
+        );
+        assert!(
+            w.describe().starts_with(
+                "rank 11 (local rank 1) worked outside torch.distributed without a step for 11.0 s while its peers waited"
+            ),
+            "{}",
+            w.describe()
+        );
+        // A rank that stepped recently, or sits in a section of its own, is not named so.
+        ranks[1].last_step = Some(t0 + Duration::from_secs(8));
+        assert!(working_ranks(&ranks, limit, now).is_empty());
+        ranks[1].last_step = Some(t0);
+        ranks[1].section = Some(Section {
+            name: "eval".into(),
+            since: t0 + Duration::from_secs(1),
+        });
+        assert!(working_ranks(&ranks, limit, now).is_empty());
+    }
+
+    #[test]
     fn the_culprit_is_the_rank_not_waiting_in_a_collective() {
         let stall = |local_rank, secs| Stall {
             local_rank,
@@ -487,6 +562,7 @@ mod tests {
             limit: Duration::from_secs(3),
             section: None,
             startup: None,
+            working: false,
         };
         let all_waiting = [
             (stall(0, 9), Waiting::InCollective),

@@ -50,6 +50,9 @@ pub struct Hang {
     pub stacks: String,
     /// The node that detected the hang first, when it was another one.
     pub reported_by: Option<u32>,
+    /// It was not still but working outside `torch.distributed` without a step while its peers
+    /// waited for it: `stalled` is the time since its last step.
+    pub working: bool,
 }
 
 impl Hang {
@@ -66,13 +69,23 @@ impl Hang {
             .frame
             .as_deref()
             .map_or_else(String::new, |f| format!(", stuck in {f}"));
+        let what = if self.working {
+            format!(
+                "made no step for {:.1} s, working outside torch.distributed while its peers waited for it",
+                self.stalled.as_secs_f64()
+            )
+        } else {
+            format!(
+                "made no progress{place} for {:.1} s",
+                self.stalled.as_secs_f64()
+            )
+        };
         format!(
-            "rank {} (local rank {}) on node {} ({}) made no progress{place} for {:.1} s (last step {step}; limit {} s){frame}",
+            "rank {} (local rank {}) on node {} ({}) {what} (last step {step}; limit {} s){frame}",
             self.rank,
             self.local_rank,
             self.node_rank,
             self.host,
-            self.stalled.as_secs_f64(),
             self.limit.as_secs_f64(),
         )
     }

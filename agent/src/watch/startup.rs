@@ -97,6 +97,7 @@ fn stall(rank: &RankView, phase: Option<Phase>, stalled: Duration, limit: Durati
         limit,
         section: None,
         startup: Some(phase.unwrap_or(Phase::Init)),
+        working: false,
     }
 }
 
@@ -177,6 +178,7 @@ mod tests {
             init_entered: Some(t0),
             init_returned: None,
             first_step: None,
+            last_step: None,
         }
     }
 

@@ -277,7 +277,7 @@ fn reaction(window: &[(f64, &Entry)], stopped: bool) -> String {
             Entry::Committed { step } => format!("barrier: checkpoint committed at step {step}"),
             Entry::Aborted { reason } => format!("barrier: checkpoint aborted ({reason})"),
             Entry::Hung { what } => {
-                let rank = what.split(" made no progress").next().unwrap_or(what);
+                let rank = what.split(" made no ").next().unwrap_or(what);
                 format!("hang watch: {rank}")
             }
             Entry::Replaced { node, .. } => format!("node {node} replaced"),
