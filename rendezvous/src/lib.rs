@@ -10,10 +10,13 @@
 //!   generation counter that restarts every node together, the exit barrier.
 //! - [`store::client`]: a client for the same protocol with a timeout on every read (torch's own
 //!   client blocks forever on a silent server). The agents use it to rendezvous.
+//! - [`seconds`]: the one parser of durations for every flag, variable and conf key (syntax,
+//!   range, errors), so that no value reaches a panicking `Duration` or `Instant` operation.
 //! - [`host`]: how a server listens (dual-stack) and runs on a thread with its own runtime; shared
 //!   by the store and the agent's metrics endpoint.
 #![forbid(unsafe_code)]
 
 pub mod host;
 pub mod rdzv;
+pub mod seconds;
 pub mod store;

@@ -193,6 +193,9 @@ if block:
         elif block == "read":
             reader, writer = socket.socketpair()
             reader.recv(1)
+        elif block == "compute":  # works, never steps: its stack moves
+            while True:
+                sum(i * i for i in range(1000))
         else:
             raise SystemExit(f"unknown BLOCK={block}")
     else:
@@ -229,9 +232,11 @@ def test_forward_passes_in_one_line_are_progress_on_a_loaded_node(tmp_path, cpu_
     assert sorted(re.findall(r"DONE rank=(\d)", out)) == ["0", "1"], out
 
 
-@pytest.mark.parametrize("how", ["lock", "read"])
+@pytest.mark.parametrize("how", ["lock", "read", "compute"])
 def test_a_rank_blocked_in_a_lock_or_a_read_is_still_found_while_its_peer_waits_in_all_reduce(
         tmp_path, cpu_hogs, how):
+    # `compute`: rank 1 works outside torch.distributed and never steps again; its stack moves
+    # (progress), but rank 0 waits for it in all_reduce, so rank 1 is the cause.
     run = eval_loop(tmp_path, {"BLOCK": how, "EVAL_S": "1"})
     try:
         code = run.finish(timeout=180)
@@ -243,8 +248,11 @@ def test_a_rank_blocked_in_a_lock_or_a_read_is_still_found_while_its_peer_waits_
     assert blocked is not None and detected is not None, out
     # The limit plus the last step's report delay and the watch's poll; slack for a loaded node.
     assert detected - blocked < HANG_TIMEOUT + 15, out
-    # Rank 1 is named, not rank 0 that waits for it in dist.all_reduce.
-    assert re.search(r"hung: rank 1 \(local rank 1\)", out), out
+    # Rank 1 is named, not rank 0 that waits for it in dist.all_reduce, in the first error line.
+    errors = [line for line in out.splitlines() if re.search(r"\bERROR\b", line)]
+    assert errors and re.search(r"hung: rank 1 \(local rank 1\)", errors[0]), out
+    if how == "compute":
+        assert "working outside torch.distributed while its peers waited" in errors[0], out
     assert re.search(r"muster:\s+node: 0 \(\S+\)\s+rank: 1 \(local_rank 1\)", out), out
 
 

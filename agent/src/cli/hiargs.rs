@@ -90,25 +90,19 @@ fn parse_u32(low: &LowArgs, flag: &str, default: u32) -> Result<u32, ConfigError
     }
 }
 
-/// Seconds as an integer or decimal, optionally with an `s`/`m` suffix.
-pub fn parse_seconds(text: &str) -> Option<Duration> {
-    let t = text.trim();
-    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
-        (n, 0.001)
-    } else if let Some(n) = t.strip_suffix('s') {
-        (n, 1.0)
-    } else if let Some(n) = t.strip_suffix('m') {
-        (n, 60.0)
-    } else {
-        (t, 1.0)
-    };
-    let v: f64 = num.trim().parse().ok()?;
-    (v.is_finite() && v >= 0.0).then(|| Duration::from_secs_f64(v * scale))
+/// Seconds, in the one syntax of every duration setting ([`rendezvous::seconds`]).
+pub fn parse_seconds(text: &str) -> Result<Duration, rendezvous::seconds::SecondsError> {
+    rendezvous::seconds::parse(text)
+}
+
+/// [`parse_seconds`] as a clap value parser, for the subcommands' duration flags.
+pub fn parse_seconds_arg(text: &str) -> Result<Duration, String> {
+    parse_seconds(text).map_err(|e| e.to_string())
 }
 
 fn parse_duration(low: &LowArgs, flag: &str) -> Result<Option<Duration>, ConfigError> {
     get(low, flag)
-        .map(|raw| parse_seconds(&raw.value).ok_or_else(|| bad(raw, flag, "expected seconds")))
+        .map(|raw| parse_seconds(&raw.value).map_err(|e| bad(raw, flag, e)))
         .transpose()
 }
 
@@ -1059,10 +1053,10 @@ mod tests {
 
     #[test]
     fn seconds() {
-        assert_eq!(parse_seconds("2.5"), Some(Duration::from_millis(2500)));
-        assert_eq!(parse_seconds("3s"), Some(Duration::from_secs(3)));
-        assert_eq!(parse_seconds("1m"), Some(Duration::from_secs(60)));
-        assert_eq!(parse_seconds("-1"), None);
+        assert_eq!(parse_seconds("2.5"), Ok(Duration::from_millis(2500)));
+        assert_eq!(parse_seconds("3s"), Ok(Duration::from_secs(3)));
+        assert_eq!(parse_seconds("1m"), Ok(Duration::from_secs(60)));
+        assert!(parse_seconds("-1").is_err());
     }
 
     #[test]

@@ -395,7 +395,10 @@ pub fn help_text() -> String {
          injects), then the legacy torch variable where torchrun reads one, then, in a Slurm\n\
          step (srun), Slurm: node count, node rank, rendezvous on the step's first node, run id\n\
          <job>.<step>, and the GPUs for gpu|auto (docs/slurm.md); then the default.\n\
-         An empty variable counts as unset. Switches read 1/0, true/false, yes/no, on/off.\n\n\
+         An empty variable counts as unset. Switches read 1/0, true/false, yes/no, on/off.\n\
+         SECS (every flag, variable and --rdzv-conf/--network-check-conf key that takes a time):\n\
+         a number (2, 0.5, 1e3) with an optional unit (250ms, 30s, 5m), from 0 to 31536000 (a\n\
+         year); anything else is a configuration error (202) naming the flag.\n\n\
          A script ending in .py runs as `$PYTHON_EXEC -u script.py` (else python3, else python on\n\
          PATH); -m runs `python -u -m module`; --no-python execs the program directly.\n\n\
          Exit codes: 0 all workers succeeded; 1-127 the root-cause worker's code; 128+N the\n\

@@ -29,17 +29,17 @@ struct Args {
     #[arg(long)]
     json: bool,
     /// Longest wait for an NVSwitch fabric that is still initialising, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 60.0)]
-    fabric_wait: f64,
-    /// Time between the two NVLink error-counter samples, in milliseconds.
-    #[arg(long, value_name = "MS", default_value_t = 1000)]
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = crate::cli::hiargs::parse_seconds_arg)]
+    fabric_wait: Duration,
+    /// Time between the two NVLink error-counter samples, in milliseconds (1 to 600000).
+    #[arg(long, value_name = "MS", default_value_t = 1000, value_parser = clap::value_parser!(u64).range(1..=600_000))]
     sample_interval_ms: u64,
     /// Do not run the CUDA smoke test.
     #[arg(long)]
     skip_cuda: bool,
     /// Time limit for the CUDA smoke test, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 60)]
-    cuda_timeout: u64,
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = crate::cli::hiargs::parse_seconds_arg)]
+    cuda_timeout: Duration,
     /// Fail (instead of warn) when other compute processes already use a GPU.
     #[arg(long)]
     fail_on_processes: bool,
@@ -65,9 +65,6 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             .map_err(Exit::config)?;
         return Ok(crate::gpu::cuda::child_main(&peers));
     }
-    if !(args.fabric_wait.is_finite() && args.fabric_wait >= 0.0) {
-        return Err(Exit::config("--fabric-wait must be a number of seconds >= 0").into());
-    }
     let opts = PreflightOptions {
         nvml_library: crate::gpu::nvml::library_override(),
         policy: Policy {
@@ -77,10 +74,10 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
             ..Policy::default()
         },
         sample_interval: Duration::from_millis(args.sample_interval_ms),
-        fabric_wait: Duration::from_secs_f64(args.fabric_wait),
-        fabric_poll: Duration::from_millis(200).min(Duration::from_secs_f64(args.fabric_wait)),
+        fabric_wait: args.fabric_wait,
+        fabric_poll: Duration::from_millis(200).min(args.fabric_wait),
         cuda: !args.skip_cuda,
-        cuda_timeout: Duration::from_secs(args.cuda_timeout),
+        cuda_timeout: args.cuda_timeout,
     };
     if args.dump_snapshot {
         let node = crate::gpu::nvml::snapshot(&opts.nvml_options());

@@ -33,8 +33,8 @@ struct Args {
     #[arg(long, value_name = "ADDR:PORT", env = METRICS_ADDR_ENV, default_value = DEFAULT_METRICS_ADDR)]
     metrics_addr: String,
     /// How long to wait for the answer, in seconds (reading each rank takes a moment).
-    #[arg(long, value_name = "SECS", default_value_t = 60)]
-    timeout: u64,
+    #[arg(long, value_name = "SECS", default_value = "60", value_parser = crate::cli::hiargs::parse_seconds_arg)]
+    timeout: Duration,
 }
 
 /// `muster stacks ...` (`args[0]` is the binary, `args[1]` is `stacks`).
@@ -48,15 +48,13 @@ pub fn run(args: &[OsString]) -> anyhow::Result<u8> {
         .build()
         .context("cannot start the async runtime")?;
     let (status, body) = runtime
-        .block_on(async {
-            tokio::time::timeout(Duration::from_secs(args.timeout), get(addr)).await
-        })
+        .block_on(async { tokio::time::timeout(args.timeout, get(addr)).await })
         .map_err(|_| {
             Exit::new(
                 1,
                 format!(
                     "the agent at {addr} did not answer within {} s",
-                    args.timeout
+                    args.timeout.as_secs_f64()
                 ),
             )
         })?

@@ -155,16 +155,19 @@ impl Settings {
                         )
                     })
             };
+            // Milliseconds, through the one duration parser (range and syntax).
+            let millis = || {
+                rendezvous::seconds::parse(&format!("{value}ms"))
+                    .map_err(|e| format!("--network-check-conf {key}={value}: milliseconds, {e}"))
+            };
             let th = &mut self.thresholds;
             match key.as_str() {
                 "throughput_ratio" => th.throughput_ratio = number()?,
                 "rtt_ratio" => th.rtt_ratio = number()?,
-                "rtt_slack_ms" => th.rtt_slack = Duration::from_secs_f64(number()? / 1000.0),
+                "rtt_slack_ms" => th.rtt_slack = millis()?,
                 "min_mbps" => th.min_mbps = Some(number()?).filter(|v| *v > 0.0),
                 "max_rtt_ms" => {
-                    th.max_rtt = Some(number()?)
-                        .filter(|v| *v > 0.0)
-                        .map(|ms| Duration::from_secs_f64(ms / 1000.0));
+                    th.max_rtt = Some(millis()?).filter(|d| !d.is_zero());
                 }
                 "stream_bytes" => {
                     self.stream_bytes = value.parse::<u64>().ok().filter(|b| *b > 0).ok_or_else(

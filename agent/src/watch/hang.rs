@@ -43,12 +43,10 @@ impl HangTimeout {
         if text.eq_ignore_ascii_case("auto") {
             return Ok(HangTimeout::Auto);
         }
-        match text.parse::<f64>() {
-            Ok(0.0) => Ok(HangTimeout::Off),
-            Ok(secs) if secs.is_finite() && secs > 0.0 => {
-                Ok(HangTimeout::Fixed(Duration::from_secs_f64(secs)))
-            }
-            _ => Err("expected seconds, `auto` or 0 (off)".to_owned()),
+        match rendezvous::seconds::parse(text) {
+            Ok(Duration::ZERO) => Ok(HangTimeout::Off),
+            Ok(limit) => Ok(HangTimeout::Fixed(limit)),
+            Err(e) => Err(format!("{e}; or `auto`, or 0 for off")),
         }
     }
 }

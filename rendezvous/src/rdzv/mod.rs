@@ -163,12 +163,8 @@ pub fn parse_conf(conf: &str) -> Result<Vec<(String, String)>, ConfigError> {
 }
 
 fn parse_seconds(key: &str, value: &str) -> Result<Duration, ConfigError> {
-    value
-        .parse::<f64>()
-        .ok()
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map(Duration::from_secs_f64)
-        .ok_or_else(|| ConfigError::Invalid(format!("--rdzv-conf {key}={value}: expected seconds")))
+    crate::seconds::parse(value)
+        .map_err(|e| ConfigError::Invalid(format!("--rdzv-conf {key}={value}: {e}")))
 }
 
 /// Parses `--nnodes`: `N` or `MIN:MAX`, with `0 < MIN <= MAX`.

@@ -995,9 +995,8 @@ async fn network_check(
 fn test_barrier_observe_delay() -> Duration {
     std::env::var("MUSTER_TEST_BARRIER_OBSERVE_DELAY")
         .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s >= 0.0)
-        .map_or(Duration::ZERO, Duration::from_secs_f64)
+        .and_then(|v| rendezvous::seconds::parse(&v).ok())
+        .unwrap_or(Duration::ZERO)
 }
 
 /// `count` global ranks from `first`, read as written: `rank 4`, `ranks 4, 5`, `ranks 4–7`

@@ -106,14 +106,10 @@ pub enum SpecError {
     MissingValue { flag: &'static str },
 }
 
-/// Parses a number of seconds: finite and not negative (`15`, `2.5`, `0`).
+/// Parses a number of seconds (`15`, `2.5`, `0`), in the one syntax and range of every duration
+/// setting ([`rendezvous::seconds`]).
 pub fn parse_seconds(text: &str) -> Option<Duration> {
-    let secs: f64 = text.trim().parse().ok()?;
-    if secs.is_finite() && secs >= 0.0 {
-        Duration::try_from_secs_f64(secs).ok()
-    } else {
-        None
-    }
+    rendezvous::seconds::parse(text).ok()
 }
 
 /// Parses `KIND:TARGET@SECS`.
