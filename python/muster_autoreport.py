@@ -44,7 +44,10 @@ It has its own connection to MUSTER_CHECKPOINT_SOCKET and says `watch`, not `hel
 knows the rank only reports: a rank without the helper cannot save, and the checkpoint barrier
 keeps forwarding SIGTERM to such scripts. Messages (newline-terminated ASCII words):
   worker -> agent: "watch <local_rank> <rank> <pid>", "step <n>", "alive",
-                   "faulthandler <signum> <path>", "init", "initdone"
+                   "faulthandler <signum> <path>", "init", "initdone",
+                   "exiting" (the script finished: from an atexit hook, before the interpreter
+                   removes faulthandler's handlers; the agent then neither takes a slow teardown
+                   for a hang nor signals the rank for its stacks)
   agent -> worker: "interval <ms>" (how often to say alive; 0: never, the hang watch is off)
 
 **Before the first step.** `torch.distributed.init_process_group` is wrapped (when
@@ -234,6 +237,11 @@ class _Reporter:
             )
         )
         self._register_faulthandler()
+        import atexit
+
+        # Registered after torch's own exit handlers (torch is imported by now), so it runs
+        # before them: atexit calls the last registered first.
+        atexit.register(self._at_exit)
         thread = threading.Thread(target=self._sample, name="muster-liveness", daemon=True)
         thread.start()
         return True
@@ -294,6 +302,16 @@ class _Reporter:
                     sock.close()
                 except OSError:
                     pass
+
+    def _at_exit(self):
+        """The script finished and the interpreter exits: say so, then stop."""
+        if self._off:
+            return
+        try:
+            self._send(b"exiting\n")
+        except Exception:
+            pass
+        self.stop()
 
     def after_fork(self):
         """A forked child shares the parent's connection: it must never write to it. A forward

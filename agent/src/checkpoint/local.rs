@@ -18,7 +18,8 @@
 //! - `watch <local_rank> <rank> <pid>`: muster's zero-code reporter (`python/muster_autoreport.py`,
 //!   an optimizer step hook loaded by muster's `sitecustomize`). It only reports — `step <n>`,
 //!   `alive` (the rank's stack moved: it works between steps), `faulthandler`, `init` and
-//!   `initdone` (it entered and returned from `init_process_group`) — and the agent
+//!   `initdone` (it entered and returned from `init_process_group`), `exiting` (the script
+//!   finished: the interpreter exits, from an `atexit` hook) — and the agent
 //!   answers `interval <ms>`, how often to say `alive` (0: never, the hang watch is off). Such a
 //!   rank cannot save, so it never counts as taking part in the barrier (a script without the
 //!   helper still gets SIGTERM forwarded), and its `alive` counts as progress for the hang watch.
@@ -120,6 +121,10 @@ pub struct RankWatch {
     /// When its last step report arrived (`last_progress` also moves with `alive`): a rank that
     /// works without stepping while its peers wait for it is the cause of their stall.
     pub last_step: Option<Instant>,
+    /// Its script finished and the interpreter exits (`exiting`): a teardown slowed by a loaded
+    /// node is no hang, and no signal may be sent for its stacks (the interpreter removes its
+    /// `faulthandler` handlers as it finalises, and the signal's default action kills it).
+    pub exiting: bool,
 }
 
 struct Link {
@@ -532,6 +537,7 @@ fn handle_line(
                         init_returned: None,
                         first_step: None,
                         last_step: None,
+                        exiting: false,
                     },
                     outbox: outbox.clone(),
                 },
@@ -593,6 +599,13 @@ fn handle_line(
                 } else {
                     link.watch.init_returned = Some(now);
                 }
+            }
+        }
+        Some("exiting") => {
+            let (rank, role) = conn.ok_or("exiting before watch")?;
+            if let Some(link) = lock(links).of(role).get_mut(&rank) {
+                link.watch.exiting = true;
+                link.watch.faulthandler = None;
             }
         }
         Some("alive") => {
@@ -813,6 +826,19 @@ mod tests {
         })
         .await;
         assert_eq!(view.ranks()[0].steps_seen, 2, "alive is not a step");
+        assert_eq!(view.ranks()[0].last_step, watched[0].last_step);
+
+        // The script finished: exiting, and its faulthandler is not to be signalled any more.
+        w0.write_all(b"faulthandler 12 /tmp/x\n").await.unwrap();
+        settle(|| {
+            view.ranks()
+                .first()
+                .is_some_and(|w| w.faulthandler.is_some())
+        })
+        .await;
+        w0.write_all(b"exiting\n").await.unwrap();
+        settle(|| view.ranks().first().is_some_and(|w| w.exiting)).await;
+        assert_eq!(view.ranks()[0].faulthandler, None);
 
         // Reporter messages only: a save confirmation closes the connection.
         w0.write_all(b"saved 0 2 x\n").await.unwrap();

@@ -172,7 +172,8 @@ fn rank_views(attempt: &WatchedAttempt, reports: &[RankWatch]) -> Vec<RankView> 
                         since: *since,
                     })
                 }),
-                exited: exited.contains(&w.local_rank),
+                // A rank whose script finished (its interpreter exits) is not hung.
+                exited: exited.contains(&w.local_rank) || report.is_some_and(|r| r.exiting),
                 init_entered: report.and_then(|r| r.init_entered),
                 init_returned: report.and_then(|r| r.init_returned),
                 first_step: report.and_then(|r| r.first_step),
