@@ -189,8 +189,11 @@ class _Reporter:
 
     def on_batch(self):
         """A batch drawn from a DataLoader (its iterator's `__next__` returned)."""
-        if not self._off and _thread_ident() == self._thread:
-            self._batches += 1
+        try:
+            if not self._off and _thread_ident() == self._thread:
+                self._batches += 1
+        except Exception as err:  # never raise into the script's data loading
+            self.stop("batch count: %r" % (err,))
 
     def _arm_forward_hook(self):
         """Registers the forward pre-hook unless it is registered. A global module hook makes
