@@ -75,8 +75,16 @@ def _address(value):
 
 def _stand_down_autoreport():
     """This process reports its steps through the helper from now on: muster's zero-code
-    reporter, if muster's sitecustomize loaded it, stops (the agent also prefers the helper)."""
-    stand_down = getattr(sys.modules.get("muster_autoreport"), "stand_down", None)
+    reporter stops (the agent also prefers the helper). muster's sitecustomize loads the reporter
+    only when the script imports torch; a helper that connects before that loads it here, so
+    that the reporter knows when it is installed later."""
+    module = sys.modules.get("muster_autoreport")
+    if module is None and os.environ.get(SOCKET_ENV):
+        try:
+            import muster_autoreport as module
+        except ImportError:
+            return
+    stand_down = getattr(module, "stand_down", None)
     if stand_down is None:
         return
     try:

@@ -8,13 +8,18 @@ none of them: a meta-path finder waits for the names, answers each once (through
 after it, with a loader that runs the real one and then `patch`), and removes itself once it has
 answered for all of them.
 
+`before_first_import(names, wake)` calls `wake()` once, just before the first module in `names`
+is looked for: `muster_sitecustomize` loads `muster_autoreport` and `muster_frameworks` only then,
+so a rank that imports none of the modules they hook never reads (compiles) them: each rank
+compiled both at every start before.
+
 muster writes this file next to `sitecustomize.py` and next to the checkpoint helper, so it is on
 the workers' PYTHONPATH wherever one of its importers is. Standard library only.
 """
 
 import sys
 
-__all__ = ["after_import"]
+__all__ = ["after_import", "before_first_import"]
 
 
 def after_import(names, patch, on_error):
@@ -36,6 +41,46 @@ def after_import(names, patch, on_error):
             waiting = [name for name in waiting if name not in finder.waiting]
     if waiting:
         sys.meta_path.insert(0, _Finder(waiting, patch, on_error))
+
+
+def before_first_import(names, wake):
+    """Calls `wake()` once, just before the first module in `names` is looked for (before any of
+    them runs), and then no longer waits; at once, here, when one of them is already imported.
+    `wake` must not raise. It may install `after_import` hooks for these names: the import that
+    woke it is answered by the meta path as `wake` left it, so those hooks see it too."""
+    if any(name in sys.modules for name in names):
+        wake()
+        return
+    sys.meta_path.insert(0, _Waker(names, wake))
+
+
+class _Waker:
+    """A meta-path finder that answers no import itself: it calls `wake` at the first of its
+    names and leaves the meta path."""
+
+    def __init__(self, names, wake):
+        self._names = frozenset(names)
+        self._wake = wake
+
+    def find_spec(self, name, path, target=None):
+        if name not in self._names:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            # Already woken (another thread, or a re-entrant look-up): nothing more to do.
+            return None
+        self._wake()
+        # Asked in the middle of the interpreter's walk over the meta path, which `wake` may have
+        # changed: every other finder is asked here, so the walk's result is right either way.
+        for finder in list(sys.meta_path):
+            find_spec = getattr(finder, "find_spec", None)
+            if finder is self or find_spec is None:
+                continue
+            spec = find_spec(name, path, target)
+            if spec is not None:
+                return spec
+        return None
 
 
 class _PatchingLoader:

@@ -26,6 +26,10 @@ It also starts muster's zero-code step reports (`muster_autoreport`, next to the
 helper on PYTHONPATH): when the script imports torch, an optimizer step hook reports the rank's
 steps and liveness to the agent, for the hang watch and the step metrics (see that module).
 
+Both modules are loaded only when the script first imports a module they hook (`_LAZY`; their
+`install()` runs then, as it would have at start): a rank that never imports torch or a trainer
+never reads them. Every rank pays this file at each start, so it imports nothing it can avoid.
+
 Standard library only; outside muster (MUSTER_METRICS_PORT and MUSTER_CHECKPOINT_SOCKET unset)
 it only chains.
 """
@@ -113,38 +117,81 @@ def _install():
     after_import([_TARGET], lambda module: _patch(module, port), _patch_failed)
 
 
-def _install_module(name, what):
-    """`name.install()` (a module next to the checkpoint helper on PYTHONPATH), under muster's
-    checkpoint barrier only; a no-op when switched off. `what` names it in the one line an error
-    prints."""
+# The modules next to the checkpoint helper whose `install()` runs when the script first imports
+# one of the modules they hook: (module, what the one line an error prints calls it, the modules
+# it hooks). These lists repeat muster_frameworks._TARGETS and muster_autoreport's _TARGET and
+# _C10D; tests/python/test_worker_startup.py checks that they agree.
+_LAZY = (
+    (
+        "muster_frameworks",
+        "framework callbacks",
+        (
+            "transformers.trainer",
+            "lightning.pytorch.trainer.trainer",
+            "pytorch_lightning.trainer.trainer",
+        ),
+    ),
+    (
+        "muster_autoreport",
+        "zero-code step reports",
+        ("torch.optim.optimizer", "torch.distributed.distributed_c10d"),
+    ),
+)
+
+
+def _install_module(name, what, hooked):
+    """`name.install()` (a module next to the checkpoint helper on PYTHONPATH) just before the
+    script first imports a module in `hooked`, under muster's checkpoint barrier only; a no-op
+    when switched off. `what` names it in the one line an error prints."""
     if not os.environ.get("MUSTER_CHECKPOINT_SOCKET"):
         return
+
+    def wake():
+        try:
+            module = __import__(name)
+        except ImportError:
+            return
+        try:
+            module.install()
+        except Exception as err:  # never break the script's import over this
+            print(f"muster: {what} off: {err!r}", file=sys.stderr, flush=True)
+
     try:
-        module = __import__(name)
-    except ImportError:
+        from muster_importhook import before_first_import
+    except ImportError:  # no hook to wait with: load it now, as at start
+        wake()
         return
+    before_first_import(hooked, wake)
+
+
+def _import_machinery():
+    """PathFinder and module_from_spec without importing `importlib.util`, which imports
+    contextlib and more (several milliseconds of every rank's start): the interpreter's own
+    frozen importlib, already loaded, has both."""
     try:
-        module.install()
-    except Exception as err:  # never break the interpreter's start over this
-        print(f"muster: {what} off: {err!r}", file=sys.stderr, flush=True)
+        from _frozen_importlib import module_from_spec
+        from _frozen_importlib_external import PathFinder
+    except ImportError:  # not CPython
+        from importlib.machinery import PathFinder
+        from importlib.util import module_from_spec
+    return PathFinder, module_from_spec
 
 
 def _chain():
     """Runs the next `sitecustomize` on sys.path, the one this file shadows, if any."""
-    import importlib.machinery
-    import importlib.util
-
+    path_finder, module_from_spec = _import_machinery()
     here = os.path.dirname(os.path.abspath(__file__))
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    spec = path_finder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
-    module = importlib.util.module_from_spec(spec)
+    module = module_from_spec(spec)
     sys.modules["sitecustomize"] = module
     spec.loader.exec_module(module)
 
 
 _install()
-_install_module("muster_frameworks", "framework callbacks")
-_install_module("muster_autoreport", "zero-code step reports")
+for _lazy in _LAZY:
+    _install_module(*_lazy)
+del _lazy
 _chain()

@@ -155,24 +155,20 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
             crate::scratch::FIX
         );
     }
-    let script_metrics =
-        metrics::script::attach(endpoint.local_addr(), &metrics, preemption.writable_base());
+    // The helper's directory holds muster's `sitecustomize` (the zero-code step reports, and the
+    // script metrics' hook, which patches nothing without MUSTER_METRICS_PORT).
+    let script_metrics = metrics::script::attach(
+        endpoint.local_addr(),
+        &metrics,
+        preemption.writable_base(),
+        preemption.helper_dir(),
+    );
     if let Some(script) = &script_metrics {
         let inherited = python_path
             .or_else(|| std::env::var_os("PYTHONPATH"))
             .unwrap_or_default();
         launch = script.plug_into(launch, &inherited);
     } else if let Some(path) = python_path {
-        // No metrics directory, so no `sitecustomize` there: the helper's directory gets it,
-        // for the zero-code step reports (it patches nothing without MUSTER_METRICS_PORT).
-        if let Some(dir) = preemption.helper_dir() {
-            if let Err(err) = metrics::script::write_sitecustomize(dir) {
-                tracing::warn!(
-                    "cannot write muster's sitecustomize into {}: {err}; scripts without the checkpoint helper report no steps",
-                    dir.display()
-                );
-            }
-        }
         launch = launch.with_worker_env("PYTHONPATH", path);
     }
     // The GPU watch runs whatever `--gpu-check` says: without a GPU device or a driver it ends at

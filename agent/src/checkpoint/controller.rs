@@ -57,7 +57,9 @@ struct Local {
 /// The worker-side modules, shipped inside the binary and put on the workers' `PYTHONPATH`, by
 /// file name (what `import muster_checkpoint` finds): the helper, the framework callbacks that
 /// muster's `sitecustomize` installs (docs/frameworks.md), the zero-code step reporter it loads,
-/// and the import hook the last two wait for their modules with.
+/// the import hook the last two wait for their modules with, and the `sitecustomize` itself
+/// (the script metrics' hook too: [`crate::metrics::script`] writes no copy of its own beside
+/// these, each file is one more inode made and removed at every start).
 const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "muster_checkpoint.py",
@@ -74,6 +76,10 @@ const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "muster_importhook.py",
         include_str!("../../../python/muster_importhook.py"),
+    ),
+    (
+        "sitecustomize.py",
+        include_str!("../../../python/muster_sitecustomize.py"),
     ),
 ];
 
@@ -171,7 +177,8 @@ impl Preemption {
         self.view.clone()
     }
 
-    /// The directory holding `muster_checkpoint.py`, if one could be written.
+    /// The directory holding `muster_checkpoint.py` and muster's `sitecustomize.py`, if one
+    /// could be written.
     pub fn helper_dir(&self) -> Option<&Path> {
         self.helper_dir.as_deref().map(ScratchDir::path)
     }

@@ -9,7 +9,10 @@
 //!   new attempt starts, so served values are the current attempt's);
 //! - [`ScriptMetrics::worker_env`] gives `MUSTER_METRICS_PORT` (the port muster serves on) and a
 //!   directory holding `sitecustomize.py` (python/muster_sitecustomize.py) to put first on
-//!   `PYTHONPATH`: it turns `start_http_server(<that port>)` into a no-op with one log line;
+//!   `PYTHONPATH`: it turns `start_http_server(<that port>)` into a no-op with one log line.
+//!   That is the checkpoint helper's directory (the agent's private one), which holds muster's
+//!   `sitecustomize` anyway and then holds the ranks' directories too, or where there is none a
+//!   directory of muster's own;
 //! - at every scrape, [`ScriptMetrics::families`] reads the current attempt's files
 //!   ([`file`](mod@file)) and merges them the way prometheus_client's `MultiProcessCollector` does, per rank,
 //!   adding `rank` and `local_rank` labels ([`merge`]).
@@ -80,8 +83,13 @@ struct Current {
 #[derive(Debug)]
 pub struct ScriptMetrics {
     layout: Layout,
-    /// muster's private directory: the hook's `python/` and (per-rank layout) the attempts.
-    home: PathBuf,
+    /// muster's own directory for the hook's `python/` and (per-rank layout) the attempts,
+    /// removed whole at the end; `None` where both live in the checkpoint helper's directory
+    /// (the agent's private one, which goes with the agent): then only the attempts are
+    /// removed. Each directory is one more made and removed at every start.
+    own_home: Option<PathBuf>,
+    /// The directory holding the hook, first on the workers' `PYTHONPATH`.
+    python: PathBuf,
     port: u16,
     current: Mutex<Current>,
     /// Family names of muster's own, which a script's must not repeat.
@@ -93,27 +101,35 @@ pub struct ScriptMetrics {
 }
 
 impl ScriptMetrics {
-    /// Creates muster's private directory under `tmp` (the hook and, unless `user_dir` is given,
-    /// the ranks' files) for an endpoint on `port`. `reserved` are the names muster itself
-    /// serves. `user_dir` is the agent's `PROMETHEUS_MULTIPROC_DIR`, if set (see
-    /// [`user_multiproc_dir`]).
+    /// Creates muster's private directory under `tmp` (unless `user_dir` is given, the ranks'
+    /// files, and the hook) for an endpoint on `port`; with `hook_dir`, a directory that already
+    /// holds muster's `sitecustomize.py` and its import hook (the checkpoint helper's, the
+    /// agent's private directory), none: the ranks' directories go there. `reserved` are the
+    /// names muster itself serves. `user_dir` is the agent's `PROMETHEUS_MULTIPROC_DIR`, if set
+    /// (see [`user_multiproc_dir`]).
     pub fn create(
         tmp: &Path,
         port: u16,
         reserved: impl IntoIterator<Item = String>,
         user_dir: Option<PathBuf>,
+        hook_dir: Option<&Path>,
     ) -> io::Result<ScriptMetrics> {
-        let home = tmp.join(format!(
-            "muster-metrics-{}-{:08x}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        let python = home.join("python");
-        std::fs::create_dir_all(&python)?;
-        write_sitecustomize(&python)?;
+        let (python, base, own_home) = if let Some(dir) = hook_dir {
+            (dir.to_path_buf(), dir.to_path_buf(), None)
+        } else {
+            let home = tmp.join(format!(
+                "muster-metrics-{}-{:08x}",
+                std::process::id(),
+                rand::random::<u32>()
+            ));
+            let python = home.join("python");
+            std::fs::create_dir_all(&python)?;
+            write_sitecustomize(&python)?;
+            (python, home.clone(), Some(home))
+        };
         let layout = match user_dir {
             Some(dir) => Layout::User(dir),
-            None => Layout::PerRank { base: home.clone() },
+            None => Layout::PerRank { base },
         };
         // A histogram or summary of muster's also owns its `_bucket`, `_count` and `_sum` samples.
         let reserved = reserved
@@ -122,7 +138,8 @@ impl ScriptMetrics {
             .collect();
         Ok(ScriptMetrics {
             layout,
-            home,
+            own_home,
+            python,
             port,
             current: Mutex::new(Current::default()),
             reserved,
@@ -132,8 +149,8 @@ impl ScriptMetrics {
     }
 
     /// The directory holding `sitecustomize.py`, to put first on the workers' `PYTHONPATH`.
-    pub fn python_dir(&self) -> PathBuf {
-        self.home.join("python")
+    pub fn python_dir(&self) -> &Path {
+        &self.python
     }
 
     /// Variables for every worker: the port the hook recognises.
@@ -285,25 +302,38 @@ impl Drop for ScriptMetrics {
 
 impl ScriptMetrics {
     /// Removes muster's private directory (the hook and the ranks' files, never the user's own
-    /// directory); the script's metrics are gone from `/metrics` from then on.
+    /// directory), or in the helper's directory the ranks' files; the script's metrics are gone
+    /// from `/metrics` from then on.
     pub fn remove_files(&self) {
-        self.current
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .ranks
-            .clear();
-        remove_dir(&self.home);
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.ranks.clear();
+        match (&self.own_home, &self.layout) {
+            (Some(home), _) => remove_dir(home),
+            (None, Layout::PerRank { base }) => {
+                if let Some(attempt) = current.attempt.take() {
+                    remove_dir(&attempt_dir(base, attempt));
+                }
+            }
+            (None, Layout::User(_)) => {}
+        }
     }
 
     /// Gives `launch`'s workers what they need: `PYTHONPATH` = the hook's directory, then
-    /// `python_path` (what the workers would have had otherwise), the port, and each rank's
-    /// directory.
+    /// `python_path` (what the workers would have had otherwise; it may start with the hook's
+    /// directory already), the port, and each rank's directory.
     pub fn plug_into(self: &Arc<Self>, launch: Launch, python_path: &OsString) -> Launch {
-        let mut path = self.python_dir().into_os_string();
-        if !python_path.is_empty() {
-            path.push(":");
-            path.push(python_path);
-        }
+        let path = if std::env::split_paths(python_path).next().as_deref()
+            == Some(self.python.as_path())
+        {
+            python_path.clone()
+        } else {
+            let mut path = self.python.clone().into_os_string();
+            if !python_path.is_empty() {
+                path.push(":");
+                path.push(python_path);
+            }
+            path
+        };
         let mut launch = launch.with_worker_env("PYTHONPATH", path);
         for (key, value) in self.worker_env() {
             launch = launch.with_worker_env(key, value);
@@ -320,15 +350,23 @@ impl ScriptMetrics {
 /// the port and its environment, as under torchrun). The private directory goes under
 /// `writable_base`, the first writable place muster found ([`crate::scratch`]; a read-only root
 /// has none at `/tmp`); one that cannot be made costs only the script's metrics: a warning.
+/// `hook_dir`: the checkpoint helper's directory, which holds the hook already.
 pub fn attach(
     served: Option<std::net::SocketAddr>,
     metrics: &Metrics,
     writable_base: Option<&std::path::Path>,
+    hook_dir: Option<&std::path::Path>,
 ) -> Option<Arc<ScriptMetrics>> {
     let addr = served?;
     let user_dir = user_multiproc_dir(&|k| std::env::var_os(k));
     let tmp = writable_base.map_or_else(std::env::temp_dir, std::path::Path::to_path_buf);
-    match ScriptMetrics::create(&tmp, addr.port(), metrics.metric_names(), user_dir) {
+    match ScriptMetrics::create(
+        &tmp,
+        addr.port(),
+        metrics.metric_names(),
+        user_dir,
+        hook_dir,
+    ) {
         Ok(script) => {
             let script = Arc::new(script);
             metrics.attach_script_metrics(Arc::clone(&script));
@@ -344,10 +382,8 @@ pub fn attach(
 }
 
 /// Writes the workers' start-up hook as `dir/sitecustomize.py`, with the import hook it imports
-/// (`muster_importhook.py`). It also starts the zero-code step reports
-/// (`python/muster_autoreport.py`), so a launch without a metrics endpoint writes it into the
-/// helper's directory instead.
-pub fn write_sitecustomize(dir: &Path) -> io::Result<()> {
+/// (`muster_importhook.py`), where there is no helper directory holding them.
+fn write_sitecustomize(dir: &Path) -> io::Result<()> {
     std::fs::write(dir.join("muster_importhook.py"), IMPORT_HOOK)?;
     std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE)
 }

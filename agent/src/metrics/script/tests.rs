@@ -313,7 +313,7 @@ fn env_value(env: &[(String, std::ffi::OsString)], key: &str) -> Option<PathBuf>
 #[test]
 fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
     let tmp = scratch("attempts");
-    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None).unwrap();
+    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, None).unwrap();
     assert!(script.python_dir().join("sitecustomize.py").is_file());
     assert!(script.python_dir().join("muster_importhook.py").is_file());
     assert_eq!(
@@ -350,12 +350,35 @@ fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
 }
 
 #[test]
+fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_of_its_own() {
+    let tmp = scratch("hook");
+    let helper = tmp.join("helper");
+    std::fs::create_dir_all(&helper).unwrap();
+    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(&helper)).unwrap();
+    assert_eq!(script.python_dir(), helper.as_path());
+    // Nothing written, nothing made: the helper's directory holds the hook already.
+    assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
+    assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 1);
+    let dir0 = env_value(&script.rank_env(0, 0, 0), "PROMETHEUS_MULTIPROC_DIR").unwrap();
+    assert_eq!(dir0, helper.join("attempt-0").join("rank-0"));
+    assert!(dir0.is_dir());
+    let dir1 = env_value(&script.rank_env(1, 0, 0), "PROMETHEUS_MULTIPROC_DIR").unwrap();
+    assert!(!dir0.exists() && dir1.is_dir());
+    // The end removes the ranks' files and leaves the helper's directory to its owner.
+    drop(script);
+    assert!(helper.is_dir());
+    assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+#[test]
 fn the_users_own_directory_is_served_whole_and_left_alone() {
     let tmp = scratch("user");
     let user = tmp.join("mine");
     std::fs::create_dir_all(&user).unwrap();
     copy_dir(&fixtures().join("pooled"), &user);
-    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), Some(user.clone())).unwrap();
+    let script =
+        ScriptMetrics::create(&tmp, 8000, HashSet::new(), Some(user.clone()), None).unwrap();
     assert!(script.rank_env(0, 0, 0).is_empty());
     let text = encode(&script.families());
     assert!(text.contains("requests_total{path=\"/a\"} 5"), "{text}");

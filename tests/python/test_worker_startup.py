@@ -1,0 +1,121 @@
+"""What muster's `sitecustomize` costs every rank at start, and that the lazy loading keeps what
+the modules it loads do (python/muster_sitecustomize.py, python/muster_importhook.py).
+
+Every rank of every launch runs muster's sitecustomize, so it loads the zero-code reporter
+(muster_autoreport) and the framework callbacks (muster_frameworks) only when the script imports
+a module they hook: a rank that imports neither torch nor a trainer never reads them. These
+tests check, in a bare interpreter with the files laid out as muster ships them (one directory
+first on PYTHONPATH):
+- nothing but the hook itself is loaded at start, and `importlib.util` is not imported;
+- `import torch` loads the reporter, which hooks the optimizer step and wraps
+  init_process_group exactly as when it was installed at start;
+- a Checkpointer that connects before torch is imported still stands the reporter down;
+- sitecustomize's list of the modules each one hooks agrees with the modules' own.
+Timing is the launch bench's (scripts/bench.d/20-launch), not asserted here.
+"""
+
+import ast
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import time
+import uuid
+
+from conftest import REPO, torch_python
+
+SHIPPED = ["muster_checkpoint.py", "muster_frameworks.py", "muster_autoreport.py",
+           "muster_importhook.py"]
+
+PROBE = r'''
+import json, os, sys
+def loaded():
+    return sorted(m for m in sys.modules if m.startswith("muster_") or m == "importlib.util")
+out = {"start": loaded()}
+if os.environ.get("CONNECT_FIRST"):
+    import muster_checkpoint
+    out["active"] = muster_checkpoint.Checkpointer().active
+    out["after_connect"] = loaded()
+if os.environ.get("IMPORT_TORCH"):
+    import torch
+    import torch.distributed as dist
+    import muster_autoreport
+    out["after_torch"] = loaded()
+    out["hooked"] = muster_autoreport._hooked
+    out["standing_down"] = muster_autoreport._standing_down
+    out["init_wrapped"] = bool(getattr(dist.init_process_group, "_muster_wrapped", False))
+print("PROBE " + json.dumps(out), flush=True)
+'''
+
+
+def shipped_dir(tmp_path):
+    """The helper's directory as muster writes it: the modules and `sitecustomize.py`."""
+    d = tmp_path / "helper"
+    d.mkdir()
+    for name in SHIPPED:
+        (d / name).write_text((REPO / "python" / name).read_text())
+    (d / "sitecustomize.py").write_text((REPO / "python" / "muster_sitecustomize.py").read_text())
+    return d
+
+
+def probe(tmp_path, socket_name, **env):
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("MUSTER_", "PYTHON"))}
+    full.update(PYTHONPATH=str(shipped_dir(tmp_path)), MUSTER_CHECKPOINT_SOCKET=socket_name,
+                MUSTER_METRICS_PORT="8000", RANK="0", LOCAL_RANK="0", **env)
+    p = subprocess.run([torch_python(), "-c", PROBE], env=full, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    line = [l for l in p.stdout.splitlines() if l.startswith("PROBE ")]
+    assert line, (p.stdout, p.stderr)
+    return json.loads(line[0][len("PROBE "):]), p.stderr
+
+
+def test_a_rank_without_torch_loads_only_the_hook(tmp_path):
+    out, err = probe(tmp_path, "@muster-test-none")
+    assert out["start"] == ["muster_importhook"], out
+    assert "muster:" not in err, err
+
+
+def test_importing_torch_loads_the_reporter_and_hooks_as_at_start(tmp_path):
+    out, err = probe(tmp_path, "@muster-test-none", IMPORT_TORCH="1")
+    assert out["start"] == ["muster_importhook"], out
+    assert "muster_autoreport" in out["after_torch"], out
+    # No trainer imported: the framework callbacks stay unread.
+    assert "muster_frameworks" not in out["after_torch"], out
+    assert out["hooked"] is True and out["init_wrapped"] is True, out
+    assert out["standing_down"] is False, out
+    assert "muster:" not in err, err
+
+
+def test_a_helper_connected_before_torch_still_stands_the_reporter_down(tmp_path):
+    name = f"muster-test-{uuid.uuid4().hex[:12]}"
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    agent.bind("\0" + name)
+    agent.listen(4)
+    try:
+        out, err = probe(tmp_path, "@" + name, CONNECT_FIRST="1", IMPORT_TORCH="1")
+    finally:
+        agent.close()
+    assert out["active"] is True, out
+    assert out["standing_down"] is True, out
+    assert out["hooked"] is False, out
+    assert "muster:" not in err, err
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_{time.monotonic_ns()}", REPO / "python" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lazy_list_names_every_module_each_one_hooks():
+    tree = ast.parse((REPO / "python" / "muster_sitecustomize.py").read_text())
+    lazy = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                and any(getattr(t, "id", None) == "_LAZY" for t in n.targets))
+    hooked = {name: set(targets) for name, _, targets in lazy}
+    assert hooked["muster_frameworks"] == set(load("muster_frameworks")._TARGETS)
+    report = load("muster_autoreport")
+    assert hooked["muster_autoreport"] == {report._TARGET, report._C10D}
