@@ -407,7 +407,8 @@ pub fn help_text() -> String {
          lost; 206 internal error; 207 a rank hung and the restarts were spent; 208 network check\n\
          failed; 209 crash loop (--max-no-progress-restarts restarts without progress);\n\
          210 a straggler node left the gang (--straggler-action exclude);\n\
-         220 (muster dry-run --chaos only) a strike not recovered within the bound.\n",
+         220 (muster dry-run --chaos only) a strike not recovered within the bound;\n\
+         221 (muster dry-run --chaos only) the job finished before every strike was injected.\n",
     );
     out
 }
