@@ -68,22 +68,11 @@ impl ScratchDir {
         prefix: &str,
     ) -> Result<Option<ScratchDir>, ScratchError> {
         let tried = candidates(tmp_dir, std::env::var_os("TMPDIR"));
-        let owner = Owner::of_self();
         for base in &tried {
-            let path = base.join(format!(
-                "{prefix}{}-{:08x}",
-                owner.map_or_else(|| std::process::id().to_string(), Owner::tag),
-                rand::random::<u32>()
-            ));
+            let path = base.join(private_name(prefix));
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
                 Ok(()) => {
-                    if let Some(me) = owner {
-                        let (base, prefix) = (base.clone(), prefix.to_owned());
-                        // Off the start-up path: listing /tmp is no business of the launch's.
-                        let _ = std::thread::Builder::new()
-                            .name("muster-sweep".into())
-                            .spawn(move || sweep(&base, &prefix, me, &Owner::alive));
-                    }
+                    sweep_in_background(base, prefix);
                     return Ok(Some(ScratchDir {
                         path,
                         base: base.clone(),
@@ -186,6 +175,28 @@ fn parse_start_time(stat: &str) -> Option<u64> {
     let (_, rest) = stat.rsplit_once(')')?;
     // Field 3 (state) is the first after the name: field 22 is the 20th.
     rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The name of a new private directory of `prefix`: `<prefix><owner>-<random>`, the owner as
+/// [`Owner::tag`] writes it (only the pid where `/proc` does not say: never swept then).
+pub fn private_name(prefix: &str) -> String {
+    format!(
+        "{prefix}{}-{:08x}",
+        Owner::of_self().map_or_else(|| std::process::id().to_string(), Owner::tag),
+        rand::random::<u32>()
+    )
+}
+
+/// [`sweep`] of `base` for `prefix` on a thread of its own: listing /tmp is no business of the
+/// launch's start-up.
+pub fn sweep_in_background(base: &Path, prefix: &str) {
+    let Some(me) = Owner::of_self() else {
+        return;
+    };
+    let (base, prefix) = (base.to_owned(), prefix.to_owned());
+    let _ = std::thread::Builder::new()
+        .name("muster-sweep".into())
+        .spawn(move || sweep(&base, &prefix, me, &Owner::alive));
 }
 
 /// Removes from `base` the private directories of `prefix` whose owner is gone: made by an agent
@@ -378,10 +389,12 @@ mod tests {
             "muster-1.2.3-0badcafz",
             "muster-1.2.3.4-0badcafe",
             "muster-slurm",
+            "muster-metrics-1.2.3-0badcafe",
             "other-1.2.3-0badcafe",
         ] {
             assert_eq!(Owner::parse(other, "muster-"), None, "{other}");
         }
+        assert!(Owner::parse("muster-metrics-1.2.3-0badcafe", "muster-metrics-").is_some());
         // A name of spaces and parentheses does not move the fields.
         let stat = "42 (a) b (c)) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 777 1 1";
         assert_eq!(parse_start_time(stat), Some(777));
