@@ -438,7 +438,7 @@ impl Report {
         };
         let when = match u.training_started {
             Some(t) => format!(
-                "the job ended {:.1} s into training ({:.1} s after the agents started)",
+                "the job ended {:.1} s into training, {:.1} s after the agents started",
                 self.end - t,
                 self.end
             ),
