@@ -22,6 +22,7 @@
 //! | 209 | crash loop: `--max-no-progress-restarts` restarts in a row made no progress |
 //! | 210 | this node was found a straggler for a sustained period and left the gang (`--straggler-action exclude`) |
 //! | 220 | `muster dry-run --chaos` only: the job finished, but a strike was not recovered within `--chaos-recovery-bound` |
+//! | 221 | `muster dry-run --chaos` only: the job finished before every strike of the schedule was injected |
 
 /// Everything succeeded.
 pub const SUCCESS: u8 = 0;
@@ -67,6 +68,11 @@ pub const SLOW_NODE_EXCLUDED: u8 = 210;
 /// was not recovered within `--chaos-recovery-bound`. Set apart from the agents' sequential codes
 /// (200 up) so that a new agent outcome never takes it, and above every 128+N a real signal makes.
 pub const CHAOS_NOT_RECOVERED: u8 = 220;
+/// `muster dry-run --chaos` only: the job finished (and what struck was recovered), but fewer
+/// strikes were injected than the schedule holds: the job ended first, or a target was gone. A
+/// rehearsal that rehearsed less than it was asked to must not read as a pass (exit 0), nor as
+/// a failed recovery (220): the fix is a longer job or a shorter `--chaos-interval`.
+pub const CHAOS_NOT_INJECTED: u8 = 221;
 
 /// Exit code for a process that died of `signal` (the shell convention).
 pub fn for_signal(signal: i32) -> u8 {
@@ -130,6 +136,8 @@ mod tests {
             NETWORK_CHECK_FAILED,
             NO_PROGRESS,
             SLOW_NODE_EXCLUDED,
+            CHAOS_NOT_RECOVERED,
+            CHAOS_NOT_INJECTED,
         ];
         for (i, a) in reserved.iter().enumerate() {
             assert!(*a > 192, "{a} collides with 128+signal");

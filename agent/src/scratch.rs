@@ -9,7 +9,7 @@
 
 use std::ffi::OsString;
 use std::io;
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 /// The fixed fallbacks after `$TMPDIR`: the conventional one, then the pod's shared-memory tmpfs.
@@ -58,26 +58,25 @@ pub struct ScratchDir {
 }
 
 impl ScratchDir {
-    /// Creates `<base>/<prefix><pid>-<random>` in the first candidate that takes it (see
-    /// [`candidates`]). `Ok(None)`: no candidate is writable (the caller does without);
-    /// `Err`: the `--tmp-dir` the user named is not usable.
+    /// Creates `<base>/<prefix><owner>-<random>` (see [`Owner`]) in the first candidate that
+    /// takes it (see [`candidates`]), and removes there, in the background, the directories of
+    /// this prefix left by agents that died without removing theirs (SIGKILL, OOM kill; see
+    /// [`sweep`]). `Ok(None)`: no candidate is writable (the caller does without); `Err`: the
+    /// `--tmp-dir` the user named is not usable.
     pub fn create(
         tmp_dir: Option<&Path>,
         prefix: &str,
     ) -> Result<Option<ScratchDir>, ScratchError> {
         let tried = candidates(tmp_dir, std::env::var_os("TMPDIR"));
         for base in &tried {
-            let path = base.join(format!(
-                "{prefix}{}-{:08x}",
-                std::process::id(),
-                rand::random::<u32>()
-            ));
+            let path = base.join(private_name(prefix));
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
                 Ok(()) => {
+                    sweep_in_background(base, prefix);
                     return Ok(Some(ScratchDir {
                         path,
                         base: base.clone(),
-                    }))
+                    }));
                 }
                 Err(source) if tmp_dir.is_some() => {
                     return Err(ScratchError {
@@ -102,6 +101,146 @@ impl ScratchDir {
     pub fn base(&self) -> &Path {
         &self.base
     }
+}
+
+/// Who made a private directory, as its name records it: `<pid>.<start>.<pidns>`. The pid alone
+/// cannot tell a dead agent's directory from a live one's once the pid is reused, and /tmp may be
+/// shared with another PID namespace (a volume shared by two pods), where our view of its pids
+/// says nothing: the start time (clock ticks since boot, `/proc/<pid>/stat`) tells a reused pid,
+/// the namespace (the inode of `/proc/self/ns/pid`) keeps us to directories of our own pids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub pid: u32,
+    pub start: u64,
+    pub pidns: u64,
+}
+
+impl Owner {
+    /// This process; `None` where `/proc` does not say (then nothing is swept either).
+    pub fn of_self() -> Option<Owner> {
+        let pid = std::process::id();
+        let pidns = std::fs::read_link("/proc/self/ns/pid")
+            .ok()?
+            .to_str()?
+            .strip_prefix("pid:[")?
+            .strip_suffix(']')?
+            .parse()
+            .ok()?;
+        Some(Owner {
+            pid,
+            start: start_time(pid)?,
+            pidns,
+        })
+    }
+
+    /// `4242.123456.4026531836`: what goes into the directory's name.
+    pub fn tag(self) -> String {
+        format!("{}.{}.{}", self.pid, self.start, self.pidns)
+    }
+
+    /// The owner a directory name of `prefix` records; `None` for any other name (another
+    /// program's, an older muster's `<prefix><pid>-<random>`: left alone).
+    pub fn parse(name: &str, prefix: &str) -> Option<Owner> {
+        let (tag, random) = name.strip_prefix(prefix)?.rsplit_once('-')?;
+        if random.len() != 8 || !random.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return None;
+        }
+        let mut parts = tag.split('.');
+        let owner = Owner {
+            pid: parts.next()?.parse().ok()?,
+            start: parts.next()?.parse().ok()?,
+            pidns: parts.next()?.parse().ok()?,
+        };
+        parts.next().is_none().then_some(owner)
+    }
+
+    /// Whether the process this records is still running (same pid, same start time). Anything
+    /// unsure (an unreadable stat other than "no such process") counts as alive.
+    pub fn alive(self) -> bool {
+        match std::fs::read_to_string(format!("/proc/{}/stat", self.pid)) {
+            Ok(stat) => parse_start_time(&stat).is_none_or(|start| start == self.start),
+            Err(e) => e.kind() != io::ErrorKind::NotFound,
+        }
+    }
+}
+
+/// Field 22 of `/proc/<pid>/stat`: when the process started, in clock ticks since boot.
+fn start_time(pid: u32) -> Option<u64> {
+    parse_start_time(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
+}
+
+/// The start time of a `/proc/<pid>/stat` line; the command name (field 2) may hold spaces and
+/// parentheses, so the fields are counted from its last `)`.
+fn parse_start_time(stat: &str) -> Option<u64> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    // Field 3 (state) is the first after the name: field 22 is the 20th.
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// The name of a new private directory of `prefix`: `<prefix><owner>-<random>`, the owner as
+/// [`Owner::tag`] writes it (only the pid where `/proc` does not say: never swept then).
+pub fn private_name(prefix: &str) -> String {
+    format!(
+        "{prefix}{}-{:08x}",
+        Owner::of_self().map_or_else(|| std::process::id().to_string(), Owner::tag),
+        rand::random::<u32>()
+    )
+}
+
+/// [`sweep`] of `base` for `prefix` on a thread of its own: listing /tmp is no business of the
+/// launch's start-up.
+pub fn sweep_in_background(base: &Path, prefix: &str) {
+    let Some(me) = Owner::of_self() else {
+        return;
+    };
+    let (base, prefix) = (base.to_owned(), prefix.to_owned());
+    let _ = std::thread::Builder::new()
+        .name("muster-sweep".into())
+        .spawn(move || sweep(&base, &prefix, me, &Owner::alive));
+}
+
+/// Removes from `base` the private directories of `prefix` whose owner is gone: made by an agent
+/// of our PID namespace (`me.pidns`), owned by our user, whose recorded process is not running
+/// (`alive` says; it is never asked about ourselves). Returns how many it removed.
+///
+/// Safe beside live agents: a live agent's directory records a running pid and start time, and
+/// one being created right now belongs to a running process too. Two agents sweeping at once
+/// race only to remove the same dead directory: whatever one finds already gone is skipped.
+pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool) -> usize {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return 0;
+    };
+    let uid = nix::unistd::geteuid().as_raw();
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(owner) = name.to_str().and_then(|n| Owner::parse(n, prefix)) else {
+            continue;
+        };
+        if owner.pidns != me.pidns || owner.pid == me.pid || alive(owner) {
+            continue;
+        }
+        let path = entry.path();
+        // Not through a link, and only our own user's (a shared /tmp holds others').
+        let ours = std::fs::symlink_metadata(&path)
+            .is_ok_and(|m| m.file_type().is_dir() && m.uid() == uid);
+        if !ours {
+            continue;
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => {
+                removed += 1;
+                tracing::debug!(
+                    "removed {}: its agent (pid {}) is gone",
+                    path.display(),
+                    owner.pid
+                );
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => tracing::debug!("cannot remove {}: {e}", path.display()),
+        }
+    }
+    removed
 }
 
 /// The `TMPDIR` to give the workers, if they need one: `Some(base)` when neither the agent's
@@ -235,6 +374,78 @@ mod tests {
         std::fs::write(path.join("f"), b"x").unwrap();
         drop(dir);
         assert!(!path.exists());
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn an_owner_is_read_back_from_its_name_and_other_names_are_left_alone() {
+        let me = Owner::of_self().expect("/proc tells this process's start time");
+        assert!(me.alive());
+        let name = format!("muster-{}-0badcafe", me.tag());
+        assert_eq!(Owner::parse(&name, "muster-"), Some(me));
+        for other in [
+            "muster-4242-0badcafe",
+            "muster-1.2.3-0badcaf",
+            "muster-1.2.3-0badcafz",
+            "muster-1.2.3.4-0badcafe",
+            "muster-slurm",
+            "muster-metrics-1.2.3-0badcafe",
+            "other-1.2.3-0badcafe",
+        ] {
+            assert_eq!(Owner::parse(other, "muster-"), None, "{other}");
+        }
+        assert!(Owner::parse("muster-metrics-1.2.3-0badcafe", "muster-metrics-").is_some());
+        // A name of spaces and parentheses does not move the fields.
+        let stat = "42 (a) b (c)) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 777 1 1";
+        assert_eq!(parse_start_time(stat), Some(777));
+        // The same pid started at another time is another process.
+        assert!(!Owner {
+            start: me.start + 1,
+            ..me
+        }
+        .alive());
+    }
+
+    #[test]
+    fn a_dead_agents_directory_is_swept_and_nothing_else() {
+        let base = std::env::temp_dir().join(format!("muster-sweep-test-{}", std::process::id()));
+        std::fs::create_dir_all(&base).unwrap();
+        let me = Owner::of_self().unwrap();
+        let dead = Owner {
+            pid: 1_000_001,
+            ..me
+        };
+        let live = Owner {
+            pid: 1_000_002,
+            ..me
+        };
+        let elsewhere = Owner {
+            pid: 1_000_003,
+            pidns: me.pidns + 1,
+            ..me
+        };
+        let dir = |o: Owner| base.join(format!("t-{}-0badcafe", o.tag()));
+        for o in [me, dead, live, elsewhere] {
+            std::fs::create_dir(dir(o)).unwrap();
+            std::fs::write(dir(o).join("f"), b"x").unwrap();
+        }
+        // An older muster's name and another program's file, with no owner to tell.
+        std::fs::create_dir(base.join("t-1000001-0badcafe")).unwrap();
+        std::fs::write(base.join("t-notes"), b"x").unwrap();
+        let alive = |o: Owner| o == live || o == me;
+        assert_eq!(sweep(&base, "t-", me, &alive), 1);
+        assert!(!dir(dead).exists());
+        for kept in [
+            dir(me),
+            dir(live),
+            dir(elsewhere),
+            base.join("t-1000001-0badcafe"),
+        ] {
+            assert!(kept.exists(), "{}", kept.display());
+        }
+        assert!(base.join("t-notes").exists());
+        // A second sweep, or one racing the first, finds nothing left to do.
+        assert_eq!(sweep(&base, "t-", me, &alive), 0);
         std::fs::remove_dir_all(&base).unwrap();
     }
 

@@ -140,3 +140,26 @@ def test_a_chaos_run_recovers_every_strike_and_its_report_matches_the_ranks_outp
     assert "barrier: checkpoint committed" in term["reaction"], term
     finished = [r for r in ranks if r["msg"] == "finished 500 steps"]
     assert sorted(r["rank"] for r in finished)[-3:] == [0, 1, 2], text[-5000:]
+
+
+def test_the_readmes_chaos_line_on_a_short_example_does_not_pass_and_says_why():
+    """The README's line as written, on the repository's shortest example (20 steps, a few
+    seconds of training): the job ends before the first strike is due (gaps of 20-40 s), so the
+    rehearsal rehearsed nothing. It must not exit 0 with a passing verdict: 221, the count of
+    strikes injected, when the job ended against when the first was due, and what would fit."""
+    cmd = [muster_bin(), "dry-run", "--nnodes", "3", "--nproc-per-node", "2", "--chaos", "42",
+           str(REPO / "examples" / "train_ddp.py")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=muster_env())
+    code, out, err = finish(p, 300)
+    text = out + err
+    assert "done: world size 6" in text, text[-20000:]
+    assert code == 221, text[-20000:]
+    verdict = re.search(r"verdict: (.*)", text).group(1)
+    injected = re.search(r"only (\d) of 6 strikes were injected", verdict)
+    assert injected and int(injected.group(1)) < 6, verdict
+    assert re.search(r"the job ended [\d.]+ s into training", verdict), verdict
+    assert ("was due at" in verdict or "still recovering" in verdict), verdict
+    assert ": exit 221" in verdict, verdict
+    assert "every strike" not in verdict and "recovered within" not in verdict, verdict
+    assert re.search(r"advice: \d strike\(s\) never came: .*--chaos-interval", text), text[-5000:]

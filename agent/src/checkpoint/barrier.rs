@@ -281,11 +281,13 @@ mod tests {
     #[test]
     fn verdicts_read_as_plain_words_in_the_log() {
         let unsupported = Verdict::Abort {
-            reason: format!("{UNSUPPORTED_PREFIX}node(s) [1] do not use the checkpoint helper"),
+            reason: format!(
+                "{UNSUPPORTED_PREFIX}the workers of node 1 do not use the checkpoint helper"
+            ),
         };
         assert_eq!(
             unsupported.to_string(),
-            "no checkpoint barrier: node(s) [1] do not use the checkpoint helper"
+            "no checkpoint barrier: the workers of node 1 do not use the checkpoint helper"
         );
         let abort = Verdict::Abort {
             reason: "deadline".into(),

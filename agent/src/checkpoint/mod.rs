@@ -15,6 +15,7 @@ pub mod controller;
 pub mod local;
 
 use std::collections::BTreeSet;
+use std::fmt::Write as _;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -210,7 +211,7 @@ async fn run_attempt(
         },
         step_period: progress.iter().filter_map(|p| p.step_period).min(),
     };
-    let ready = if all_connected { "ready" } else { "nohelper" };
+    let ready = HelperState::of(all_connected, &local.view().ranks()).word();
     let mut record = mine.encode();
     record.extend_from_slice(format!(" {ready}").as_bytes());
     client.set(&keys.progress(attempt, node), &record).await?;
@@ -261,7 +262,10 @@ async fn run_attempt(
             waited = &mut verdict_seen => {
                 return match waited {
                     Ok(()) => read_verdict(client, keys, attempt).await,
-                    Err(ClientError::WaitTimeout { .. }) => settle(client, keys, attempt, abort(format!("deadline passed on node {node} before every rank saved"))).await,
+                    Err(ClientError::WaitTimeout { .. }) => {
+                        let doing = unsaved_ranks(&local.progress(), &local.view().ranks(), &saved, target, Instant::now());
+                        settle(client, keys, attempt, abort(format!("deadline passed on node {node} before every rank saved: {doing}"))).await
+                    }
                     Err(err) => Err(err.into()),
                 };
             }
@@ -317,18 +321,22 @@ async fn decide_target(
     let refs: Vec<&[u8]> = progress_keys.iter().map(Vec::as_slice).collect();
     let records = client.multi_get(&refs).await?;
     let mut nodes = Vec::with_capacity(records.len());
+    let mut starting = Vec::new();
     let mut without_helper = Vec::new();
     for (node, record) in records.iter().enumerate() {
         let text = String::from_utf8_lossy(record);
         let (progress, ready) = text.rsplit_once(' ').unwrap_or((&text, ""));
-        if ready != "ready" {
-            without_helper.push(node);
+        match HelperState::parse(ready) {
+            HelperState::Ready => {}
+            HelperState::Starting => starting.push(node),
+            HelperState::Without => without_helper.push(node),
         }
         nodes.extend(NodeProgress::decode(progress.as_bytes()));
     }
-    if !without_helper.is_empty() {
+    if !starting.is_empty() || !without_helper.is_empty() {
         let reason = format!(
-            "{UNSUPPORTED_PREFIX}the workers of node(s) {without_helper:?} do not use the checkpoint helper"
+            "{UNSUPPORTED_PREFIX}{}",
+            unsupported_reason(&starting, &without_helper)
         );
         client
             .compare_set(&keys.verdict(attempt), b"", &abort(reason).encode())
@@ -341,6 +349,144 @@ async fn decide_target(
         .set(&keys.target(attempt), target.to_string().as_bytes())
         .await?;
     Ok(())
+}
+
+/// Where a node's ranks stand with the checkpoint helper when a checkpoint is asked for: every
+/// rank connected, or not all of them, told apart by whether any rank already reported a step
+/// without it. A preemption during start-up (imports, `init_process_group`) finds no helper
+/// connected on a node whose script does use it: saying it does not would send the user
+/// looking for a bug that is not there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HelperState {
+    /// Every local rank's helper is connected.
+    Ready,
+    /// Not every helper is connected, and no rank of the node reported a step: still starting.
+    Starting,
+    /// Not every helper is connected, though a rank reported steps (through the zero-code
+    /// reporter): the script runs without the helper.
+    Without,
+}
+
+impl HelperState {
+    fn of(all_connected: bool, ranks: &[local::RankWatch]) -> Self {
+        if all_connected {
+            Self::Ready
+        } else if ranks.iter().any(|r| r.zero_code && r.first_step.is_some()) {
+            Self::Without
+        } else {
+            Self::Starting
+        }
+    }
+
+    /// The word in the node's progress record.
+    fn word(self) -> &'static str {
+        match self {
+            Self::Ready => "ready",
+            Self::Starting => "starting",
+            Self::Without => "nohelper",
+        }
+    }
+
+    fn parse(word: &str) -> Self {
+        match word {
+            "ready" => Self::Ready,
+            "starting" => Self::Starting,
+            _ => Self::Without,
+        }
+    }
+}
+
+/// The most ranks [`unsaved_ranks`] spells out; the rest are counted.
+const UNSAVED_NAMED: usize = 4;
+
+/// What the ranks that had not saved at `target` were doing when the deadline passed: each
+/// one's last step, how long before, and the section it was in (the helper's `ckpt.section`),
+/// so that a rank in a long evaluation reads as such and not as a bare "deadline passed".
+fn unsaved_ranks(
+    progress: &[local::RankProgress],
+    ranks: &[local::RankWatch],
+    saved: &BTreeSet<u32>,
+    target: u64,
+    now: Instant,
+) -> String {
+    let unsaved: Vec<&local::RankProgress> = progress
+        .iter()
+        .filter(|p| !saved.contains(&p.local_rank))
+        .collect();
+    let mut each: Vec<String> = unsaved
+        .iter()
+        .take(UNSAVED_NAMED)
+        .map(|p| {
+            let at = p.step.map_or_else(
+                || "had reported no step".to_owned(),
+                |step| format!("was at step {step}"),
+            );
+            let mut text = format!("local rank {} {at}", p.local_rank);
+            if let Some(when) = p.reported_at {
+                let _ = write!(
+                    text,
+                    " (last step {:.1} s before",
+                    now.saturating_duration_since(when).as_secs_f64()
+                );
+                if let Some((name, since)) = ranks
+                    .iter()
+                    .find(|r| r.local_rank == p.local_rank)
+                    .and_then(|r| r.section.as_ref())
+                {
+                    let _ = write!(
+                        text,
+                        ", inside section `{name}` for {:.1} s",
+                        now.saturating_duration_since(*since).as_secs_f64()
+                    );
+                }
+                text.push(')');
+            }
+            text
+        })
+        .collect();
+    if unsaved.len() > UNSAVED_NAMED {
+        each.push(format!("{} more", unsaved.len() - UNSAVED_NAMED));
+    }
+    if each.is_empty() {
+        return format!("no rank had reached step {target}, the agreed step");
+    }
+    format!(
+        "{}; none of them reached step {target}, the agreed step, in time: they were between \
+         steps (an evaluation, a long step) when the grace period ran out",
+        each.join(", ")
+    )
+}
+
+/// `node 1`, `nodes 0 and 2`, `nodes 0, 1 and 2`.
+fn nodes_in_words(nodes: &[usize]) -> String {
+    match nodes {
+        [] => String::new(),
+        [one] => format!("node {one}"),
+        [init @ .., last] => {
+            let init: Vec<String> = init.iter().map(ToString::to_string).collect();
+            format!("nodes {} and {last}", init.join(", "))
+        }
+    }
+}
+
+/// Why there is no barrier, naming the nodes still starting apart from those without the helper.
+fn unsupported_reason(starting: &[usize], without_helper: &[usize]) -> String {
+    let mut parts = Vec::new();
+    if !starting.is_empty() {
+        parts.push(format!(
+            "the ranks of {} had not connected to the checkpoint helper yet (still starting: no \
+             rank there had reported a step)",
+            nodes_in_words(starting)
+        ));
+    }
+    if !without_helper.is_empty() {
+        parts.push(format!(
+            "the workers of {} do not use the checkpoint helper (their ranks report steps \
+             without it)",
+            nodes_in_words(without_helper)
+        ));
+    }
+    parts.join("; ")
 }
 
 /// Proposes `verdict`; whichever verdict was written first stands and is returned.
@@ -576,11 +722,104 @@ mod tests {
         let outcomes = checkpoint(nodes, store, 1, Duration::from_secs(10)).await;
         for outcome in &outcomes {
             assert!(
-                matches!(outcome, Outcome::Unsupported { reason } if reason.contains("[0]")),
+                matches!(outcome, Outcome::Unsupported { reason }
+                    if reason.contains("the ranks of node 0 had not connected to the checkpoint helper yet")),
                 "{outcomes:?}"
             );
         }
         stop.cancel();
+    }
+
+    fn rank_watch(
+        local_rank: u32,
+        zero_code: bool,
+        first_step: Option<Instant>,
+    ) -> local::RankWatch {
+        local::RankWatch {
+            local_rank,
+            rank: Some(local_rank),
+            pid: None,
+            connected_at: Instant::now(),
+            step: None,
+            steps_seen: 0,
+            last_progress: None,
+            slowest_period: None,
+            section: None,
+            faulthandler: None,
+            zero_code,
+            init_entered: None,
+            init_returned: None,
+            first_step,
+        }
+    }
+
+    #[test]
+    fn a_node_still_starting_is_told_from_one_without_the_helper_in_words() {
+        let now = Instant::now();
+        assert_eq!(HelperState::of(true, &[]), HelperState::Ready);
+        // Nobody connected yet, or only reporters of ranks still in init_process_group.
+        assert_eq!(HelperState::of(false, &[]), HelperState::Starting);
+        assert_eq!(
+            HelperState::of(false, &[rank_watch(0, true, None)]),
+            HelperState::Starting
+        );
+        // A rank that steps without the helper.
+        assert_eq!(
+            HelperState::of(
+                false,
+                &[rank_watch(0, true, Some(now)), rank_watch(1, true, None)]
+            ),
+            HelperState::Without
+        );
+        for state in [
+            HelperState::Ready,
+            HelperState::Starting,
+            HelperState::Without,
+        ] {
+            assert_eq!(HelperState::parse(state.word()), state);
+        }
+        assert_eq!(nodes_in_words(&[1]), "node 1");
+        assert_eq!(nodes_in_words(&[0, 2]), "nodes 0 and 2");
+        assert_eq!(nodes_in_words(&[0, 1, 2]), "nodes 0, 1 and 2");
+        assert_eq!(
+            unsupported_reason(&[0, 1, 2], &[]),
+            "the ranks of nodes 0, 1 and 2 had not connected to the checkpoint helper yet (still \
+             starting: no rank there had reported a step)"
+        );
+        let both = unsupported_reason(&[0], &[3]);
+        assert!(
+            both.ends_with("; the workers of node 3 do not use the checkpoint helper (their ranks report steps without it)"),
+            "{both}"
+        );
+    }
+
+    #[test]
+    fn a_deadline_names_what_the_unsaved_ranks_were_doing() {
+        let now = Instant::now();
+        let progress = |local_rank, ago_ms| local::RankProgress {
+            local_rank,
+            step: Some(20),
+            reported_at: Some(now - Duration::from_millis(ago_ms)),
+            step_period: None,
+        };
+        let mut evaluating = rank_watch(0, false, None);
+        evaluating.section = Some(("evaluate".into(), now - Duration::from_secs(11)));
+        let text = unsaved_ranks(
+            &[progress(0, 12_300), progress(1, 12_100), progress(2, 100)],
+            &[evaluating, rank_watch(1, false, None)],
+            &BTreeSet::from([2]),
+            24,
+            now,
+        );
+        assert_eq!(
+            text,
+            "local rank 0 was at step 20 (last step 12.3 s before, inside section `evaluate` for \
+             11.0 s), local rank 1 was at step 20 (last step 12.1 s before); none of them \
+             reached step 24, the agreed step, in time: they were between steps (an evaluation, \
+             a long step) when the grace period ran out"
+        );
+        let many: Vec<local::RankProgress> = (0..6).map(|r| progress(r, 10)).collect();
+        assert!(unsaved_ranks(&many, &[], &BTreeSet::new(), 24, now).contains(", 2 more;"));
     }
 
     #[tokio::test]

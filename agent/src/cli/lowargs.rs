@@ -127,7 +127,7 @@ pub const FLAGS: &[FlagDef] = &[
     value("section-timeout", "SECS", "Limit for long work the script marks between steps (`with ckpt.section(\"eval\"):`) instead of the hang limit (default 3600)"),
     value("network-check", "off|warn|require", "Gang network pre-flight after each rendezvous round: the agents measure round-trip time and throughput among themselves and name a node or link far slower than the gang's median; warn logs it, require ends the round with exit 208 (with --nnodes MIN:MAX the named node leaves instead) (default: warn with more than one node, else off)"),
     value("network-check-budget", "SECS", "Longest the network check may take, both rounds and the exchange (default 2)"),
-    value("network-check-conf", "K=V,...", "Network check thresholds: throughput_ratio (0.25), rtt_ratio (4), rtt_slack_ms (5), min_mbps (off), max_rtt_ms (off), stream_bytes (16777216)"),
+    value("network-check-conf", "K=V,...", "Network check thresholds: throughput_ratio (0.25), rtt_ratio (4), rtt_slack_ms (5), min_mbps (off), max_rtt_ms (off), cpu_wait_ratio (0.25: a slow measurement while an agent waited that share of it for a CPU is set aside), stream_bytes (16777216)"),
     value("straggler-threshold", "RATIO|0", "While the ranks train, name a rank whose CPU time per step is this many times the gang's median for 3 intervals in a row (a slow rank computes, the others wait off-CPU in the collective), and a GPU the hardware throttles: a WARN line, muster_straggler_* metrics, /gangz (docs/stragglers.md); 0: off (default 1.5)"),
     value("straggler-action", "warn|exclude", "What a straggler finding does: warn names it; exclude also makes its node leave with exit 210 once it lasted 10 intervals, so a gang with --nnodes MIN:MAX re-forms without it while MIN remain (default warn)"),
     value("straggler-interval", "SECS", "How often the straggler watch compares the ranks (default 30)"),
@@ -410,7 +410,8 @@ pub fn help_text() -> String {
          lost; 206 internal error; 207 a rank hung and the restarts were spent; 208 network check\n\
          failed; 209 crash loop (--max-no-progress-restarts restarts without progress);\n\
          210 a straggler node left the gang (--straggler-action exclude);\n\
-         220 (muster dry-run --chaos only) a strike not recovered within the bound.\n",
+         220 (muster dry-run --chaos only) a strike not recovered within the bound;\n\
+         221 (muster dry-run --chaos only) the job finished before every strike was injected.\n",
     );
     out
 }

@@ -93,6 +93,16 @@ pub struct Thresholds {
     pub min_mbps: Option<f64>,
     /// `max_rtt_ms`: an absolute ceiling (off by default).
     pub max_rtt: Option<Duration>,
+    /// `cpu_wait_ratio`: a slow measurement during which the sender's or the receiver's agent
+    /// spent this fraction of the time or more runnable but waiting for a CPU is set aside (a
+    /// loaded host, not the network: [`verdict::Sample::cpu_wait_permille`]); 0 judges every
+    /// measurement. 0.25: a stream that a loaded host kept off-CPU a quarter of the time.
+    #[serde(default = "default_cpu_wait_ratio")]
+    pub cpu_wait_ratio: f64,
+}
+
+fn default_cpu_wait_ratio() -> f64 {
+    0.25
 }
 
 // Every number here is validated finite and non-negative ([`Settings::apply_conf`]), so
@@ -107,6 +117,7 @@ impl Default for Thresholds {
             rtt_slack: Duration::from_millis(5),
             min_mbps: None,
             max_rtt: None,
+            cpu_wait_ratio: default_cpu_wait_ratio(),
         }
     }
 }
@@ -166,6 +177,7 @@ impl Settings {
                 "rtt_ratio" => th.rtt_ratio = number()?,
                 "rtt_slack_ms" => th.rtt_slack = millis()?,
                 "min_mbps" => th.min_mbps = Some(number()?).filter(|v| *v > 0.0),
+                "cpu_wait_ratio" => th.cpu_wait_ratio = number()?,
                 "max_rtt_ms" => {
                     th.max_rtt = Some(millis()?).filter(|d| !d.is_zero());
                 }
@@ -176,13 +188,16 @@ impl Settings {
                 }
                 _ => {
                     return Err(format!(
-                        "--network-check-conf {key}: unknown key (throughput_ratio, rtt_ratio, rtt_slack_ms, min_mbps, max_rtt_ms, stream_bytes)"
+                        "--network-check-conf {key}: unknown key (throughput_ratio, rtt_ratio, rtt_slack_ms, min_mbps, max_rtt_ms, cpu_wait_ratio, stream_bytes)"
                     ))
                 }
             }
         }
         if self.thresholds.throughput_ratio > 1.0 {
             return Err("--network-check-conf throughput_ratio must be at most 1".to_owned());
+        }
+        if self.thresholds.cpu_wait_ratio > 1.0 {
+            return Err("--network-check-conf cpu_wait_ratio must be at most 1".to_owned());
         }
         Ok(())
     }
@@ -214,5 +229,10 @@ mod tests {
         let err = s.apply_conf("rtt_ratio=-1").unwrap_err();
         assert!(err.contains("rtt_ratio=-1"), "{err}");
         assert!(s.apply_conf("throughput_ratio=2").is_err());
+        let mut s = Settings::default_for(4);
+        assert!((s.thresholds.cpu_wait_ratio - 0.25).abs() < f64::EPSILON);
+        s.apply_conf("cpu_wait_ratio=0").unwrap();
+        assert!(s.thresholds.cpu_wait_ratio.abs() < f64::EPSILON);
+        assert!(s.apply_conf("cpu_wait_ratio=1.5").is_err());
     }
 }

@@ -90,6 +90,7 @@ mod tests {
             bytes: mbps * 1_000_000,
             micros: 1_000_000,
             error: None,
+            cpu_wait_permille: None,
         }
     }
 

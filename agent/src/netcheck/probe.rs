@@ -6,8 +6,11 @@
 //! to [`MAX_PINGS`]), and at most one stream: `S`, the byte count (u64 BE) and the time limit in
 //! milliseconds (u32 BE), followed by the bytes. The listener counts what arrives until the
 //! count or the time limit is reached, answers `R` + bytes (u64 BE) + microseconds from the
-//! first byte to the last (u64 BE), and closes. The receiver counts, so bytes still sitting in
-//! the sender's socket buffer never pass for throughput.
+//! first byte to the last (u64 BE), then the share of the stream's time its process spent
+//! runnable but waiting for a CPU (per mille, u64 BE; `u64::MAX` when the kernel does not say),
+//! and closes. The receiver counts, so bytes still sitting in the sender's socket buffer never
+//! pass for throughput. A caller reads the first 17 bytes of the answer as before and the wait
+//! only if it comes, so an older listener is still understood.
 //!
 //! # Who may call it, and what strangers cost
 //! Only callers that present the token: a gang member reads it from the store next to the port.
@@ -243,11 +246,14 @@ async fn session(stream: &mut TcpStream, limits: &Limits) -> Result<(), String> 
                     millis.try_into().map_err(|_| "header")?,
                 )))
                 .min(limits.max_stream_time);
+                let waited = CpuWait::start();
                 let (bytes, micros) = receive(stream, want, time).await.map_err(io)?;
-                let mut reply = [0u8; 17];
+                let permille = waited.permille().map_or(u64::MAX, u64::from);
+                let mut reply = [0u8; 25];
                 reply[0] = b'R';
                 reply[1..9].copy_from_slice(&bytes.to_be_bytes());
-                reply[9..].copy_from_slice(&micros.to_be_bytes());
+                reply[9..17].copy_from_slice(&micros.to_be_bytes());
+                reply[17..].copy_from_slice(&permille.to_be_bytes());
                 stream.write_all(&reply).await.map_err(io)?;
                 let _ = stream.shutdown().await;
                 return Ok(());
@@ -288,6 +294,62 @@ async fn receive(stream: &mut TcpStream, want: u64, time: Duration) -> std::io::
     Ok((got, micros.max(1)))
 }
 
+/// The time this process's threads spent runnable but waiting for a CPU, summed over its
+/// threads (the second field of each `/proc/self/task/<tid>/schedstat`, in nanoseconds);
+/// `None` where the kernel does not say (no schedstats, no /proc).
+fn run_queue_wait() -> Option<Duration> {
+    let mut total = 0u64;
+    let mut any = false;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            // A thread that ended since the listing.
+            continue;
+        };
+        if let Some(ns) = stat
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse::<u64>().ok())
+        {
+            total = total.saturating_add(ns);
+            any = true;
+        }
+    }
+    any.then(|| Duration::from_nanos(total))
+}
+
+/// How much of a stretch of time this process spent waiting for a CPU: on a loaded host a
+/// measurement is slow because its agent was not scheduled, which says nothing of the network
+/// (the verdict sets such a slow measurement aside). A process that waits on a slow link sleeps
+/// in the kernel, which is not a run-queue wait.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuWait {
+    at: Instant,
+    waited: Option<Duration>,
+}
+
+impl CpuWait {
+    pub fn start() -> Self {
+        Self {
+            at: Instant::now(),
+            waited: run_queue_wait(),
+        }
+    }
+
+    /// The wait since [`CpuWait::start`] per mille of the time passed, at most 1000 (several
+    /// threads may wait at once); `None` when unknown.
+    pub fn permille(self) -> Option<u32> {
+        let wall = self.at.elapsed();
+        let waited = run_queue_wait()?.saturating_sub(self.waited?);
+        if wall.is_zero() {
+            return Some(0);
+        }
+        let permille = (waited.as_secs_f64() / wall.as_secs_f64() * 1000.0).min(1000.0);
+        // Within 0..=1000 by the clamp above.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        Some(permille as u32)
+    }
+}
+
 /// How one measurement is made.
 #[derive(Debug, Clone)]
 pub struct Request {
@@ -305,14 +367,25 @@ pub struct Request {
 /// Measures `req.to` from here: round-trip time, then throughput. Never fails: a measurement
 /// that could not be made is a [`Sample`] with its error (which the verdict counts as slow).
 pub async fn measure(req: &Request) -> Sample {
-    match timeout_at(req.deadline, measure_inner(req)).await {
-        Ok(Ok(sample)) => sample,
-        Ok(Err(e)) => Sample::failed(req.from, req.to, req.round, e),
-        Err(_) => Sample::failed(req.from, req.to, req.round, "out of time"),
-    }
+    let waited = CpuWait::start();
+    let (mut sample, theirs) = match timeout_at(req.deadline, measure_inner(req)).await {
+        Ok(Ok(measured)) => measured,
+        Ok(Err(e)) => (Sample::failed(req.from, req.to, req.round, e), None),
+        Err(_) => (
+            Sample::failed(req.from, req.to, req.round, "out of time"),
+            None,
+        ),
+    };
+    // Either end's wait slows the stream: the larger one counts.
+    sample.cpu_wait_permille = match (waited.permille(), theirs) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    sample
 }
 
-async fn measure_inner(req: &Request) -> Result<Sample, String> {
+/// The sample, and the receiver's CPU wait when its listener reported one.
+async fn measure_inner(req: &Request) -> Result<(Sample, Option<u32>), String> {
     let mut stream = TcpStream::connect(req.addr)
         .await
         .map_err(|e| format!("connect to {}: {e}", req.addr))?;
@@ -375,21 +448,36 @@ async fn measure_inner(req: &Request) -> Result<Sample, String> {
     if reply[0] != b'R' {
         return Err("malformed throughput reply".to_owned());
     }
-    let word = |at: usize| {
+    let word = |bytes: &[u8], at: usize| {
         let mut b = [0u8; 8];
-        b.copy_from_slice(&reply[at..at + 8]);
+        b.copy_from_slice(&bytes[at..at + 8]);
         u64::from_be_bytes(b)
     };
-    Ok(Sample {
-        from: req.from,
-        to: req.to,
-        round: req.round,
-        rtt_us: Some(u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX)),
-        bytes: word(1),
-        micros: word(9),
-        error: None,
-    })
+    // The receiver's wait follows at once from a listener that measures it; an older one
+    // closes instead.
+    let mut wait = [0u8; 8];
+    let theirs = match tokio::time::timeout(REPLY_TAIL_WAIT, rd.read_exact(&mut wait)).await {
+        Ok(Ok(_)) => u32::try_from(word(&wait, 0)).ok().filter(|p| *p <= 1000),
+        _ => None,
+    };
+    Ok((
+        Sample {
+            from: req.from,
+            to: req.to,
+            round: req.round,
+            rtt_us: Some(u64::try_from(rtt.as_micros()).unwrap_or(u64::MAX)),
+            bytes: word(&reply, 1),
+            micros: word(&reply, 9),
+            error: None,
+            cpu_wait_permille: None,
+        },
+        theirs,
+    ))
 }
+
+/// How long the caller waits for the receiver's CPU wait after the rest of the answer: it is
+/// written with it, so any delay is the loaded host's; an older listener closes at once.
+const REPLY_TAIL_WAIT: Duration = Duration::from_millis(200);
 
 /// The token as published in the store (hex).
 pub fn token_hex(token: &Token) -> String {
@@ -447,7 +535,60 @@ mod tests {
         assert_eq!(s.error, None);
         assert_eq!(s.bytes, 4 << 20, "the receiver counted the whole stream");
         assert!(s.micros > 0 && s.rtt_us.is_some(), "{s:?}");
+        if run_queue_wait().is_some() {
+            assert!(s.cpu_wait_permille.is_some_and(|p| p <= 1000), "{s:?}");
+        }
         listener.close().await;
+    }
+
+    #[tokio::test]
+    async fn an_older_listener_without_the_cpu_wait_is_still_understood() {
+        let old = TcpListener::bind((LOOPBACK, 0)).await.unwrap();
+        let addr = old.local_addr().unwrap();
+        let server = tokio::spawn(async move {
+            let (mut c, _) = old.accept().await.unwrap();
+            let mut hello = [0u8; 20];
+            c.read_exact(&mut hello).await.unwrap();
+            for _ in 0..PINGS {
+                let mut ping = [0u8; 9];
+                c.read_exact(&mut ping).await.unwrap();
+                c.write_all(&ping).await.unwrap();
+            }
+            let mut head = [0u8; 13];
+            c.read_exact(&mut head).await.unwrap();
+            let mut body = vec![0u8; 1 << 16];
+            c.read_exact(&mut body).await.unwrap();
+            // The answer as before the CPU wait: R, bytes, microseconds, and close.
+            let mut reply = [0u8; 17];
+            reply[0] = b'R';
+            reply[1..9].copy_from_slice(&(1u64 << 16).to_be_bytes());
+            reply[9..].copy_from_slice(&1000u64.to_be_bytes());
+            c.write_all(&reply).await.unwrap();
+        });
+        let req = Request {
+            addr,
+            stream_bytes: 1 << 16,
+            ..request_to(addr)
+        };
+        let s = measure(&req).await;
+        assert_eq!(
+            (s.error.as_deref(), s.bytes, s.micros),
+            (None, 1 << 16, 1000)
+        );
+        server.await.unwrap();
+    }
+
+    fn request_to(addr: SocketAddr) -> Request {
+        Request {
+            from: 0,
+            to: 1,
+            round: 1,
+            addr,
+            token: [0; 16],
+            stream_bytes: 4 << 20,
+            stream_time: Duration::from_secs(2),
+            deadline: Instant::now() + Duration::from_secs(10),
+        }
     }
 
     #[tokio::test]

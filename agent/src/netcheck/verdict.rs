@@ -62,6 +62,11 @@ pub struct Sample {
     /// Why the measurement failed (unreachable, refused, out of time), if it did.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The larger share of the measurement's time (per mille) that the sender's or the
+    /// receiver's agent spent runnable but waiting for a CPU ([`super::probe::CpuWait`]): a
+    /// measurement slowed by its own host's load, not by the network. `None`: not known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_wait_permille: Option<u32>,
 }
 
 impl Sample {
@@ -75,7 +80,17 @@ impl Sample {
             bytes: 0,
             micros: 0,
             error: Some(error.into()),
+            cpu_wait_permille: None,
         }
+    }
+
+    /// Whether its agents waited for a CPU at least `ratio` of its time, so that a slow result
+    /// says nothing of the network (`cpu_wait_ratio`; 0: never).
+    pub fn cpu_starved(&self, ratio: f64) -> bool {
+        ratio > 0.0
+            && self
+                .cpu_wait_permille
+                .is_some_and(|p| f64::from(p) >= ratio * 1000.0)
     }
 
     /// Throughput in MB/s (10⁶ bytes per second); 0 for a failed one.
@@ -229,15 +244,51 @@ impl Classifier {
         None
     }
 
-    /// Nodes whose every measurement was slow (with at least one measurement): the suspects.
+    /// What `s` says of the network: fast, slow (why), or nothing (slow, but its agents were
+    /// starved of CPU: [`Sample::cpu_starved`]). A quarter of a stream spent off-CPU makes even
+    /// a fast loopback look several times slower (a stream on loopback is all CPU: both ends
+    /// copy), while an agent waiting on a slow link sleeps and barely waits at all.
+    pub fn evidence(&self, s: &Sample) -> Evidence {
+        match self.slow(s) {
+            None => Evidence::Fast,
+            // A failure is no slow stream: it is evidence whatever the load.
+            Some(_) if s.error.is_none() && s.cpu_starved(self.thresholds.cpu_wait_ratio) => {
+                Evidence::Unsure
+            }
+            Some(why) => Evidence::Slow(why),
+        }
+    }
+
+    /// Whether `samples` are slow: at least one slow and none fast (a measurement whose slowness
+    /// its host's load explains is set aside).
+    pub fn stays_slow<'a>(&self, samples: impl IntoIterator<Item = &'a Sample>) -> bool {
+        let mut slow = false;
+        for s in samples {
+            match self.evidence(s) {
+                Evidence::Fast => return false,
+                Evidence::Slow(_) => slow = true,
+                Evidence::Unsure => {}
+            }
+        }
+        slow
+    }
+
+    /// Nodes whose every measurement was slow (at least one, leaving aside those their hosts'
+    /// load explains): the suspects.
     pub fn all_slow(&self, n: u32, samples: &[Sample]) -> BTreeSet<u32> {
         (0..n)
-            .filter(|node| {
-                let mut mine = samples.iter().filter(|s| s.touches(*node)).peekable();
-                mine.peek().is_some() && mine.all(|s| self.slow(s).is_some())
-            })
+            .filter(|node| self.stays_slow(samples.iter().filter(|s| s.touches(*node))))
             .collect()
     }
+}
+
+/// What one measurement says of the network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Evidence {
+    Fast,
+    Slow(String),
+    /// Slow, but its agents waited for a CPU for much of it: a loaded host, not the network.
+    Unsure,
 }
 
 fn median_f64(sorted: &[f64]) -> Option<f64> {
@@ -354,7 +405,10 @@ pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
         let what: Vec<String> = mine
             .iter()
             .map(|s| {
-                let why = c.slow(s).unwrap_or_default();
+                let mut why = c.slow(s).unwrap_or_default();
+                if c.evidence(s) == Evidence::Unsure {
+                    why.push_str(" (set aside: its agents waited for a CPU)");
+                }
                 if s.from == node {
                     format!("to group rank {}: {why}", s.to)
                 } else {
@@ -378,7 +432,7 @@ pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
             .iter()
             .filter(|x| x.between(pair.0, pair.1))
             .collect();
-        if between.iter().all(|x| c.slow(x).is_some()) {
+        if c.stays_slow(between.iter().copied()) {
             pairs.insert(pair);
             let what: Vec<String> = between
                 .iter()
@@ -407,6 +461,18 @@ pub fn judge(n: u32, samples: &[Sample], thresholds: &Thresholds) -> Verdict {
     );
     if let Some(rtt) = c.reference_rtt {
         let _ = write!(reason, ", rtt {:.2} ms", ms(rtt));
+    }
+    let set_aside = samples
+        .iter()
+        .filter(|s| c.evidence(s) == Evidence::Unsure)
+        .count();
+    if set_aside > 0 {
+        let _ = write!(
+            reason,
+            ", {set_aside} slow measurement(s) set aside (their agents waited for a CPU for {:.0}% \
+             or more of it: a loaded host, not the network)",
+            c.thresholds.cpu_wait_ratio * 100.0
+        );
     }
     // Failures count as slow whatever the gang's median, so when most measurements failed
     // (a partitioned network, or hosts too loaded to answer within the budget) the rules would
@@ -530,10 +596,14 @@ pub fn table(nodes: &[NodeInfo], samples: &[Sample], c: &Classifier) -> String {
         let rtt = s
             .rtt()
             .map_or_else(|| "-".to_owned(), |r| format!("{:.2}", ms(r)));
-        let verdict = match (&s.error, c.slow(s)) {
+        let verdict = match (&s.error, c.evidence(s)) {
             (Some(e), _) => format!("failed: {e}"),
-            (None, Some(_)) => "slow".to_owned(),
-            (None, None) => "ok".to_owned(),
+            (None, Evidence::Slow(_)) => "slow".to_owned(),
+            (None, Evidence::Unsure) => format!(
+                "slow, set aside (waited for a CPU {}% of it)",
+                s.cpu_wait_permille.unwrap_or_default() / 10
+            ),
+            (None, Evidence::Fast) => "ok".to_owned(),
         };
         let _ = writeln!(
             out,
@@ -559,6 +629,7 @@ pub(super) mod tests {
             bytes: mbps * 1_000_000,
             micros: 1_000_000,
             error: None,
+            cpu_wait_permille: None,
         }
     }
 
@@ -606,6 +677,62 @@ pub(super) mod tests {
             "{msg}"
         );
         assert!(v.reason.ends_with("1 finding(s)"), "{}", v.reason);
+    }
+
+    /// `s`, with its agents having waited for a CPU `permille` of its time.
+    fn waited(mut sample: Sample, permille: u32) -> Sample {
+        sample.cpu_wait_permille = Some(permille);
+        sample
+    }
+
+    #[test]
+    fn a_slow_measurement_of_a_starved_agent_is_set_aside_and_a_slow_link_is_not() {
+        // Measured on one loaded host: node 2's agent barely ran during its streams (three
+        // loopback nodes beside CPU-bound neighbours: 23.6 MB/s against 1340).
+        let starved = vec![
+            s(0, 1, 1, 1_340, 20),
+            waited(s(1, 2, 1, 24, 20), 870),
+            waited(s(2, 0, 1, 29, 20), 910),
+            waited(s(1, 2, 2, 43, 20), 640),
+            s(2, 1, 2, 1_200, 20),
+        ];
+        let v = judge(3, &starved, &Thresholds::default());
+        assert!(v.findings.is_empty(), "{v:?}");
+        assert!(
+            v.reason.contains("3 slow measurement(s) set aside")
+                && v.reason.ends_with("no slow node or link"),
+            "{}",
+            v.reason
+        );
+        // Even with nothing fast beside it: unsure is not slow.
+        let all_starved: Vec<Sample> = starved
+            .iter()
+            .filter(|x| x.cpu_wait_permille.is_some())
+            .cloned()
+            .collect();
+        let c = Classifier::new(3, &starved, &Thresholds::default());
+        assert!(!c.stays_slow(&all_starved));
+        assert!(c.all_slow(3, &all_starved).is_empty());
+        // A slow link whose agents were scheduled (a waiting sender sleeps) is still named, and
+        // a little wait (under the quarter) does not excuse it.
+        let mut bad = one_bad_node();
+        for x in &mut bad {
+            x.cpu_wait_permille = Some(if x.mbps() < 10.0 { 200 } else { 900 });
+        }
+        let v = judge(6, &bad, &Thresholds::default());
+        assert_eq!(
+            v.findings
+                .iter()
+                .flat_map(Finding::ranks)
+                .collect::<Vec<_>>(),
+            [3]
+        );
+        // A failure is evidence whatever the load.
+        let failed = waited(Sample::failed(1, 2, 1, "refused"), 1000);
+        assert_eq!(
+            c.evidence(&failed),
+            Evidence::Slow("failed: refused".into())
+        );
     }
 
     #[test]

@@ -77,6 +77,9 @@ struct Current {
     ranks: BTreeMap<u32, RankDir>,
 }
 
+/// The name of muster's private directory for the scripts' metrics, before its owner.
+const HOME_PREFIX: &str = "muster-metrics-";
+
 /// The script metrics of one agent. Created once per launch; shared by the launch (which calls
 /// [`ScriptMetrics::rank_env`] before each rank starts) and the endpoint (which calls
 /// [`ScriptMetrics::families`] at each scrape).
@@ -117,13 +120,11 @@ impl ScriptMetrics {
         let (python, base, own_home) = if let Some(dir) = hook_dir {
             (dir.to_path_buf(), dir.to_path_buf(), None)
         } else {
-            let home = tmp.join(format!(
-                "muster-metrics-{}-{:08x}",
-                std::process::id(),
-                rand::random::<u32>()
-            ));
+            // Named for its owner, so that the next agent removes it when this one is SIGKILLed.
+            let home = tmp.join(crate::scratch::private_name(HOME_PREFIX));
             let python = home.join("python");
             std::fs::create_dir_all(&python)?;
+            crate::scratch::sweep_in_background(tmp, HOME_PREFIX);
             write_sitecustomize(&python)?;
             (python, home.clone(), Some(home))
         };

@@ -47,6 +47,9 @@ pub const DEFAULT_REPLACE_AFTER: Duration = Duration::from_secs(3);
 /// codes (200 up) so a future agent outcome does not collide with it, and from 1-127 and 128+N,
 /// which a script or a signal produces.
 pub const NOT_RECOVERED: u8 = exit_code::CHAOS_NOT_RECOVERED;
+/// The dry run's code when the job finished before every strike was injected: a rehearsal that
+/// rehearsed less than asked is not a pass.
+pub const NOT_INJECTED: u8 = exit_code::CHAOS_NOT_INJECTED;
 
 /// A kind of strike.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -93,6 +93,29 @@ pub struct Report {
     pub job_code: u8,
     /// Whether step reports were seen at all (none: metrics off, or a script without steps).
     pub steps_seen: bool,
+    /// The steps the checkpoint barrier committed (preemptions): a resume point right after one
+    /// is the barrier's save, not one of the script's own.
+    pub committed: Vec<u64>,
+    /// When the run ended (seconds since the agents started).
+    pub end: f64,
+    /// Where the schedule stood when the job ended with strikes still to come (set by the
+    /// runner, which knows the clock and the gaps).
+    pub unfinished: Option<Unfinished>,
+}
+
+/// What the runner knew of the schedule when the job ended before it was through: enough to say
+/// why strikes never came and what would fit them in.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unfinished {
+    /// When training was under way (the faults' clock started), if it ever was.
+    pub training_started: Option<f64>,
+    /// The first strike not handed over, and when it was due (`None`: the one before had not
+    /// been recovered from yet, so its gap had not begun).
+    pub next: usize,
+    pub due: Option<f64>,
+    /// `--chaos-interval`, and how many strikes the schedule holds.
+    pub interval: (Duration, Duration),
+    pub count: usize,
 }
 
 /// What the inputs of [`build`] are.
@@ -140,12 +163,25 @@ pub fn build(inputs: &Inputs<'_>) -> Report {
             outcome(inputs, strike, hits.get(i).copied().flatten(), next)
         })
         .collect();
+    let mut committed: Vec<u64> = inputs
+        .entries
+        .iter()
+        .filter_map(|(_, e)| match e {
+            Entry::Committed { step } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    committed.sort_unstable();
+    committed.dedup();
     Report {
         seed: inputs.seed,
         bound: inputs.bound,
         outcomes,
         job_code: inputs.job_code,
         steps_seen: !inputs.steps.is_empty(),
+        committed,
+        end: inputs.end,
+        unfinished: None,
     }
 }
 
@@ -337,19 +373,88 @@ impl Report {
     }
 
     /// The dry run's exit code: the job's when it did not finish, else [`super::NOT_RECOVERED`]
-    /// when a strike was not recovered within the bound, else 0.
+    /// when a strike was not recovered within the bound, else [`super::NOT_INJECTED`] when
+    /// fewer strikes were injected than the schedule holds (what was not injected was not
+    /// rehearsed), else 0.
     pub fn exit_code(&self) -> u8 {
         if self.job_code != 0 {
             self.job_code
-        } else if self
-            .outcomes
-            .iter()
-            .any(|o| o.verdict == Verdict::NotRecovered)
-        {
+        } else if self.not_recovered() > 0 {
             super::NOT_RECOVERED
+        } else if self.injected() < self.outcomes.len() {
+            super::NOT_INJECTED
         } else {
             0
         }
+    }
+
+    fn not_recovered(&self) -> usize {
+        self.outcomes
+            .iter()
+            .filter(|o| o.verdict == Verdict::NotRecovered)
+            .count()
+    }
+
+    /// Why strikes were not injected, in words: when the job ended against when the next one
+    /// was due, and each strike whose target was gone.
+    fn why_not_injected(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(cut) = self.ended_first() {
+            parts.push(cut);
+        }
+        for o in &self.outcomes {
+            if let Verdict::NotInjected(why) = &o.verdict {
+                if !why.contains("ended first") {
+                    parts.push(format!(
+                        "#{} {}: {why}",
+                        o.strike.number,
+                        o.strike.kind.name()
+                    ));
+                }
+            }
+        }
+        parts.join("; ")
+    }
+
+    /// How many strikes never came because the job ended first.
+    fn never_came(&self) -> usize {
+        self.outcomes
+            .iter()
+            .filter(
+                |o| matches!(&o.verdict, Verdict::NotInjected(why) if why.contains("ended first")),
+            )
+            .count()
+    }
+
+    /// "the job ended 11.2 s into training, before strike #1 was due at 31.6 s" (when strikes
+    /// never came).
+    fn ended_first(&self) -> Option<String> {
+        let left = self.never_came();
+        if left == 0 {
+            return None;
+        }
+        let Some(u) = &self.unfinished else {
+            return Some(format!("the job ended before {left} strike(s) came"));
+        };
+        let when = match u.training_started {
+            Some(t) => format!(
+                "the job ended {:.1} s into training, {:.1} s after the agents started",
+                self.end - t,
+                self.end
+            ),
+            None => format!(
+                "the job ended {:.1} s after the agents started, before training was under way \
+                 (the faults' clock never started)",
+                self.end
+            ),
+        };
+        Some(match u.due {
+            Some(due) => format!("{when}, before strike #{} was due at {due:.1} s", u.next),
+            None => format!(
+                "{when}, while the gang was still recovering from strike #{}",
+                u.next.saturating_sub(1)
+            ),
+        })
     }
 
     /// The median and worst time to recovery.
@@ -425,30 +530,68 @@ impl Report {
                  re-forms sooner, a replacement pod's start-up (image pull, imports) adds to it"
             ));
         }
-        if self
-            .outcomes
-            .iter()
-            .any(|o| matches!(&o.verdict, Verdict::NotInjected(why) if why.contains("ended first")))
-        {
-            advice.push(
-                "some strikes never came: the job ended first; give it more steps or a shorter \
-                 --chaos-interval"
-                    .to_owned(),
-            );
+        if self.never_came() > 0 {
+            advice.push(self.fit_advice());
         }
         advice
     }
 
-    /// What the resume points say of the script's saves: "your script seems to save every 20
-    /// steps (it resumed after steps 100, 120, 160)". The steps it resumed after are its saves;
-    /// their greatest common divisor is its period when it saves at multiples of one.
+    /// What would fit the schedule into the job: how long the schedule needs, and an interval
+    /// this job's training would have held.
+    fn fit_advice(&self) -> String {
+        let mut text = format!(
+            "{} strike(s) never came: {}; ",
+            self.never_came(),
+            self.ended_first().unwrap_or_default()
+        );
+        let Some(u) = &self.unfinished else {
+            text.push_str("give the job more steps, or a shorter --chaos-interval");
+            return text;
+        };
+        let (lo, hi) = (u.interval.0.as_secs_f64(), u.interval.1.as_secs_f64());
+        let needed = f64::midpoint(lo, hi) * u.count as f64;
+        let _ = write!(
+            text,
+            "the schedule needs the job to train through all {} strikes: about {needed:.0} s of \
+             training at --chaos-interval {lo}:{hi}, plus each recovery; give the job more steps",
+            u.count
+        );
+        if let Some(trained) = u.training_started.map(|t| self.end - t) {
+            // A gap per strike and one more before the job's end, halved for the recoveries.
+            #[allow(clippy::cast_precision_loss)]
+            let fit_hi = (trained / (u.count as f64 + 1.0) / 2.0 * 10.0).floor() / 10.0;
+            if fit_hi >= 0.2 {
+                let fit_lo = (fit_hi / 2.0 * 10.0).floor().max(1.0) / 10.0;
+                let _ = write!(
+                    text,
+                    ", or fit the schedule to this job's {trained:.1} s of training with \
+                     --chaos-interval {fit_lo}:{fit_hi}"
+                );
+            } else {
+                let _ = write!(
+                    text,
+                    " (it trained {trained:.1} s: too short for {} strikes at any interval)",
+                    u.count
+                );
+            }
+        }
+        text
+    }
+
+    /// What the resume points say of the script's own saves: "your script seems to save every
+    /// 20 steps (it resumed after steps 100, 120, 160)". The steps it resumed after a crash are
+    /// its saves; a preemption's resume point is the barrier's save (any step the agents agreed
+    /// on), so it is left out, and so is any resume point right after a step the barrier
+    /// committed. The greatest common divisor of two or more saves is the script's period when
+    /// it saves at multiples of one.
     fn save_cadence(&self) -> String {
         let mut saves: Vec<u64> = self
             .outcomes
             .iter()
+            .filter(|o| o.strike.kind != Kind::Term)
             .filter_map(|o| o.resumed_at)
             .filter_map(|a| a.checked_sub(1))
-            .filter(|s| *s > 0)
+            .filter(|s| *s > 0 && !self.committed.contains(s))
             .collect();
         saves.sort_unstable();
         saves.dedup();
@@ -493,20 +636,34 @@ impl Report {
 
     /// The closing verdict line.
     pub fn verdict(&self) -> String {
+        let bound = self.bound.as_secs_f64();
         match self.exit_code() {
+            0 if self.recovered() == self.outcomes.len() => format!(
+                "verdict: the job finished and all {} strike(s) were injected and recovered \
+                 within {bound} s",
+                self.outcomes.len()
+            ),
             0 => format!(
-                "verdict: the job finished and every strike injected was recovered within {} s",
-                self.bound.as_secs_f64()
+                "verdict: the job finished; all {} strike(s) were injected, {} recovered within \
+                 {bound} s, {} not measured (the job ended, within the bound, before every rank \
+                 reported again)",
+                self.outcomes.len(),
+                self.recovered(),
+                self.outcomes.len() - self.recovered()
             ),
             super::NOT_RECOVERED => format!(
-                "verdict: the job finished, but {} strike(s) were not recovered within {} s \
+                "verdict: the job finished, but {} strike(s) were not recovered within {bound} s \
                  (--chaos-recovery-bound): exit {}",
-                self.outcomes
-                    .iter()
-                    .filter(|o| o.verdict == Verdict::NotRecovered)
-                    .count(),
-                self.bound.as_secs_f64(),
+                self.not_recovered(),
                 super::NOT_RECOVERED
+            ),
+            super::NOT_INJECTED => format!(
+                "verdict: the job finished, but only {} of {} strikes were injected ({}): the \
+                 rest of the schedule was not rehearsed: exit {}",
+                self.injected(),
+                self.outcomes.len(),
+                self.why_not_injected(),
+                super::NOT_INJECTED
             ),
             code => format!("verdict: the job did not finish: exit {code}"),
         }
@@ -791,5 +948,112 @@ mod tests {
         };
         assert_eq!(failed.exit_code(), 1);
         assert!(failed.verdict().contains("did not finish: exit 1"));
+    }
+
+    #[test]
+    fn a_run_that_injected_fewer_strikes_than_asked_is_not_a_pass() {
+        let s = [
+            strike(1, Kind::Kill, &["kill:1@5"]),
+            strike(2, Kind::Term, &["term:0@9"]),
+        ];
+        // The job trained 11.2 s (from 20.4 s) and ended before the first strike was due.
+        let mut r = build(&Inputs {
+            seed: 42,
+            bound: Duration::from_secs(120),
+            strikes: &s,
+            entries: &[],
+            steps: &[step(21.0, 0, 0, 1), step(21.0, 1, 0, 1)],
+            world: 2,
+            job_code: 0,
+            end: 31.6,
+        });
+        r.unfinished = Some(Unfinished {
+            training_started: Some(20.4),
+            next: 1,
+            due: Some(52.0),
+            interval: (Duration::from_secs(20), Duration::from_secs(40)),
+            count: 2,
+        });
+        assert_eq!(r.injected(), 0);
+        assert_eq!(r.exit_code(), super::super::NOT_INJECTED);
+        let verdict = r.verdict();
+        assert!(
+            verdict
+                .contains("only 0 of 2 strikes were injected (the job ended 11.2 s into training")
+                && verdict.contains("before strike #1 was due at 52.0 s")
+                && verdict.ends_with("exit 221"),
+            "{verdict}"
+        );
+        assert!(!verdict.contains("every strike"), "{verdict}");
+        let advice = r.advice().join("\n");
+        assert!(
+            advice.contains("2 strike(s) never came")
+                && advice.contains("about 60 s of training at --chaos-interval 20:40")
+                && advice.contains("--chaos-interval 0.9:1.8"),
+            "{advice}"
+        );
+        // A target that was gone counts too, and is named.
+        let missed = [Entry::FaultMissed {
+            fault: parse("term:0@9").unwrap(),
+            why: "node 0's agent was not running".into(),
+        }];
+        let entries: Vec<(f64, &Entry)> = vec![(30.0, &missed[0])];
+        let r = build(&Inputs {
+            seed: 42,
+            bound: Duration::from_secs(120),
+            strikes: &s[1..],
+            entries: &entries,
+            steps: &[],
+            world: 2,
+            job_code: 0,
+            end: 40.0,
+        });
+        assert_eq!(r.exit_code(), super::super::NOT_INJECTED);
+        assert!(
+            r.verdict()
+                .contains("#2 term: node 0's agent was not running"),
+            "{}",
+            r.verdict()
+        );
+        // A failed job keeps its own code.
+        let failed = Report { job_code: 1, ..r };
+        assert_eq!(failed.exit_code(), 1);
+    }
+
+    #[test]
+    fn the_save_period_reads_the_scripts_saves_not_the_barriers() {
+        let kill = strike(1, Kind::KillRank, &["kill-rank:1@5"]);
+        let term = strike(2, Kind::Term, &["term:0@9"]);
+        let outcome = |strike: &Strike, resumed_at: u64| Outcome {
+            strike: strike.clone(),
+            hit: Some(10.0),
+            reaction: String::new(),
+            recovery: Some(3.0),
+            reached: Some(resumed_at + 30),
+            resumed_at: Some(resumed_at),
+            steps_lost: Some(30),
+            verdict: Verdict::Recovered,
+        };
+        // The script saves every 100 steps; a preemption committed step 258 (resumed at 259),
+        // and a crash after a later barrier commit resumed right after it.
+        let r = Report {
+            seed: 1,
+            bound: Duration::from_secs(120),
+            outcomes: vec![
+                outcome(&kill, 101),
+                outcome(&term, 259),
+                outcome(&kill, 301),
+                outcome(&kill, 413),
+            ],
+            job_code: 0,
+            steps_seen: true,
+            committed: vec![258, 412],
+            end: 100.0,
+            unfinished: None,
+        };
+        assert_eq!(
+            r.save_cadence(),
+            "your script seems to save every 100 steps (it resumed after steps 100, 300)"
+        );
     }
 }

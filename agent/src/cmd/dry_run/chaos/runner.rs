@@ -29,6 +29,10 @@ pub struct Runner {
     /// How many strikes were handed to the rehearsal, and when the last one was.
     struck: usize,
     last_struck_at: Option<Instant>,
+    /// When training was first under way (the faults' clock), and when the next strike is due
+    /// (its gap begun): the report says what the job ended before.
+    training_started: Option<Instant>,
+    next_due: Option<Instant>,
 }
 
 impl Runner {
@@ -41,6 +45,8 @@ impl Runner {
             started,
             struck: 0,
             last_struck_at: None,
+            training_started: None,
+            next_due: None,
         }
     }
 
@@ -55,10 +61,13 @@ impl Runner {
         let Some(next) = self.strikes.get(self.struck) else {
             return;
         };
+        let clock = rehearsal.clock(now);
+        self.training_started = self.training_started.or(clock);
         let since = match self.last_struck_at {
-            None => rehearsal.clock(now),
+            None => clock,
             Some(at) => self.settled(now, at, rehearsal),
         };
+        self.next_due = since.map(|since| since + next.gap);
         if since.is_some_and(|since| now >= since + next.gap) {
             let faults = next.faults.clone();
             let struck = rehearsal.strike(now, &faults);
@@ -67,6 +76,7 @@ impl Runner {
             }
             self.struck += 1;
             self.last_struck_at = Some(now);
+            self.next_due = None;
         }
     }
 
@@ -122,7 +132,8 @@ impl Runner {
         ended: Instant,
     ) -> report::Report {
         let steps = self.step_list();
-        report::build(&report::Inputs {
+        let secs = |at: Instant| at.saturating_duration_since(self.started).as_secs_f64();
+        let mut report = report::build(&report::Inputs {
             seed: self.settings.seed,
             bound: self.settings.recovery_bound,
             strikes: &self.strikes,
@@ -130,7 +141,17 @@ impl Runner {
             steps: &steps,
             world: self.world,
             job_code,
-            end: ended.saturating_duration_since(self.started).as_secs_f64(),
-        })
+            end: secs(ended),
+        });
+        if self.struck < self.strikes.len() {
+            report.unfinished = Some(report::Unfinished {
+                training_started: self.training_started.map(secs),
+                next: self.struck + 1,
+                due: self.next_due.map(secs),
+                interval: self.settings.interval,
+                count: self.strikes.len(),
+            });
+        }
+        report
     }
 }
