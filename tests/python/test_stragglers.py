@@ -101,17 +101,30 @@ DEFAULT_THREADS = {"STRAGGLER_THREADS": "default", "STRAGGLER_WORK": "768,2"}
 
 
 def threads_of(text):
-    return {int(t) for t in re.findall(r"RESULT rank=\d+ world=\d+ .* threads=(\d+)", text)}
+    return {int(t) for t in re.findall(r"START rank=\d+ threads=(\d+)", text)}
 
 
 @pytest.mark.timeout(180)
 def test_a_slow_rank_with_torchs_default_threads_is_named():
-    code, text = dry_run(2, 40, interval="2", env=DEFAULT_THREADS)
-    assert code == 0, text
+    """Up to 120 s of training, stopped once the finding is there: on a loaded machine the
+    comparisons of 10 steps come slowly (a step took up to 1 s here)."""
+    cmd = [muster_bin(), "dry-run", "--nnodes", "3", "--nproc-per-node", "1", "--rdzv-conf", CONF,
+           "--straggler-interval", "2", *FAST[2:], SCRIPT, "2", "120"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=muster_env(DEFAULT_THREADS), start_new_session=True)
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if "WARN slow rank:" in line:
+                break
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+    text = "".join(lines)
     assert len(threads_of(text)) == 1 and min(threads_of(text)) > 1, text
-    found = findings(text)
-    assert found and set(found) == {(2, 2)}, text
-    assert text.index("WARN slow rank: rank 2") < text.index("RESULT rank=2"), text
+    assert set(findings(text)) == {(2, 2)}, text
+    assert "RESULT rank=" not in text, text
 
 
 @pytest.mark.timeout(180)

@@ -266,13 +266,13 @@ async fn run(parts: Parts, ctx: Ctx) {
         let judged = tracker.judge(threshold, ctx.node_rank, &all);
         if let Some(why) = judged.unsure {
             // Once per attempt: the condition is the job's, it lasts.
-            if !told_unsure {
+            if told_unsure {
+                debug!("straggler watch: cannot compare the ranks: {why}");
+            } else {
                 told_unsure = true;
                 info!(
                     "straggler watch: cannot compare the ranks: {why}; no rank is named while so"
                 );
-            } else {
-                debug!("straggler watch: cannot compare the ranks: {why}");
             }
         }
         if !judged.ratios.is_empty() {

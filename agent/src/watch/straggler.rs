@@ -655,10 +655,10 @@ mod tests {
             .flat_map(|_| t.judge(1.5, 2, &gang(0.3)).found)
             .collect();
         assert_eq!(found.len(), 1, "{found:?}");
-        assert_eq!(found[0].steps, 21);
+        assert_eq!(found[0].steps, 12);
         assert!(found[0]
             .to_string()
-            .ends_with("3 ranks compared over 21 steps)"));
+            .ends_with("3 ranks compared over 12 steps)"));
     }
 
     #[test]

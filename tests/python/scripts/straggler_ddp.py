@@ -12,7 +12,7 @@ and prints `SLOWDOWN at=<unix time>` then (the bench's time-to-finding).
 
 With STRAGGLER_THREADS=default the script leaves torch's intra-op thread count alone (one per
 core, as a rank alone on its node gets it: neither muster nor torchrun sets OMP_NUM_THREADS
-then), and RESULT says how many threads it had."""
+then); `START rank=R threads=T` says how many it has."""
 
 import os
 import sys
@@ -33,6 +33,7 @@ factor = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 world = dist.get_world_size()
+print(f"START rank={rank} threads={torch.get_num_threads()}", flush=True)
 torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.001)
@@ -65,8 +66,7 @@ while True:
     if done.item() > 0:
         break
 took = time.monotonic() - started
-print(f"RESULT rank={rank} world={world} steps={steps} step_ms={1000 * took / steps:.1f} "
-      f"threads={torch.get_num_threads()}", flush=True)
+print(f"RESULT rank={rank} world={world} steps={steps} step_ms={1000 * took / steps:.1f}", flush=True)
 sys.stdout.flush()
 dist.barrier()
 # Not a plain exit: torch 2.15's teardown of a live gloo group sometimes aborts (SIGABRT).
