@@ -3,10 +3,10 @@
 //!
 //! # Theory of operation
 //! Every `--straggler-interval` each agent reads, for each of its running ranks, the CPU time of
-//! the rank's process (`/proc/<pid>/stat`: the pid the step reporter gave, else the worker's)
-//! and its last reported step (the checkpoint helper's, or the zero-code reporter's optimizer
-//! steps: no change to the script). [`straggler::Sampler`] turns two looks into the rank's CPU
-//! seconds per step. The agent writes its ranks' figures to one key of the attempt's store and
+//! the main thread of the rank's process (`/proc/<pid>/task/<pid>/schedstat`: the pid the step
+//! reporter gave, else the worker's; why the main thread: [`straggler`]'s doc) and its last
+//! reported step (the checkpoint helper's, or the zero-code reporter's optimizer steps: no change
+//! to the script). [`straggler::Sampler`] turns two looks into the rank's CPU seconds per step. The agent writes its ranks' figures to one key of the attempt's store and
 //! reads every node's key with one multi-get (two store operations per node and interval,
 //! whatever the gang's size), then [`straggler::Tracker`] judges its own ranks against the
 //! gang's median: the node that hosts a slow rank names it, with its own evidence (its GPU).
@@ -255,6 +255,7 @@ async fn run(parts: Parts, ctx: Ctx) {
     let mut exchange = Exchange::new(&ctx);
     let mut gpus = GpuTracker::default();
     let mut told_cannot_leave = false;
+    let mut told_unsure = false;
     // An attempt's findings end with it (the next one starts over, with new ranks).
     let _clear = ClearOnDrop(parts.board.clone());
     loop {
@@ -263,6 +264,17 @@ async fn run(parts: Parts, ctx: Ctx) {
         let own = sampler.figures(ctx.node_rank, &readings);
         let all = exchange.figures(&own).await;
         let judged = tracker.judge(threshold, ctx.node_rank, &all);
+        if let Some(why) = judged.unsure {
+            // Once per attempt: the condition is the job's, it lasts.
+            if told_unsure {
+                debug!("straggler watch: cannot compare the ranks: {why}");
+            } else {
+                told_unsure = true;
+                info!(
+                    "straggler watch: cannot compare the ranks: {why}; no rank is named while so"
+                );
+            }
+        }
         if !judged.ratios.is_empty() {
             let ratios: Vec<String> = judged
                 .ratios
@@ -537,18 +549,31 @@ async fn read_ranks(ctx: &Ctx, reports: &[RankWatch]) -> Vec<Reading> {
             .iter()
             .find(|r| r.local_rank == w.local_rank && r.connected_at >= ctx.started);
         let pid = report.and_then(|r| r.pid).unwrap_or(w.pid);
-        let cpu_ticks = tokio::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .await
-            .ok()
-            .and_then(|stat| straggler::cpu_ticks(&stat));
         out.push(Reading {
             local_rank: w.local_rank,
             rank: w.rank,
-            cpu_ticks,
+            cpu_ns: main_thread_cpu_ns(pid).await,
             step: report.and_then(|r| r.step),
         });
     }
     out
+}
+
+/// The CPU time of `pid`'s main thread (its thread id is the pid): the scheduler's count, else
+/// the thread's `stat` ticks.
+async fn main_thread_cpu_ns(pid: u32) -> Option<u64> {
+    let task = format!("/proc/{pid}/task/{pid}");
+    if let Some(ns) = tokio::fs::read_to_string(format!("{task}/schedstat"))
+        .await
+        .ok()
+        .and_then(|text| straggler::schedstat_cpu_ns(&text))
+    {
+        return Some(ns);
+    }
+    tokio::fs::read_to_string(format!("{task}/stat"))
+        .await
+        .ok()
+        .and_then(|stat| straggler::stat_cpu_ns(&stat))
 }
 
 /// The store side: this node's figures out, every node's in.

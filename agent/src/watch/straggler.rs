@@ -5,23 +5,36 @@
 //! In synchronous data-parallel training every rank's step period is the same: each waits at the
 //! all-reduce for the slowest. Step times alone therefore name nobody. CPU time does: the slow
 //! rank computes for most of the period, the others compute less and sit off-CPU, blocked in the
-//! collective (gloo's blocking reads). So for every rank and interval the agent takes the CPU
-//! seconds its process used (user + system, every thread: `/proc/<pid>/stat`) divided by the
-//! steps it completed: its *compute per step*. Every node publishes its ranks' figures to the
-//! attempt's store and reads the others' ([`encode`], [`decode`]): each rank is compared with the
-//! median of the whole gang, and its *slowness ratio* (1.0 = typical) is what [`Tracker::judge`]
-//! decides on.
+//! collective (gloo's and NCCL's waits block the calling thread). So for every rank and interval
+//! the agent takes the CPU time of the rank's *main thread* (`/proc/<pid>/task/<pid>/schedstat`,
+//! the scheduler's nanoseconds) divided by the steps it completed: its *compute per step*.
+//!
+//! Only the main thread, not the process: torch's intra-op threads (OpenMP, one per core unless
+//! `OMP_NUM_THREADS` says otherwise, and with one rank per node neither muster nor torchrun sets
+//! it) spin-wait for their next parallel region while the main thread blocks in the collective,
+//! so a waiting rank's process keeps burning CPU and the process's CPU time blurs the very wait
+//! that tells it from the slow rank. The main thread takes part in every parallel region and
+//! blocks in the collective, whatever the thread count.
+//!
+//! Every node publishes its ranks' figures to the attempt's store and reads the others'
+//! ([`encode`], [`decode`]): each rank is compared with the median of the whole gang, and its
+//! *slowness ratio* (1.0 = typical) is what [`Tracker::judge`] decides on.
 //!
 //! # No false findings
 //! - Warm-up: a rank's first [`WARMUP_STEPS`] steps (compilation, the first data loader fill,
 //!   allocator growth) are not measured.
-//! - A figure needs a step in the interval and [`MIN_RANKS`] ranks with figures in the gang:
-//!   with two ranks the median is the mean of the suspect and its peer.
-//! - Threshold with hysteresis: a rank is found after [`FIND_AFTER`] consecutive intervals at or
-//!   above the threshold; a finding clears after [`CLEAR_AFTER`] consecutive intervals below
+//! - A comparison covers [`WINDOW_STEPS`] steps: intervals with fewer are added up (at most
+//!   [`MAX_WINDOW`]; past that the watch says it cannot compare), and each comparison starts from
+//!   new steps, so that a few steps the scheduler ruined count once.
+//! - [`MIN_RANKS`] ranks with figures in the gang: with two ranks the median is the mean of the
+//!   suspect and its peer.
+//! - Threshold with hysteresis: a rank is found after [`FIND_AFTER`] consecutive comparisons at
+//!   or above the threshold; a finding clears after [`CLEAR_AFTER`] consecutive comparisons below
 //!   [`Settings::clear_ratio`] (halfway between 1 and the threshold), so a rank at the edge does
 //!   not flap.
-//! - `exclude`: a finding that lasted [`EXCLUDE_AFTER`] intervals makes the node leave.
+//! - Unsure ([`Unsure`]): too few steps, or main threads that use no CPU (the script steps from
+//!   another thread): nothing is judged, and the watch says why.
+//! - `exclude`: a finding that lasted [`EXCLUDE_AFTER`] comparisons makes the node leave.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -47,6 +60,13 @@ pub const EXCLUDE_AFTER: u32 = 10;
 pub const WARMUP_STEPS: u64 = 5;
 /// Ranks with figures in the gang before any is compared.
 pub const MIN_RANKS: usize = 3;
+/// Steps a rank's compared figure covers at least: a figure of a few steps is the scheduler's
+/// luck, not the rank's compute (on a loaded host one step may take a rank's thread off the CPU
+/// for longer than the step's compute). Intervals with fewer steps are added up.
+pub const WINDOW_STEPS: u64 = 10;
+/// Intervals one compared figure may add up to reach [`WINDOW_STEPS`]; past that the watch says
+/// it has too few steps to compare and names nobody.
+pub const MAX_WINDOW: usize = 8;
 
 /// `--straggler-action`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -112,20 +132,27 @@ impl Settings {
     }
 }
 
-/// Seconds per `/proc` clock tick: Linux exports `utime`/`stime` in `USER_HZ`, which is 100 on
-/// every architecture it supports (`sysconf(_SC_CLK_TCK)`).
-pub const SECONDS_PER_TICK: f64 = 0.01;
+/// Nanoseconds per `/proc` clock tick: Linux exports `utime`/`stime` in `USER_HZ`, which is 100
+/// on every architecture it supports (`sysconf(_SC_CLK_TCK)`).
+pub const NANOS_PER_TICK: u64 = 10_000_000;
 
-/// `utime + stime` (clock ticks) of a process from the text of `/proc/<pid>/stat`: every
-/// thread's, since the kernel sums them for the thread group. Fields are counted after the last
-/// `)`, as the command name may hold spaces and parentheses.
-pub fn cpu_ticks(stat: &str) -> Option<u64> {
+/// `utime + stime` of one thread (or, from `/proc/<pid>/stat`, of the whole thread group), in
+/// nanoseconds, from the text of its `stat`. Fields are counted after the last `)`, as the
+/// command name may hold spaces and parentheses.
+pub fn stat_cpu_ns(stat: &str) -> Option<u64> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let mut fields = rest.split_whitespace();
     // After `)`: state (3), ppid (4) … utime is field 14, stime 15.
     let utime: u64 = fields.nth(11)?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
-    Some(utime + stime)
+    (utime + stime).checked_mul(NANOS_PER_TICK)
+}
+
+/// The time a thread spent on a CPU, in nanoseconds, from the text of its
+/// `/proc/<pid>/task/<tid>/schedstat` (`<on cpu ns> <runnable ns> <timeslices>`): the
+/// scheduler's own count, finer than `stat`'s 10 ms ticks.
+pub fn schedstat_cpu_ns(schedstat: &str) -> Option<u64> {
+    schedstat.split_whitespace().next()?.parse().ok()
 }
 
 /// One rank at one look.
@@ -133,8 +160,9 @@ pub fn cpu_ticks(stat: &str) -> Option<u64> {
 pub struct Reading {
     pub local_rank: u32,
     pub rank: u32,
-    /// `utime + stime` of its process, in clock ticks; `None`: not readable.
-    pub cpu_ticks: Option<u64>,
+    /// CPU time of its main thread, in nanoseconds (see the module's doc); `None`: not
+    /// readable.
+    pub cpu_ns: Option<u64>,
     /// Its last reported step (the helper's number, or the reporter's count); `None`: none yet.
     pub step: Option<u64>,
 }
@@ -167,8 +195,7 @@ impl Sampler {
             let Some(step) = r.step else { continue };
             let first = match self.last.get(&r.local_rank) {
                 Some((prev, first)) if prev.step.is_some_and(|s| s <= step) => {
-                    if let (Some(s0), Some(c0), Some(c1)) = (prev.step, prev.cpu_ticks, r.cpu_ticks)
-                    {
+                    if let (Some(s0), Some(c0), Some(c1)) = (prev.step, prev.cpu_ns, r.cpu_ns) {
                         let warm = s0.saturating_sub(*first) >= WARMUP_STEPS;
                         if warm && step > s0 && c1 >= c0 {
                             let steps = step - s0;
@@ -177,7 +204,7 @@ impl Sampler {
                                 local_rank: r.local_rank,
                                 rank: r.rank,
                                 steps,
-                                cpu_per_step: (c1 - c0) as f64 * SECONDS_PER_TICK / steps as f64,
+                                cpu_per_step: (c1 - c0) as f64 / 1e9 / steps as f64,
                             });
                         }
                     }
@@ -260,19 +287,22 @@ pub struct Finding {
     pub median: f64,
     /// Ranks in the comparison.
     pub compared: usize,
+    /// Steps of the rank its figure covers.
+    pub steps: u64,
 }
 
 impl fmt::Display for Finding {
-    /// `computes 2.9x longer per step than the gang median (412 ms of CPU per step against
-    /// 142 ms, 3 ranks compared)`.
+    /// `computes 2.9x longer per step than the gang median (412 ms of main-thread CPU per step
+    /// against 142 ms, 3 ranks compared over 24 steps)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "computes {:.1}x longer per step than the gang median ({:.0} ms of CPU per step against {:.0} ms, {} ranks compared)",
+            "computes {:.1}x longer per step than the gang median ({:.0} ms of main-thread CPU per step against {:.0} ms, {} ranks compared over {} steps)",
             self.ratio,
             self.cpu_per_step * 1e3,
             self.median * 1e3,
-            self.compared
+            self.compared,
+            self.steps
         )
     }
 }
@@ -286,8 +316,36 @@ pub struct Judgement {
     pub found: Vec<Finding>,
     /// Ranks whose finding cleared in this interval: (local rank, rank, ratio).
     pub cleared: Vec<(u32, u32, f64)>,
-    /// A finding lasted [`EXCLUDE_AFTER`] intervals: the rank (under `exclude`, the node leaves).
+    /// A finding lasted [`EXCLUDE_AFTER`] comparisons: the rank (under `exclude`, the node
+    /// leaves).
     pub sustained: Option<Finding>,
+    /// Why the gang's figures could not be compared (nothing was judged).
+    pub unsure: Option<Unsure>,
+}
+
+/// Why the watch judged nobody although the gang had figures.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Unsure {
+    /// [`MAX_WINDOW`] intervals held fewer than [`WINDOW_STEPS`] steps.
+    FewSteps { steps: u64, intervals: usize },
+    /// The median rank's main thread used no CPU between its steps: the script steps from
+    /// another thread, whose compute the watch does not see.
+    NoCpu,
+}
+
+impl fmt::Display for Unsure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Unsure::FewSteps { steps, intervals } => write!(
+                f,
+                "{steps} steps in the last {intervals} intervals, fewer than the {WINDOW_STEPS} a comparison needs (a longer --straggler-interval holds more)"
+            ),
+            Unsure::NoCpu => write!(
+                f,
+                "the ranks' main threads used no CPU between their steps (does the script train on another thread?)"
+            ),
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -302,24 +360,81 @@ struct RankState {
 #[derive(Debug, Default)]
 pub struct Tracker {
     ranks: BTreeMap<u32, RankState>,
+    /// The figures of the comparison being added up: (node rank, local rank) of every rank of
+    /// the gang → (its figure's latest, steps, CPU seconds).
+    round: BTreeMap<(u32, u32), (Figure, u64, f64)>,
+    /// Intervals with figures in the round.
+    round_intervals: usize,
+}
+
+/// One rank's figure as compared: its intervals since the last comparison added up.
+struct Windowed {
+    figure: Figure,
+    steps: u64,
+    cpu_per_step: f64,
 }
 
 impl Tracker {
     /// Judges this node's ranks (`node_rank`) in one interval, against the gang's `figures`
-    /// (every node's fresh ones, this node's included).
+    /// (every node's fresh ones, this node's included). A comparison covers at least
+    /// [`WINDOW_STEPS`] steps of the median rank: intervals with fewer are added up first, and
+    /// each comparison starts from new steps, so that one interval's luck counts once.
     pub fn judge(&mut self, threshold: f64, node_rank: u32, figures: &[Figure]) -> Judgement {
         let mut out = Judgement::default();
-        if figures.len() < MIN_RANKS {
+        if figures.is_empty() {
             return out;
         }
-        let values: Vec<f64> = figures.iter().map(|f| f.cpu_per_step).collect();
-        // A median of (next to) no CPU is not a yardstick: a gang idle between steps.
+        for f in figures {
+            let e = self
+                .round
+                .entry((f.node_rank, f.local_rank))
+                .or_insert((*f, 0, 0.0));
+            e.0 = *f;
+            e.1 += f.steps;
+            e.2 += f.cpu_per_step * f.steps as f64;
+        }
+        self.round_intervals += 1;
+        let steps: Vec<f64> = self.round.values().map(|e| e.1 as f64).collect();
+        let median_steps = median(&steps).unwrap_or(0.0);
+        if median_steps < WINDOW_STEPS as f64 {
+            if self.round_intervals >= MAX_WINDOW {
+                // A gang too small to compare is not unsure: it is never compared.
+                if self.round.len() >= MIN_RANKS {
+                    out.unsure = Some(Unsure::FewSteps {
+                        steps: median_steps as u64,
+                        intervals: self.round_intervals,
+                    });
+                }
+                self.start_round();
+            }
+            return out;
+        }
+        // A rank with half a window or less (its node's figures went stale) sits this one out.
+        let windowed: Vec<Windowed> = self
+            .round
+            .values()
+            .filter(|e| e.1 * 2 > WINDOW_STEPS)
+            .map(|e| Windowed {
+                figure: e.0,
+                steps: e.1,
+                cpu_per_step: e.2 / e.1 as f64,
+            })
+            .collect();
+        self.start_round();
+        if windowed.len() < MIN_RANKS {
+            return out;
+        }
+        let values: Vec<f64> = windowed.iter().map(|w| w.cpu_per_step).collect();
+        // A median of no CPU is not a yardstick.
         let Some(median) = median(&values).filter(|m| *m > 0.0) else {
+            out.unsure = Some(Unsure::NoCpu);
             return out;
         };
         let clear = Settings::clear_ratio(threshold);
-        for f in figures.iter().filter(|f| f.node_rank == node_rank) {
-            let ratio = f.cpu_per_step / median;
+        let compared = windowed.len();
+        for w in windowed.iter().filter(|w| w.figure.node_rank == node_rank) {
+            let f = &w.figure;
+            let ratio = w.cpu_per_step / median;
             out.ratios.push((f.local_rank, f.rank, ratio));
             let s = self.ranks.entry(f.local_rank).or_default();
             if ratio >= threshold {
@@ -332,39 +447,39 @@ impl Tracker {
             } else {
                 s.below = 0;
             }
+            let now = Finding {
+                local_rank: f.local_rank,
+                rank: f.rank,
+                ratio,
+                cpu_per_step: w.cpu_per_step,
+                median,
+                compared,
+                steps: w.steps,
+            };
             match &mut s.finding {
                 None if s.above >= FIND_AFTER => {
-                    let finding = Finding {
-                        local_rank: f.local_rank,
-                        rank: f.rank,
-                        ratio,
-                        cpu_per_step: f.cpu_per_step,
-                        median,
-                        compared: figures.len(),
-                    };
-                    out.found.push(finding.clone());
-                    s.finding = Some((finding, 1));
+                    out.found.push(now.clone());
+                    s.finding = Some((now, 1));
                 }
                 None => {}
                 Some(_) if s.below >= CLEAR_AFTER => {
                     out.cleared.push((f.local_rank, f.rank, ratio));
                     s.finding = None;
                 }
-                Some((finding, lasted)) => {
+                Some((_, lasted)) => {
                     *lasted += 1;
                     if *lasted == EXCLUDE_AFTER {
-                        out.sustained = Some(Finding {
-                            ratio,
-                            cpu_per_step: f.cpu_per_step,
-                            median,
-                            compared: figures.len(),
-                            ..finding.clone()
-                        });
+                        out.sustained = Some(now);
                     }
                 }
             }
         }
         out
+    }
+
+    fn start_round(&mut self) {
+        self.round.clear();
+        self.round_intervals = 0;
     }
 
     /// The standing findings.
@@ -380,12 +495,17 @@ impl Tracker {
 mod tests {
     use super::*;
 
+    /// One interval of `WINDOW_STEPS` steps: compared on its own.
     fn fig(node_rank: u32, cpu: f64) -> Figure {
+        fig_of(node_rank, WINDOW_STEPS, cpu)
+    }
+
+    fn fig_of(node_rank: u32, steps: u64, cpu: f64) -> Figure {
         Figure {
             node_rank,
             local_rank: 0,
             rank: node_rank,
-            steps: 10,
+            steps,
             cpu_per_step: cpu,
         }
     }
@@ -411,11 +531,12 @@ mod tests {
     }
 
     #[test]
-    fn cpu_ticks_read_past_a_command_with_spaces() {
+    fn cpu_time_reads_past_a_command_with_spaces() {
         let stat =
             "4242 (py thon (x)) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 17 0 0 20 0 3 0 100 0 0";
-        assert_eq!(cpu_ticks(stat), Some(267));
-        assert_eq!(cpu_ticks("garbage"), None);
+        assert_eq!(stat_cpu_ns(stat), Some(2_670_000_000));
+        assert_eq!(schedstat_cpu_ns("156311 717207 2\n"), Some(156_311));
+        assert_eq!(stat_cpu_ns("garbage"), None);
     }
 
     #[test]
@@ -424,7 +545,7 @@ mod tests {
         let r = |step: Option<u64>, ticks: u64| Reading {
             local_rank: 0,
             rank: 4,
-            cpu_ticks: Some(ticks),
+            cpu_ns: Some(ticks * NANOS_PER_TICK),
             step,
         };
         assert!(s.figures(1, &[r(None, 10)]).is_empty());
@@ -472,7 +593,7 @@ mod tests {
         assert!((finding.ratio - 2.9 / 1.1).abs() < 1e-6);
         assert!(finding
             .to_string()
-            .starts_with("computes 2.6x longer per step"));
+            .starts_with("computes 2.6x longer per step than the gang median (290 ms of main-thread CPU per step against 110 ms"));
         // Other nodes' ranks are theirs to name.
         assert!(t.judge(1.5, 0, &gang(0.3)).found.is_empty());
         // Between the clear ratio (1.25) and the threshold it stands; below it clears after three.
@@ -505,6 +626,66 @@ mod tests {
                 .ratios
                 .is_empty());
         }
+    }
+
+    #[test]
+    fn intervals_of_few_steps_add_up_before_they_are_compared() {
+        let mut t = Tracker::default();
+        // 4 steps an interval: the third interval holds 12, the first comparable figure.
+        let gang = |slow: f64| [fig_of(0, 4, 0.1), fig_of(1, 4, 0.1), fig_of(2, 4, slow)];
+        for _ in 0..2 {
+            let j = t.judge(1.5, 2, &gang(0.3));
+            assert!(j.ratios.is_empty() && j.unsure.is_none(), "{j:?}");
+        }
+        let j = t.judge(1.5, 2, &gang(0.3));
+        assert_eq!(j.ratios.len(), 1, "{j:?}");
+        assert!((j.ratios[0].2 - 3.0).abs() < 1e-9);
+        // One outlying interval counts in one comparison only: a rank whose thread the
+        // scheduler held on the CPU for a few steps is not named for it.
+        let mut t = Tracker::default();
+        let mut named = Vec::new();
+        for i in 0..24 {
+            let burst = if i % 12 == 4 { 0.35 } else { 0.1 };
+            named.extend(t.judge(1.5, 2, &gang(burst)).found);
+        }
+        assert!(named.is_empty(), "{named:?}");
+        // A rank slow in every interval is named, with the steps its figure covers.
+        let mut t = Tracker::default();
+        let found: Vec<Finding> = (0..9)
+            .flat_map(|_| t.judge(1.5, 2, &gang(0.3)).found)
+            .collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        assert_eq!(found[0].steps, 12);
+        assert!(found[0]
+            .to_string()
+            .ends_with("3 ranks compared over 12 steps)"));
+    }
+
+    #[test]
+    fn a_watch_that_cannot_compare_says_so_and_names_nobody() {
+        let mut t = Tracker::default();
+        // One step an interval: ten intervals never hold WINDOW_STEPS.
+        let slow_steps = [fig_of(0, 1, 0.1), fig_of(1, 1, 0.1), fig_of(2, 1, 0.9)];
+        let judged: Vec<Judgement> = (0..MAX_WINDOW + 3)
+            .map(|_| t.judge(1.5, 2, &slow_steps))
+            .collect();
+        assert!(judged
+            .iter()
+            .all(|j| j.found.is_empty() && j.ratios.is_empty()));
+        assert!(judged[..MAX_WINDOW - 1].iter().all(|j| j.unsure.is_none()));
+        assert_eq!(
+            judged[MAX_WINDOW - 1].unsure,
+            Some(Unsure::FewSteps {
+                steps: 8,
+                intervals: MAX_WINDOW
+            })
+        );
+        // Main threads without CPU: the script trains elsewhere.
+        let mut t = Tracker::default();
+        let j = t.judge(1.5, 2, &[fig(0, 0.0), fig(1, 0.0), fig(2, 0.2)]);
+        assert_eq!(j.unsure, Some(Unsure::NoCpu));
+        assert!(j.found.is_empty() && j.ratios.is_empty());
+        assert!(j.unsure.unwrap().to_string().contains("another thread"));
     }
 
     #[test]

@@ -8,7 +8,11 @@ others through the step's all-reduce, so every rank stops at the same step. Prin
 world=W steps=S step_ms=M`.
 
 With SLOW_AFTER=SECS in the environment the slow rank turns slow only that long after the start
-and prints `SLOWDOWN at=<unix time>` then (the bench's time-to-finding)."""
+and prints `SLOWDOWN at=<unix time>` then (the bench's time-to-finding).
+
+With STRAGGLER_THREADS=default the script leaves torch's intra-op thread count alone (one per
+core, as a rank alone on its node gets it: neither muster nor torchrun sets OMP_NUM_THREADS
+then); `START rank=R threads=T` says how many it has."""
 
 import os
 import sys
@@ -20,7 +24,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 # One thread per rank: three ranks share a small machine, and the compute per step must be the
 # script's, not the scheduler's.
-torch.set_num_threads(1)
+if os.environ.get("STRAGGLER_THREADS") != "default":
+    torch.set_num_threads(1)
 slow_rank = int(sys.argv[1])
 seconds = float(sys.argv[2])
 factor = int(sys.argv[3]) if len(sys.argv) > 3 else 3
@@ -28,11 +33,14 @@ factor = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 world = dist.get_world_size()
+print(f"START rank={rank} threads={torch.get_num_threads()}", flush=True)
 torch.manual_seed(0)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1)))
 opt = torch.optim.SGD(model.parameters(), lr=0.001)
 x = torch.randn(32, 128)
-a = torch.randn(256, 256)
+# STRAGGLER_WORK=SIZE,CHAIN: the compute per step as CHAIN products of SIZE x SIZE matrices.
+size, chain = (int(v) for v in os.environ.get("STRAGGLER_WORK", "256,12").split(","))
+a = torch.randn(size, size)
 slow_after = float(os.environ.get("SLOW_AFTER", "0"))
 reps = 1
 started = time.monotonic()
@@ -45,7 +53,7 @@ while True:
             print(f"SLOWDOWN at={time.time():.3f}", flush=True)
     for _ in range(reps):
         b = a
-        for _ in range(12):
+        for _ in range(chain):
             b = torch.tanh(b @ a)
     loss = model(x).pow(2).mean() + b.mean() * 0
     loss.backward()
