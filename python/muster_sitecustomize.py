@@ -134,7 +134,11 @@ _LAZY = (
     (
         "muster_autoreport",
         "zero-code step reports",
-        ("torch.optim.optimizer", "torch.distributed.distributed_c10d"),
+        (
+            "torch.optim.optimizer",
+            "torch.distributed.distributed_c10d",
+            "torch.utils.data.dataloader",
+        ),
     ),
 )
 

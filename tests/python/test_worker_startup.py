@@ -118,4 +118,4 @@ def test_the_lazy_list_names_every_module_each_one_hooks():
     hooked = {name: set(targets) for name, _, targets in lazy}
     assert hooked["muster_frameworks"] == set(load("muster_frameworks")._TARGETS)
     report = load("muster_autoreport")
-    assert hooked["muster_autoreport"] == {report._TARGET, report._C10D}
+    assert hooked["muster_autoreport"] == {report._TARGET, report._C10D, report._DATALOADER}
