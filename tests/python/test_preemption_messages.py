@@ -124,11 +124,11 @@ def test_the_next_agent_removes_a_killed_agents_private_directory_and_no_live_on
     env = {"TMPDIR": str(base)}
     killed = Agent(tmp_path, SLEEPER, "60", env=env)
     killed.wait_for("RUNNING", count=2)
-    # Its private directory, and the one for the scripts' metrics.
+    # Its private directory (the scripts' metrics hook lives in it too).
     left = private_dirs(base)
     pid = killed.proc.pid
     assert [re.sub(r"\d+\.\d+\.\d+-[0-9a-f]{8}$", "X", d) for d in left] == [
-        "muster-X", "muster-metrics-X"], left
+        "muster-X"], left
     assert all(f"-{pid}." in d for d in left), left
     os.killpg(killed.proc.pid, signal.SIGKILL)
     killed.proc.wait()
@@ -139,7 +139,7 @@ def test_the_next_agent_removes_a_killed_agents_private_directory_and_no_live_on
     # The live agent swept the dead one's at its start, and has its own.
     wait_until(lambda: not set(left) & set(private_dirs(base)), timeout=10, what="the sweep")
     mine = private_dirs(base)
-    assert len(mine) == 2 and all(f"-{live.proc.pid}." in d for d in mine), mine
+    assert len(mine) == 1 and all(f"-{live.proc.pid}." in d for d in mine), mine
 
     # Another agent starting beside the live one leaves the live one's directory alone.
     code, text = Agent(tmp_path, SLEEPER, "1", env=env).finish()

@@ -750,6 +750,8 @@ mod tests {
             init_entered: None,
             init_returned: None,
             first_step,
+            last_step: None,
+            exiting: false,
         }
     }
 
