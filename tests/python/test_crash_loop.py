@@ -13,7 +13,7 @@ from conftest import finish, muster_bin, muster_env
 NO_PROGRESS = 209
 
 # Reports steps through the checkpoint helper (on the workers' PYTHONPATH under muster) and
-# raises at step 3, every attempt: a deterministic bug. Rank 0 of a gang waits to be stopped.
+# raises at step 3, every attempt: a deterministic bug. Its peers wait at step 3 to be stopped.
 SCRIPT = """\
 import os, sys, time
 import muster_checkpoint
@@ -28,6 +28,10 @@ for step in range(1000):
         sys.stderr.write("Traceback (most recent call last):\\nValueError: bad batch at step 3\\n")
         sys.stderr.flush()
         os._exit(1)
+    if step == 3:
+        # A peer of a failing rank waits in its next collective, as under DDP: it never runs
+        # steps ahead of the failure however late the gang stops it (a loaded machine).
+        time.sleep(600)
     time.sleep(0.05)
 """
 
@@ -77,7 +81,7 @@ def test_in_a_gang_nodes_failing_in_turn_are_one_crash_loop_ended_for_every_node
     # every node, so attempt 2's failure (rank 0 again) reaches 2: node 0 ends the job.
     assert "crash loop: 2 restart(s) in a row made no progress" in text, text
     assert "the repeated failure: rank 0 failed (exit code 1)" in text, text
-    assert "agents exited with [209, 209]; job exit code 209" in text, text
+    assert "agent 0 exited 209, agent 1 exited 209; job exit code 209" in text, text
     # Node 1 ends because node 0 said so, naming it.
     assert "[node 1]  WARN the job failed on another node: node 0: crash loop:" in text, text
     assert "[node 0]  WARN crash-loop guard: no progress" in text, text
