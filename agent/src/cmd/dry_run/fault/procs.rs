@@ -203,18 +203,33 @@ mod tests {
     #[test]
     fn a_child_of_an_agent_is_found_with_its_rank() {
         // This test process plays the agent: its child has RANK in its environment.
+        // Its environment is only its own: the test runner's is no part of what is checked.
         let mut child = std::process::Command::new("sleep")
             .arg("30")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("RANK", "4")
             .env("WORLD_SIZE", "6")
             .spawn()
             .unwrap();
         let me = nix::unistd::getpid();
         let pid = child.id() as i32;
-        let found = workers(&[(2, me)], true);
+        // Other tests of this process start and end children meanwhile; look a few times
+        // before calling the child missing, and say what was seen.
+        let mut found = Vec::new();
+        for _ in 0..50 {
+            found = workers(&[(2, me)], true);
+            if found.iter().any(|w| w.pid == pid) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let _ = child.kill();
         let _ = child.wait();
-        let w = found.iter().find(|w| w.pid == pid).unwrap();
+        let w = found
+            .iter()
+            .find(|w| w.pid == pid)
+            .unwrap_or_else(|| panic!("child {pid} not among {found:?}"));
         assert_eq!(
             (w.node, w.rank, w.world_size, w.restart_count, w.joined),
             (2, Some(4), Some(6), None, false)
