@@ -20,3 +20,4 @@ pub mod host;
 pub mod rdzv;
 pub mod seconds;
 pub mod store;
+pub mod words;

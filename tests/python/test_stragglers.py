@@ -86,7 +86,7 @@ def test_the_slow_node_leaves_with_210_and_the_gang_finishes_without_it():
                      text, re.M), text
     assert re.search(r"^\[node 2\]\s+ERROR straggler node: node 2 \(\S+\) leaves the gang "
                      r"\(exit 210\) so that it re-forms without it: rank 2 ", text, re.M), text
-    assert "agents exited with [0, 0, 210]" in text, text
+    assert "agent 0 exited 0, agent 1 exited 0, agent 2 exited 210" in text, text
     # The two left trained on together and finished.
     assert re.search(r"RESULT rank=0 world=2 ", text), text
     assert re.search(r"RESULT rank=1 world=2 ", text), text

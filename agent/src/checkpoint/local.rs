@@ -417,7 +417,11 @@ async fn serve_worker(
             read = read_bounded_line(&mut lines, &mut line) => match read {
                 Ok(true) => {
                     if let Err(reason) = handle_line(&line, &mut conn, &links, &outbox, &events) {
-                        warn!(local_rank = ?conn.map(|(rank, _)| rank), "checkpoint socket: {reason}; closing");
+                        if let Some((local_rank, _)) = conn {
+                            warn!(local_rank, "checkpoint socket: {reason}; closing");
+                        } else {
+                            warn!("checkpoint socket: {reason}; closing");
+                        }
                         break;
                     }
                 }

@@ -685,7 +685,7 @@ fn fabric(gpu: &GpuSnapshot, id: &GpuRef, node: &NodeSnapshot) -> CheckResult {
             c,
             id,
             Status::Warn,
-            format!("unknown fabric state {:?}", f.state),
+            format!("unknown fabric state {}", f.state.raw()),
         ),
     }
 }

@@ -81,7 +81,7 @@ fn decide(mode: GpuCheck, report: Report) -> Result<Report, Exit> {
         .iter()
         .filter(|c| matches!(c.status, super::Status::Fail | super::Status::Warn))
     {
-        tracing::warn!(status = ?check.status, "gpu pre-flight: {check}");
+        tracing::warn!(status = check.status.label(), "gpu pre-flight: {check}");
     }
     if mode == GpuCheck::Require && report.verdict() == Verdict::Unhealthy {
         return Err(Exit::new(

@@ -51,7 +51,7 @@ pub enum Status {
 }
 
 impl Status {
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Self::Pass => "PASS",
             Self::Warn => "WARN",
@@ -116,6 +116,15 @@ pub enum Verdict {
 impl Verdict {
     pub fn is_unhealthy(self) -> bool {
         self == Self::Unhealthy
+    }
+
+    /// What the GPUs are, after "GPUs ".
+    fn in_words(self) -> &'static str {
+        match self {
+            Self::Healthy => "healthy",
+            Self::Warnings => "usable, with warnings",
+            Self::Unhealthy => "unhealthy",
+        }
     }
 }
 
@@ -285,7 +294,7 @@ impl Summary {
     pub fn message(&self) -> String {
         let parts: Vec<String> = self.failures.iter().map(ToString::to_string).collect();
         if parts.is_empty() {
-            format!("node {}: GPUs {:?}", self.host, self.verdict)
+            format!("node {}: GPUs {}", self.host, self.verdict.in_words())
         } else {
             format!("node {}: {}", self.host, parts.join("; "))
         }

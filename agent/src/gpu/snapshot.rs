@@ -115,6 +115,17 @@ impl FabricState {
         }
     }
 
+    /// The number NVML gave, for a message about a state muster does not know.
+    pub fn raw(self) -> u8 {
+        match self {
+            Self::NotSupported => 0,
+            Self::NotStarted => 1,
+            Self::InProgress => 2,
+            Self::Completed => 3,
+            Self::Unknown(raw) => raw,
+        }
+    }
+
     /// Still being trained by the fabric manager: worth waiting for.
     pub fn is_initialising(self) -> bool {
         matches!(self, Self::NotStarted | Self::InProgress)

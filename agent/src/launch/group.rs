@@ -551,8 +551,8 @@ async fn stop_strays(
     }
     if !stopped.survivors.is_empty() {
         tracing::error!(
-            "attempt {restart_count}: process(es) {:?} did not die after SIGKILL",
-            stopped.survivors
+            "attempt {restart_count}: {} did not die after SIGKILL",
+            rendezvous::words::counted("process", &stopped.survivors)
         );
     }
     stopped

@@ -904,7 +904,10 @@ async fn gpu_baseline(config: &Config) -> Option<Vec<crate::gpu::release::GpuUse
     if let Ok(Ok(baseline)) = tokio::time::timeout(GPU_BASELINE_TIMEOUT, read).await {
         baseline
     } else {
-        tracing::warn!("NVML did not answer within {GPU_BASELINE_TIMEOUT:?}: no GPU release wait");
+        tracing::warn!(
+            "NVML did not answer within {}: no GPU release wait",
+            rendezvous::words::duration(GPU_BASELINE_TIMEOUT)
+        );
         None
     }
 }

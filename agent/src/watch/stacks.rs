@@ -231,7 +231,8 @@ pub async fn read_faulthandler(
     let threads = parse_faulthandler(&text);
     if threads.is_empty() {
         return Err(ReadError(format!(
-            "faulthandler wrote nothing within {FAULTHANDLER_WAIT:?} (the rank may have replaced the signal's handler)"
+            "faulthandler wrote nothing within {} (the rank may have replaced the signal's handler)",
+            rendezvous::words::duration(FAULTHANDLER_WAIT)
         )));
     }
     Ok(ProcessStacks {

@@ -139,8 +139,9 @@ impl Config {
         if self.keep_alive_interval.is_zero() || self.heartbeat_timeout <= self.keep_alive_interval
         {
             return Err(ConfigError::Invalid(format!(
-                "heartbeat_timeout ({:?}) must be longer than keep_alive_interval ({:?})",
-                self.heartbeat_timeout, self.keep_alive_interval
+                "heartbeat_timeout ({}) must be longer than keep_alive_interval ({})",
+                crate::words::duration(self.heartbeat_timeout),
+                crate::words::duration(self.keep_alive_interval)
             )));
         }
         Ok(rest)

@@ -14,6 +14,7 @@ use tokio::net::TcpStream;
 use tokio::time::{timeout_at, Instant};
 
 use super::protocol::{reply, Request, MAX_KEY_COUNT, MAX_VALUE_LEN, VALIDATION_MAGIC};
+use crate::words;
 
 /// Read deadline of a new client unless [`Client::set_timeout`] changes it.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -25,20 +26,20 @@ const MAX_CONNECT_BACKOFF: Duration = Duration::from_secs(1);
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("cannot connect to the store at {addr} within {timeout:?}: {source}")]
+    #[error("cannot connect to the store at {addr} within {}: {source}", words::duration(*timeout))]
     Connect {
         addr: SocketAddr,
         timeout: Duration,
         #[source]
         source: std::io::Error,
     },
-    #[error("the store at {addr} did not answer {op} within {timeout:?}")]
+    #[error("the store at {addr} did not answer {op} within {}", words::duration(*timeout))]
     Timeout {
         addr: SocketAddr,
         op: &'static str,
         timeout: Duration,
     },
-    #[error("wait for {keys:?} timed out after {timeout:?}")]
+    #[error("wait for {} timed out after {}", words::counted("key", keys), words::duration(*timeout))]
     WaitTimeout {
         keys: Vec<String>,
         timeout: Duration,
@@ -385,7 +386,10 @@ impl Client {
         if u32::from_le_bytes(echo) == nonce {
             Ok(())
         } else {
-            Err(self.protocol(op, format!("ping nonce {echo:?} instead of {nonce}")))
+            Err(self.protocol(
+                op,
+                format!("ping nonce {} instead of {nonce}", u32::from_le_bytes(echo)),
+            ))
         }
     }
 

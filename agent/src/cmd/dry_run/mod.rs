@@ -45,6 +45,7 @@ use tokio::time::Instant;
 
 pub mod chaos;
 pub mod fault;
+pub mod kinds;
 pub mod timeline;
 
 use crate::cli::{self, Parsed};
@@ -198,7 +199,7 @@ fn help_text() -> String {
         } else {
             format!(" {}", flag.value_name)
         };
-        let _ = writeln!(text, "  --{}{value}\n      {}", flag.name, flag.help);
+        let _ = writeln!(text, "  --{}{value}\n      {}", flag.name, flag.help());
     }
     text.push_str(
         "With a fault the dry run prints a timeline at the end (faults, gang stopped, re-formed,\n\
@@ -536,7 +537,10 @@ async fn drive(
         .as_ref()
         .map_or_else(|| codes.clone(), |r| r.counted_codes(&codes));
     let job = stopped_code(job_code(&counted), stopped_by);
-    tracing::info!("muster dry-run: agents exited with {codes:?}; job exit code {job}");
+    tracing::info!(
+        "muster dry-run: {}; job exit code {job}",
+        exit_codes_in_words(&codes)
+    );
     if let Some(mut r) = rehearsal {
         // The agents' last lines (a commit, an abort) are in the channel still.
         while let Ok((at, _, line)) = lines.try_recv() {
@@ -628,6 +632,17 @@ fn exit_code_of(status: std::process::ExitStatus) -> u8 {
         (None, Some(s)) => exit_code::for_signal(s),
         _ => exit_code::INTERNAL_ERROR,
     }
+}
+
+/// `agent 0 exited 0, agent 1 exited 209`: each agent's code by its index (its pod's
+/// `JOB_COMPLETION_INDEX`: a spare's comes after the nodes').
+fn exit_codes_in_words(codes: &[u8]) -> String {
+    let each: Vec<String> = codes
+        .iter()
+        .enumerate()
+        .map(|(index, code)| format!("agent {index} exited {code}"))
+        .collect();
+    each.join(", ")
 }
 
 /// 0 when all agents succeeded; else node 0's code if it failed, else the first failure.
