@@ -51,51 +51,8 @@ pub const NOT_RECOVERED: u8 = exit_code::CHAOS_NOT_RECOVERED;
 /// rehearsed less than asked is not a pass.
 pub const NOT_INJECTED: u8 = exit_code::CHAOS_NOT_INJECTED;
 
-/// A kind of strike.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Kind {
-    KillRank,
-    Kill,
-    Term,
-    StopRank,
-    TwoPods,
-}
-
-impl Kind {
-    /// Every kind, in the order `--chaos-kinds` lists them.
-    pub const ALL: &'static [Kind] = &[
-        Kind::KillRank,
-        Kind::Kill,
-        Kind::Term,
-        Kind::StopRank,
-        Kind::TwoPods,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::KillRank => "kill-rank",
-            Kind::Kill => "kill",
-            Kind::Term => "term",
-            Kind::StopRank => "stop-rank",
-            Kind::TwoPods => "two-pods",
-        }
-    }
-
-    /// What it models.
-    pub fn meaning(self) -> &'static str {
-        match self {
-            Kind::KillRank => "a crashed rank",
-            Kind::Kill => "a lost pod, replaced",
-            Kind::Term => "a preemption",
-            Kind::StopRank => "a frozen rank",
-            Kind::TwoPods => "two pods lost at once, replaced",
-        }
-    }
-
-    fn parse(text: &str) -> Option<Kind> {
-        Kind::ALL.iter().copied().find(|k| k.name() == text.trim())
-    }
-}
+/// A kind of strike: a row of the one table of fault kinds.
+pub use super::kinds::Kind;
 
 /// The chaos flags as given (validated by [`Args::settings`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -137,8 +94,11 @@ impl Default for Settings {
 pub enum ChaosError {
     #[error("--chaos `{0}`: expected SEED or SEED:COUNT (whole numbers, COUNT 1 or more), e.g. 42 or 42:8")]
     Seed(String),
-    #[error("--chaos-kinds `{0}`: expected a comma-separated list of kill-rank, kill, term, stop-rank, two-pods")]
-    Kinds(String),
+    #[error(
+        "--chaos-kinds `{given}`: expected a comma-separated list of {}",
+        kind_list()
+    )]
+    Kinds { given: String },
     #[error("--chaos-interval `{0}`: expected MIN:MAX seconds, MIN above 0 and not above MAX, e.g. 20:40")]
     Interval(String),
     #[error("--chaos-recovery-bound `{0}`: expected a number of seconds above 0")]
@@ -149,6 +109,12 @@ pub enum ChaosError {
         "--chaos with --fault: a rehearsal is either the faults you name or a seeded schedule"
     )]
     WithFaults,
+}
+
+/// `kill-rank, kill, term, stop-rank, two-pods`: every kind in the order chaos draws from.
+pub fn kind_list() -> String {
+    let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+    names.join(", ")
 }
 
 fn seconds(text: &str) -> Option<Duration> {
@@ -190,7 +156,9 @@ impl Args {
             Some(text) => {
                 let mut kinds = Vec::new();
                 for name in text.split(',') {
-                    let kind = Kind::parse(name).ok_or_else(|| ChaosError::Kinds(text.clone()))?;
+                    let kind = Kind::parse(name).ok_or_else(|| ChaosError::Kinds {
+                        given: text.clone(),
+                    })?;
                     if !kinds.contains(&kind) {
                         kinds.push(kind);
                     }

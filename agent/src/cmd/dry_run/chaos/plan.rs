@@ -13,7 +13,8 @@ use std::time::Duration;
 
 use super::rng::SplitMix64;
 use super::{Kind, Settings};
-use crate::cmd::dry_run::fault::{self, Fault};
+use crate::cmd::dry_run::fault::Fault;
+use crate::cmd::dry_run::kinds::Target;
 
 /// One strike of the schedule: one fault, or two at once (`two-pods`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,10 +32,7 @@ pub struct Strike {
 impl Strike {
     /// What it hits: `node 2`, `nodes 0 and 2`, `rank 3`.
     pub fn target(&self) -> String {
-        let what = match self.kind {
-            Kind::KillRank | Kind::StopRank => "rank",
-            _ => "node",
-        };
+        let what = self.kind.target().noun();
         match self.faults.as_slice() {
             [one] => format!("{what} {}", one.target),
             [a, b] => format!("{what}s {} and {}", a.target, b.target),
@@ -84,16 +82,19 @@ pub fn plan(settings: &Settings, nnodes: u32, world: u32) -> Vec<Strike> {
         let kind = kinds[usize::try_from(rng.below(kinds.len() as u64)).unwrap_or(0)];
         let pick =
             |rng: &mut SplitMix64, n: u32| u32::try_from(rng.below(u64::from(n))).unwrap_or(0);
-        let one = |kind: fault::Kind, target: u32| Fault { kind, target, at };
+        let one = |kind: Kind, target: u32| Fault { kind, target, at };
         let faults = match kind {
-            Kind::KillRank => vec![one(fault::Kind::KillRank, pick(&mut rng, world))],
-            Kind::StopRank => vec![one(fault::Kind::StopRank, pick(&mut rng, world))],
-            Kind::Kill => vec![one(fault::Kind::Kill, pick(&mut rng, nnodes))],
-            Kind::Term => vec![one(fault::Kind::Term, pick(&mut rng, nnodes))],
             Kind::TwoPods => {
                 let a = pick(&mut rng, nnodes);
                 let b = (a + 1 + pick(&mut rng, nnodes - 1)) % nnodes;
-                vec![one(fault::Kind::Kill, a), one(fault::Kind::Kill, b)]
+                vec![one(Kind::Kill, a), one(Kind::Kill, b)]
+            }
+            single => {
+                let of = match single.target() {
+                    Target::Rank => world,
+                    Target::Node => nnodes,
+                };
+                vec![one(single, pick(&mut rng, of))]
             }
         };
         strikes.push(Strike {
@@ -140,7 +141,10 @@ mod tests {
             assert!(strike.gap >= Duration::from_secs(10) && strike.gap <= Duration::from_secs(20));
             seen.insert(strike.kind);
             for f in &strike.faults {
-                assert!(fault::spec::check(f, 3, 6).is_ok(), "{f}");
+                assert!(
+                    crate::cmd::dry_run::fault::spec::check(f, 3, 6).is_ok(),
+                    "{f}"
+                );
             }
             if strike.kind == Kind::TwoPods {
                 assert_ne!(strike.faults[0].target, strike.faults[1].target);
@@ -161,12 +165,12 @@ mod tests {
             gap: Duration::from_millis(12_500),
             faults: vec![
                 Fault {
-                    kind: fault::Kind::Kill,
+                    kind: Kind::Kill,
                     target: 2,
                     at: Duration::ZERO,
                 },
                 Fault {
-                    kind: fault::Kind::Kill,
+                    kind: Kind::Kill,
                     target: 0,
                     at: Duration::ZERO,
                 },

@@ -9,6 +9,7 @@ use std::ffi::OsString;
 use super::spec::{self, SpecError};
 use super::Options;
 use crate::cli::lowargs::{Kind as FlagKind, FLAGS};
+use crate::cmd::dry_run::{chaos, kinds};
 
 /// A flag of `muster dry-run` itself, for its `--help` and the docs check.
 #[derive(Debug)]
@@ -17,7 +18,17 @@ pub struct DryRunFlag {
     pub name: &'static str,
     /// Empty for a switch (a flag without a value).
     pub value_name: &'static str,
-    pub help: &'static str,
+    /// Read through [`DryRunFlag::help`]: `{fault kinds}` and `{chaos kinds}` stand for the
+    /// lists of the fault kind table ([`crate::cmd::dry_run::kinds`]).
+    help: &'static str,
+}
+
+impl DryRunFlag {
+    pub fn help(&self) -> String {
+        self.help
+            .replace("{fault kinds}", &kinds::fault_help_list())
+            .replace("{chaos kinds}", &chaos::kind_list())
+    }
 }
 
 /// The flags only `muster dry-run` has.
@@ -26,10 +37,8 @@ pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
         name: "fault",
         value_name: "KIND:TARGET@SECS",
         help:
-            "Inject a failure (repeatable): kill:NODE (SIGKILL that agent), term:NODE (SIGTERM it: \
-               the checkpoint barrier), kill-rank:RANK (SIGKILL that worker); SECS count from the \
-               first worker output after every worker of the first generation joined its process \
-               group",
+            "Inject a failure (repeatable): {fault kinds}; SECS count from the first worker output \
+               after every worker of the first generation joined its process group",
     },
     DryRunFlag {
         name: "replace-after",
@@ -57,8 +66,7 @@ pub const DRY_RUN_FLAGS: &[DryRunFlag] = &[
     DryRunFlag {
         name: "chaos-kinds",
         value_name: "LIST",
-        help: "The kinds of strike to draw from (comma-separated): kill-rank, kill, term, \
-               stop-rank, two-pods (default: all)",
+        help: "The kinds of strike to draw from (comma-separated): {chaos kinds} (default: all)",
     },
     DryRunFlag {
         name: "chaos-interval",
@@ -291,7 +299,7 @@ mod tests {
         );
         assert!(matches!(
             split(&os(&["--fault", "boom", "x.py"])),
-            Err(SpecError::Shape(_))
+            Err(SpecError::Shape { .. })
         ));
     }
 

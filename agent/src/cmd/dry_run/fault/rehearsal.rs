@@ -11,8 +11,9 @@ use tokio::time::Instant;
 
 use super::procs::{self, Worker};
 use super::schedule::{Due, Schedule};
-use super::spec::{Fault, Kind, STOP_HOLD};
+use super::spec::{Fault, STOP_HOLD};
 use super::Options;
+use crate::cmd::dry_run::kinds::Target;
 use crate::cmd::dry_run::timeline::{Entry, Timeline};
 use crate::exit_code;
 use crate::launch::config::LogFormat;
@@ -91,18 +92,14 @@ impl Rehearsal {
         workers: &[Worker],
     ) -> bool {
         let fault = *fault;
-        let entry = match fault.kind {
-            Kind::Kill | Kind::Term => {
-                let signal = if fault.kind == Kind::Kill {
-                    Signal::SIGKILL
-                } else {
-                    Signal::SIGTERM
-                };
+        let signal = fault.kind.def().signal;
+        let entry = match fault.kind.target() {
+            Target::Node => {
                 let node = fault.target;
                 match agents.get(node as usize).copied().flatten() {
                     Some(pid) => match kill(pid, signal) {
                         Ok(()) => {
-                            if fault.kind == Kind::Kill && !self.schedule.killed(node, now) {
+                            if signal == Signal::SIGKILL && !self.schedule.killed(node, now) {
                                 self.mark_lost(node);
                             }
                             Entry::FaultHit {
@@ -121,18 +118,13 @@ impl Rehearsal {
                     },
                 }
             }
-            Kind::KillRank | Kind::StopRank => {
+            Target::Rank => {
                 let Some(worker) = workers.iter().find(|w| w.rank == Some(fault.target)) else {
                     return false;
                 };
-                let signal = if fault.kind == Kind::KillRank {
-                    Signal::SIGKILL
-                } else {
-                    Signal::SIGSTOP
-                };
                 match kill(Pid::from_raw(worker.pid), signal) {
                     Ok(()) => {
-                        let hold = if fault.kind == Kind::StopRank {
+                        let hold = if signal == Signal::SIGSTOP {
                             self.stopped.push((now + STOP_HOLD, worker.id()));
                             format!(", SIGCONT in {} s", STOP_HOLD.as_secs())
                         } else {

@@ -4,45 +4,13 @@
 use std::fmt;
 use std::time::Duration;
 
-/// What a fault does to its target.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    /// `kill:NODE`: SIGKILL that node's agent (its workers die with it), as a lost pod or node.
-    Kill,
-    /// `term:NODE`: SIGTERM that node's agent, as a preemption: the checkpoint barrier runs.
-    Term,
-    /// `kill-rank:RANK`: SIGKILL the worker with that global rank, as a crashed rank.
-    KillRank,
-    /// `stop-rank:RANK`: SIGSTOP the worker with that global rank for [`STOP_HOLD`], then
-    /// SIGCONT it, as a rank frozen by a stuck driver call or a swapping node: a `--hang-timeout`
-    /// below the hold makes the hang watch restart the gang first.
-    StopRank,
-}
+pub use crate::cmd::dry_run::kinds::Kind;
+use crate::cmd::dry_run::kinds::{self, Target};
 
 /// How long `stop-rank` keeps its worker stopped before it sends SIGCONT: longer than the
 /// few-second `--hang-timeout` a rehearsal uses, far shorter than the default (`auto`), so both
 /// outcomes can be rehearsed.
 pub const STOP_HOLD: Duration = Duration::from_secs(8);
-
-impl Kind {
-    /// The spelling in a spec.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::Kill => "kill",
-            Kind::Term => "term",
-            Kind::KillRank => "kill-rank",
-            Kind::StopRank => "stop-rank",
-        }
-    }
-
-    /// What the target number is: a node rank, or a global worker rank.
-    fn target_name(self) -> &'static str {
-        match self {
-            Kind::Kill | Kind::Term => "node",
-            Kind::KillRank | Kind::StopRank => "rank",
-        }
-    }
-}
 
 /// One parsed `--fault`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,14 +40,19 @@ impl fmt::Display for Fault {
 /// shows the form that would have been accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SpecError {
+    #[error("--fault `{spec}`: expected KIND:TARGET@SECS, e.g. {}", examples())]
+    Shape { spec: String },
     #[error(
-        "--fault `{0}`: expected KIND:TARGET@SECS, e.g. kill:0@15, term:1@10, kill-rank:3@20 or stop-rank:1@30"
-    )]
-    Shape(String),
-    #[error(
-        "--fault `{spec}`: unknown kind `{kind}` (expected kill, term, kill-rank or stop-rank)"
+        "--fault `{spec}`: unknown kind `{kind}` (expected {})",
+        kinds::names(kinds::fault_kinds())
     )]
     Kind { spec: String, kind: String },
+    #[error("--fault `{spec}`: `{kind}` is a --chaos-kinds kind; as a --fault, name its faults, e.g. {example}")]
+    ChaosOnly {
+        spec: String,
+        kind: &'static str,
+        example: &'static str,
+    },
     #[error("--fault `{spec}`: the {what} must be a whole number, not `{value}`")]
     Target {
         spec: String,
@@ -106,6 +79,11 @@ pub enum SpecError {
     MissingValue { flag: &'static str },
 }
 
+/// `kill:0@15, term:1@10, kill-rank:3@20 or stop-rank:1@30`.
+fn examples() -> String {
+    kinds::one_of(&kinds::fault_kinds().map(|d| d.example).collect::<Vec<_>>())
+}
+
 /// Parses a number of seconds (`15`, `2.5`, `0`), in the one syntax and range of every duration
 /// setting ([`rendezvous::seconds`]).
 pub fn parse_seconds(text: &str) -> Option<Duration> {
@@ -114,28 +92,36 @@ pub fn parse_seconds(text: &str) -> Option<Duration> {
 
 /// Parses `KIND:TARGET@SECS`.
 pub fn parse(spec: &str) -> Result<Fault, SpecError> {
-    let shape = || SpecError::Shape(spec.to_owned());
+    let shape = || SpecError::Shape {
+        spec: spec.to_owned(),
+    };
     let (kind, rest) = spec.split_once(':').ok_or_else(shape)?;
     let (target, at) = rest.split_once('@').ok_or_else(shape)?;
     let kind = match kind.trim() {
-        "kill" => Kind::Kill,
-        "term" => Kind::Term,
-        "kill-rank" => Kind::KillRank,
-        "stop-rank" => Kind::StopRank,
         "" => return Err(shape()),
-        other => {
-            return Err(SpecError::Kind {
-                spec: spec.to_owned(),
-                kind: other.to_owned(),
-            })
-        }
+        name => match Kind::parse(name) {
+            Some(kind) if kind.def().fault_flag => kind,
+            Some(kind) => {
+                return Err(SpecError::ChaosOnly {
+                    spec: spec.to_owned(),
+                    kind: kind.name(),
+                    example: kind.def().example,
+                })
+            }
+            None => {
+                return Err(SpecError::Kind {
+                    spec: spec.to_owned(),
+                    kind: name.to_owned(),
+                })
+            }
+        },
     };
     let target = target
         .trim()
         .parse::<u32>()
         .map_err(|_| SpecError::Target {
             spec: spec.to_owned(),
-            what: kind.target_name(),
+            what: kind.target().noun(),
             value: target.to_owned(),
         })?;
     let at = parse_seconds(at).ok_or_else(|| SpecError::Time {
@@ -149,13 +135,13 @@ pub fn parse(spec: &str) -> Result<Fault, SpecError> {
 /// workers the job can have).
 pub fn check(fault: &Fault, nnodes: u32, world: u32) -> Result<(), SpecError> {
     let spec = fault.to_string();
-    match fault.kind {
-        Kind::Kill | Kind::Term if fault.target >= nnodes => Err(SpecError::NoSuchNode {
+    match fault.kind.target() {
+        Target::Node if fault.target >= nnodes => Err(SpecError::NoSuchNode {
             spec,
             node: fault.target,
             nnodes,
         }),
-        Kind::KillRank | Kind::StopRank if fault.target >= world => Err(SpecError::NoSuchRank {
+        Target::Rank if fault.target >= world => Err(SpecError::NoSuchRank {
             spec,
             rank: fault.target,
             world,
@@ -210,9 +196,24 @@ mod tests {
 
     #[test]
     fn bad_specs_say_what_is_wrong() {
-        assert_eq!(parse("kill:0"), Err(SpecError::Shape("kill:0".into())));
-        assert_eq!(parse("kill@3"), Err(SpecError::Shape("kill@3".into())));
-        assert_eq!(parse(":0@3"), Err(SpecError::Shape(":0@3".into())));
+        assert_eq!(
+            parse("kill:0"),
+            Err(SpecError::Shape {
+                spec: "kill:0".into()
+            })
+        );
+        assert_eq!(
+            parse("kill@3"),
+            Err(SpecError::Shape {
+                spec: "kill@3".into()
+            })
+        );
+        assert_eq!(
+            parse(":0@3"),
+            Err(SpecError::Shape {
+                spec: ":0@3".into()
+            })
+        );
         assert_eq!(
             parse("stop:0@3"),
             Err(SpecError::Kind {
