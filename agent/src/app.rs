@@ -38,8 +38,8 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     for warning in &config.warnings {
         tracing::warn!("{warning}");
     }
-    if let Some(slurm) = &config.slurm {
-        tracing::info!("{slurm}");
+    if let Some(summary) = &config.scheduler.summary {
+        tracing::info!("{summary}");
     }
     let shutdown = CancellationToken::new();
     let metrics = Metrics::new();
@@ -298,12 +298,12 @@ fn watch_stragglers(
         .with_leave(leave)
 }
 
-/// Under Slurm every process of the step gets Slurm's signals: the ranks that take part in the
+/// Where the scheduler signals every process (a Slurm step), the ranks that take part in the
 /// checkpoint barrier are told to hold the `checkpoint` signals unless the agent marked the stop
 /// as its own ([`crate::launch::stop_mark`]); without a private directory for the mark, nothing
 /// is held (today's behaviour, said once).
 fn hold_foreign_signals(launch: Launch, preemption: &Preemption) -> Launch {
-    if launch.config().slurm.is_none() {
+    if !launch.config().scheduler.signals_every_process {
         return launch;
     }
     let held: Vec<String> = launch

@@ -633,7 +633,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         network_check,
         hang,
         auto_step_reports,
-        slurm: None,
+        scheduler: crate::cli::scheduler::Behaviour::default(),
         straggler,
     })
 }

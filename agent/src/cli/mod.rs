@@ -5,7 +5,7 @@
 
 pub mod hiargs;
 pub mod lowargs;
-pub mod slurm;
+pub mod scheduler;
 
 use std::ffi::OsString;
 use std::path::Path;
@@ -23,12 +23,12 @@ pub fn parse(args: &[OsString]) -> Result<Parsed, hiargs::ConfigError> {
         return Ok(Parsed::Version);
     }
     let mut low = low;
-    let slurm = slurm::apply(&mut low, &env, &slurm::Lookup::system())
-        .map_err(|e| hiargs::ConfigError(e.to_string()))?;
-    // In a Slurm step `gpu`/`auto` count the GPUs Slurm gave the step, not the device nodes
-    // (which a node shows whatever the step was given).
-    let slurm_gpus = slurm.as_ref().and_then(|s| s.gpus).map(|(n, _)| n);
-    let gpu_count = || slurm_gpus.unwrap_or_else(crate::gpu::gpu_count);
+    let scheduler =
+        scheduler::detect(&mut low, &env).map_err(|e| hiargs::ConfigError(e.to_string()))?;
+    // `gpu`/`auto` count the GPUs the scheduler gave this node when it says (a Slurm step), not
+    // the device nodes (which a node shows whatever the step was given).
+    let scheduler_gpus = scheduler.gpus();
+    let gpu_count = || scheduler_gpus.unwrap_or_else(crate::gpu::gpu_count);
     let probe = hiargs::Probe {
         gpu_count: &gpu_count,
         cpu_count: &hiargs::cpu_count,
@@ -36,7 +36,7 @@ pub fn parse(args: &[OsString]) -> Result<Parsed, hiargs::ConfigError> {
         is_file: &|p: &Path| p.is_file(),
     };
     let mut config = hiargs::build(&low, &probe)?;
-    config.slurm = slurm.map(|s| s.summary);
+    config.scheduler = scheduler.behaviour();
     Ok(Parsed::Launch(Box::new(config)))
 }
 

@@ -303,11 +303,9 @@ pub struct Config {
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
     /// scripts that do not use the helper (`python/muster_autoreport.py`).
     pub auto_step_reports: bool,
-    /// The Slurm job this launch runs in: one line saying where each value of the job's shape
-    /// came from (logged at INFO). `Some` also tells the ranks to hold a `checkpoint` signal that
-    /// did not come from the agent ([`crate::slurm::HOLD_ENV`]), since Slurm signals every
-    /// process of the step, and makes a lost store host final (no replacement comes in a step).
-    pub slurm: Option<String>,
+    /// What the scheduler that started this agent does (`cli::scheduler`): whether a
+    /// lost node comes back, whether it signals every process, the node's index.
+    pub scheduler: SchedulerBehaviour,
     /// `--straggler-threshold`, `--straggler-action`, `--straggler-interval`.
     pub straggler: crate::watch::straggler::Settings,
 }
@@ -373,8 +371,43 @@ impl Config {
             network_check: crate::netcheck::Settings::default_for(1),
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
-            slurm: None,
+            scheduler: SchedulerBehaviour::default(),
             straggler: crate::watch::straggler::Settings::default(),
+        }
+    }
+}
+
+/// What the scheduler that started the agent does that the agent must know
+/// (`cli::scheduler` says which one it is).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerBehaviour {
+    /// Its name, for messages.
+    pub name: &'static str,
+    /// One line saying where the job's shape came from, logged at INFO at start.
+    pub summary: Option<String>,
+    /// Whether a lost node comes back (a Job recreates a failed pod; Slurm never restarts a
+    /// task of a running step, so a gang below its minimum ends at once instead of waiting out
+    /// the join timeout, and a lost store host is final).
+    pub replaces_lost_nodes: bool,
+    /// Whether the scheduler signals every process of the node (Slurm's preemption and
+    /// `scancel` do), so that the ranks must hold a `checkpoint` signal the agent did not send
+    /// ([`crate::slurm::HOLD_ENV`]).
+    pub signals_every_process: bool,
+    /// The node's index as the scheduler numbers its pods or tasks (Kubernetes'
+    /// `JOB_COMPLETION_INDEX`), a source of its node rank.
+    pub node_index: Option<String>,
+}
+
+/// A pod of a Job, or a process started by hand: lost nodes come back, only the agent signals
+/// the ranks, no index (`cli::scheduler::kubernetes` with no `JOB_COMPLETION_INDEX`).
+impl Default for SchedulerBehaviour {
+    fn default() -> Self {
+        Self {
+            name: "kubernetes",
+            summary: None,
+            replaces_lost_nodes: true,
+            signals_every_process: false,
+            node_index: None,
         }
     }
 }

@@ -124,9 +124,9 @@ impl GangRendezvous {
         let mut cfg = rdzv::Config::new(&config.run_id, config.nnodes.min, config.nnodes.max);
         cfg.max_restarts = config.max_restarts;
         cfg.node_unit = config.node_unit;
-        if config.slurm.is_some() {
-            // Slurm never restarts a task of a running step: a gang below its minimum ends now
-            // instead of waiting out the join timeout for a replacement.
+        if !config.scheduler.replaces_lost_nodes {
+            // No replacement comes (a Slurm step never restarts a task): a gang below its
+            // minimum ends now instead of waiting out the join timeout for one.
             cfg.unreplaceable_loss = Some(exit_code::RENDEZVOUS_TIMEOUT);
         }
         let conf: String = config
@@ -153,7 +153,7 @@ impl GangRendezvous {
         let endpoint_text = config.rdzv_endpoint_text();
         let endpoint = discovery::parse_endpoint(&endpoint_text).map_err(|e| cfg_err(&e))?;
         let flag = config.node_rank_given.then(|| config.node_rank.to_string());
-        let index = std::env::var("JOB_COMPLETION_INDEX").ok();
+        let index = config.scheduler.node_index.clone();
         let (claimed_rank, rank_source) =
             identity::node_rank(flag.as_deref(), index.as_deref(), &crate::host::name())
                 .map_err(|e| cfg_err(&e))?;
@@ -194,7 +194,7 @@ impl GangRendezvous {
             recovering: None,
             host_loss: Arc::default(),
             cause: None,
-            host_replaceable: config.slurm.is_none(),
+            host_replaceable: config.scheduler.replaces_lost_nodes,
             spare_hosts: rendezvous::rdzv::driver::SpareHosts::default(),
             loopback_endpoint: false,
             give_up: None,

@@ -15,7 +15,7 @@
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use super::lowargs::{LowArgs, RawValue, Source};
+use crate::cli::lowargs::{LowArgs, RawValue, Source};
 use crate::slurm::{conf, hostlist};
 
 use crate::slurm::DEFAULT_PORT;
@@ -27,6 +27,24 @@ pub struct Applied {
     pub summary: String,
     /// GPUs Slurm gave this step on this node (`--nproc-per-node gpu|auto`), and from where.
     pub gpus: Option<(u32, &'static str)>,
+}
+
+/// A Slurm step never restarts a lost task, and its preemption and `scancel` signal every
+/// process of the step.
+impl crate::cli::scheduler::Scheduler for Applied {
+    fn behaviour(&self) -> crate::cli::scheduler::Behaviour {
+        crate::cli::scheduler::Behaviour {
+            name: "slurm",
+            summary: Some(self.summary.clone()),
+            replaces_lost_nodes: false,
+            signals_every_process: true,
+            node_index: None,
+        }
+    }
+
+    fn gpus(&self) -> Option<u32> {
+        self.gpus.map(|(n, _)| n)
+    }
 }
 
 /// Why the Slurm environment cannot be used: a configuration error (exit 202).
