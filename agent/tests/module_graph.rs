@@ -12,6 +12,12 @@
 //! inline module, and test code may reach across layers. An edge `a → b` is any reference from a
 //! file of `a` to a name `b` that is a top-level module; the test fails on the first cycle found,
 //! printing it.
+//!
+//! The same holds one level down, inside each room: the modules of `launch/` (`launch/group.rs`,
+//! `launch/summary.rs`, …) may not import each other in a circle either. There an edge
+//! `launch::a → launch::b` is any reference from a file under `launch/a` to `crate::launch::b`
+//! or, relative to the file, `super::b`; the room's own `mod.rs` (which declares and re-exports
+//! its modules) is no node, as the crate root is none above.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -251,6 +257,140 @@ fn ident(text: &str) -> Option<String> {
     (end > 0).then(|| text[..end].to_owned())
 }
 
+/// The paths referenced in `code`, resolved against the file's module path and cut to their
+/// first two segments: `crate::launch::group::x` and, from `launch/summary.rs`,
+/// `super::group::x` are both `[launch, group]`.
+fn referenced_pairs(code: &str, module: &[String]) -> BTreeSet<Vec<String>> {
+    let bytes = code.as_bytes();
+    let mut found = BTreeSet::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        let starts_word = i == 0 || !(is_ident_byte(bytes[i - 1]) || bytes[i - 1] == b'$');
+        let rest = &code[i..];
+        let (base, consumed): (Vec<String>, usize) = if starts_word && rest.starts_with("crate::") {
+            (Vec::new(), "crate::".len())
+        } else if starts_word && rest.starts_with("super::") {
+            let mut depth = 0;
+            let mut len = 0;
+            while code[i + len..].starts_with("super::") {
+                depth += 1;
+                len += "super::".len();
+            }
+            let keep = module.len().saturating_sub(depth);
+            (module[..keep].to_vec(), len)
+        } else {
+            i += 1;
+            continue;
+        };
+        i += consumed;
+        for tail in path_heads(&code[i..], 2usize.saturating_sub(base.len())) {
+            let mut path = base.clone();
+            path.extend(tail);
+            path.truncate(2);
+            found.insert(path);
+        }
+    }
+    found
+}
+
+/// The paths at the start of `text`, each cut to `want` segments: `a::b::c` → `[a, b]`;
+/// `a::{b, c::d}` → `[a, b]`, `[a, c]`; `{a, b}` → `[a]`, `[b]`.
+fn path_heads(text: &str, want: usize) -> Vec<Vec<String>> {
+    if want == 0 {
+        return vec![Vec::new()];
+    }
+    let text = text.trim_start();
+    if let Some(group) = text.strip_prefix('{') {
+        let mut depth = 0usize;
+        let mut items = Vec::new();
+        let mut start = 0;
+        for (i, c) in group.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' if depth == 0 => {
+                    items.push(&group[start..i]);
+                    break;
+                }
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    items.push(&group[start..i]);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        return items
+            .into_iter()
+            .flat_map(|item| path_heads(item, want))
+            .filter(|p| p.first().is_some_and(|first| first != "self"))
+            .collect();
+    }
+    let Some(first) = ident(text) else {
+        return Vec::new();
+    };
+    let after = &text[first.len()..];
+    match after.strip_prefix("::") {
+        Some(rest) if want > 1 => {
+            let deeper = path_heads(rest, want - 1);
+            if deeper.is_empty() {
+                return vec![vec![first]];
+            }
+            deeper
+                .into_iter()
+                .map(|mut tail| {
+                    tail.insert(0, first.clone());
+                    tail
+                })
+                .collect()
+        }
+        _ => vec![vec![first]],
+    }
+}
+
+/// Room → (its module → the modules of the same room it references), for every top-level
+/// module that is a directory of modules.
+fn room_graphs() -> BTreeMap<String, BTreeMap<String, BTreeSet<String>>> {
+    let src = src_dir();
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    files.sort();
+    let paths: Vec<(PathBuf, Vec<String>)> = files
+        .iter()
+        .filter_map(|f| Some((f.clone(), module_path(f.strip_prefix(&src).ok()?))))
+        .collect();
+    let mut children: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (_, module) in &paths {
+        if let [room, child, ..] = module.as_slice() {
+            children
+                .entry(room.clone())
+                .or_default()
+                .insert(child.clone());
+        }
+    }
+    let mut rooms: BTreeMap<String, BTreeMap<String, BTreeSet<String>>> = BTreeMap::new();
+    for (file, module) in &paths {
+        let [room, child, ..] = module.as_slice() else {
+            continue;
+        };
+        let siblings = &children[room];
+        let text = std::fs::read_to_string(file).unwrap_or_default();
+        let code = without_inline_tests(&strip(&text));
+        let targets = rooms
+            .entry(room.clone())
+            .or_default()
+            .entry(child.clone())
+            .or_default();
+        for path in referenced_pairs(&code, module) {
+            if let [r, target] = path.as_slice() {
+                if r == room && target != child && siblings.contains(target) {
+                    targets.insert(target.clone());
+                }
+            }
+        }
+    }
+    rooms
+}
+
 /// Top-level module → the top-level modules it references.
 fn graph() -> BTreeMap<String, BTreeSet<String>> {
     let src = src_dir();
@@ -354,6 +494,24 @@ fn the_top_level_modules_form_no_cycle() {
 }
 
 #[test]
+fn the_modules_inside_each_room_form_no_cycle() {
+    let rooms = room_graphs();
+    assert!(
+        rooms.get("launch").is_some_and(|m| m.len() > 5),
+        "too few modules found in launch/: {rooms:?}"
+    );
+    for (room, edges) in &rooms {
+        if let Some(cycle) = find_cycle(edges) {
+            panic!(
+                "import cycle inside {room}/: {}\nthe room's graph:\n{}",
+                cycle.join(" → "),
+                describe(edges)
+            );
+        }
+    }
+}
+
+#[test]
 fn only_the_composition_root_imports_metrics() {
     let edges = graph();
     let importers: Vec<&String> = edges
@@ -403,6 +561,30 @@ fn the_checker_sees_paths_the_way_rustc_does() {
     assert_eq!(
         refs(&code, "x.rs"),
         BTreeSet::from(["a".to_owned(), "c".to_owned()])
+    );
+    let pairs = |code: &str, file: &str| referenced_pairs(&strip(code), &module(file));
+    let pair = |a: &str, b: &str| vec![a.to_owned(), b.to_owned()];
+    assert_eq!(
+        pairs("use super::gang_cause::GangCause;", "launch/summary.rs"),
+        BTreeSet::from([pair("launch", "gang_cause")])
+    );
+    assert_eq!(
+        pairs(
+            "use crate::launch::{group::Worker, summary};",
+            "launch/x.rs"
+        ),
+        BTreeSet::from([pair("launch", "group"), pair("launch", "summary")])
+    );
+    assert_eq!(
+        pairs(
+            "use super::{hang::{Phase, Stall}, cgroup};",
+            "watch/startup.rs"
+        ),
+        BTreeSet::from([pair("watch", "hang"), pair("watch", "cgroup")])
+    );
+    assert_eq!(
+        pairs("fn f() { crate::exit_code::HUNG }", "launch/x.rs"),
+        BTreeSet::from([pair("exit_code", "HUNG")])
     );
     let cyclic = BTreeMap::from([
         ("a".to_owned(), BTreeSet::from(["b".to_owned()])),

@@ -72,7 +72,7 @@ impl PostedFailure {
             (Some(hang), _, _) => Some(format!("hung: {}", hang.describe())),
             (None, Some(m), _) => Some(m.clone()),
             (None, None, Some(line)) => Some(line.clone()),
-            (None, None, None) => super::summary::oom_line(f),
+            (None, None, None) => f.oom_line(),
         };
         Self {
             node_rank,

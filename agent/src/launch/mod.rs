@@ -127,6 +127,24 @@ pub struct Failure {
 }
 
 impl Failure {
+    /// "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)".
+    pub fn oom_line(&self) -> Option<String> {
+        let limit = self.oom_killed?;
+        let limit = limit.map_or_else(
+            || "no container memory limit: the node ran out".to_owned(),
+            |b| {
+                format!(
+                    "container memory limit {}",
+                    crate::watch::cgroup::human_bytes(b)
+                )
+            },
+        );
+        Some(format!(
+            "rank {} was killed by the kernel OOM killer ({limit})",
+            self.rank
+        ))
+    }
+
     /// The agent's exit code for this failure: [`exit_code::HUNG`] for a hung rank, else the
     /// worker's own code (or 128+signal).
     pub fn exit_code(&self) -> u8 {

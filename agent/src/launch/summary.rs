@@ -60,7 +60,7 @@ pub fn render(failure: &Failure, attempts: u32) -> String {
         failure.pid
     );
     let _ = writeln!(out, "muster:   {}", failure.status);
-    if let Some(line) = oom_line(failure) {
+    if let Some(line) = failure.oom_line() {
         let _ = writeln!(out, "muster:   {line}");
     }
     match &failure.message {
@@ -206,26 +206,9 @@ pub fn render_gang_json(
 /// The restart warning's account of the failed rank: the OOM killer's kill named as such, else
 /// "rank 3 failed (signal SIGSEGV (11))".
 pub fn restart_reason(failure: &Failure) -> String {
-    oom_line(failure)
+    failure
+        .oom_line()
         .unwrap_or_else(|| format!("rank {} failed ({})", failure.rank, failure.status))
-}
-
-/// "rank 3 was killed by the kernel OOM killer (container memory limit 8.0 GiB)".
-pub(super) fn oom_line(failure: &Failure) -> Option<String> {
-    let limit = failure.oom_killed?;
-    let limit = limit.map_or_else(
-        || "no container memory limit: the node ran out".to_owned(),
-        |b| {
-            format!(
-                "container memory limit {}",
-                crate::watch::cgroup::human_bytes(b)
-            )
-        },
-    );
-    Some(format!(
-        "rank {} was killed by the kernel OOM killer ({limit})",
-        failure.rank
-    ))
 }
 
 /// The summary of a hung attempt: node, rank, last step, seconds without progress, the
@@ -385,7 +368,7 @@ pub fn render_json(
         .as_deref()
         .and_then(|m| m.lines().next())
         .or(failure.exception_line.as_deref());
-    if let Some(oom) = oom_line(failure) {
+    if let Some(oom) = failure.oom_line() {
         msg.push_str(": ");
         msg.push_str(&oom);
     }

@@ -13,6 +13,37 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+/// Default `--startup-timeout`: 5 minutes, a sixth of torch's 30-minute default store and
+/// process-group timeout. Process groups of thousands of ranks form within a minute or two;
+/// a rank stuck longer than this is stuck.
+pub const DEFAULT_STARTUP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Where a rank is stuck before its first step (the startup watch, [`super::startup`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Inside `init_process_group`, or (for the culprit) not yet in it while peers wait there.
+    Init,
+    /// Its group formed, no step reported while its peers step.
+    FirstStep,
+}
+
+impl Phase {
+    pub fn describe(self) -> &'static str {
+        match self {
+            Phase::Init => "has not formed its process group (init_process_group)",
+            Phase::FirstStep => "reported no first step while its peers step",
+        }
+    }
+
+    /// The place a [`crate::watch::Hang`] names (its `section`).
+    pub fn place(self) -> &'static str {
+        match self {
+            Phase::Init => "init_process_group",
+            Phase::FirstStep => "before its first step",
+        }
+    }
+}
+
 /// Steps a rank reports before `auto` watches it: the first steps (compilation, warm-up, the
 /// first data loader fill) say nothing about the period.
 pub const AUTO_MIN_STEPS: u64 = 5;
@@ -88,7 +119,7 @@ impl Default for Policy {
         Self {
             timeout: HangTimeout::Auto,
             section_timeout: DEFAULT_SECTION_TIMEOUT,
-            startup_timeout: Some(crate::watch::startup::DEFAULT_TIMEOUT),
+            startup_timeout: Some(DEFAULT_STARTUP_TIMEOUT),
         }
     }
 }
@@ -163,7 +194,7 @@ pub struct Stall {
     /// The open section it is stuck in, if any.
     pub section: Option<String>,
     /// Stuck before its first step (`--startup-timeout`), and where.
-    pub startup: Option<crate::watch::startup::Phase>,
+    pub startup: Option<Phase>,
     /// It was not stalled but working (its stack moved, it ran forward passes) without a step
     /// while its peers waited for it: `stalled` counts from its last step.
     pub working: bool,

@@ -19,38 +19,10 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+// The startup watch builds on the hang watch's view of the ranks; the stall phase and the
+// default limit live there too, so that the two never import each other.
 use super::hang::{pick_culprit, RankView, Stall, Waiting};
-
-/// Default `--startup-timeout`: 5 minutes, a sixth of torch's 30-minute default store and
-/// process-group timeout. Process groups of thousands of ranks form within a minute or two;
-/// a rank stuck longer than this is stuck.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
-
-/// Where a rank is stuck before its first step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// Inside `init_process_group`, or (for the culprit) not yet in it while peers wait there.
-    Init,
-    /// Its group formed, no step reported while its peers step.
-    FirstStep,
-}
-
-impl Phase {
-    pub fn describe(self) -> &'static str {
-        match self {
-            Phase::Init => "has not formed its process group (init_process_group)",
-            Phase::FirstStep => "reported no first step while its peers step",
-        }
-    }
-
-    /// The place a [`super::Hang`] names (its `section`).
-    pub fn place(self) -> &'static str {
-        match self {
-            Phase::Init => "init_process_group",
-            Phase::FirstStep => "before its first step",
-        }
-    }
-}
+pub use super::hang::{Phase, DEFAULT_STARTUP_TIMEOUT as DEFAULT_TIMEOUT};
 
 /// Since when `rank` has been stuck before its first step, and where; `None` when it is not
 /// watched (it stepped, exited, or never entered `init_process_group`).
