@@ -301,7 +301,7 @@ pub struct Config {
     /// `--hang-timeout` and `--section-timeout`.
     pub hang: crate::watch::hang::Policy,
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
-    /// scripts that do not use the helper (`python/muster_autoreport.py`).
+    /// scripts that do not use the helper (`python/muster_launcher/autoreport.py`).
     pub auto_step_reports: bool,
     /// The Slurm job this launch runs in: one line saying where each value of the job's shape
     /// came from (logged at INFO). `Some` also tells the ranks to hold a `checkpoint` signal that
