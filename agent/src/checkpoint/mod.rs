@@ -751,6 +751,8 @@ mod tests {
             init_entered: None,
             init_returned: None,
             first_step,
+            last_step: None,
+            exiting: false,
         }
     }
 
