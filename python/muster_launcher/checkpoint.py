@@ -58,7 +58,8 @@ import sys
 import time
 
 from . import channel
-from .channel import SOCKET_ENV, register_faulthandler
+# Names of this module since it was muster_checkpoint.py, which scripts may read.
+from .channel import SOCKET_ENV, STACKS_DIR_ENV, register_faulthandler
 
 __all__ = ["Checkpointer", "SOCKET_ENV"]
 
