@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import muster_checkpoint  # put on PYTHONPATH by muster; or vendor python/muster_checkpoint.py
+import muster_checkpoint  # put on PYTHONPATH by muster; or vendor python/muster_launcher/ with it
 
 
 def parse_args():

@@ -25,7 +25,9 @@
 //!   module holds one raw NVML call, `unsafe` allowed there alone), [`logs`] (worker output and
 //!   the agent's own diagnostics: one console writer, one tracing set-up), [`exit_code`] (the
 //!   documented codes), [`scratch`] (where muster's own files go on a possibly read-only root
-//!   filesystem), [`host`] (the host name), [`sys`] (the only other `unsafe`: process-group and
+//!   filesystem), [`python_files`] (the Python package muster writes for the workers: the
+//!   checkpoint helper, the step reports, the framework integrations, `sitecustomize`),
+//!   [`host`] (the host name), [`sys`] (the only other `unsafe`: process-group and
 //!   parent-death setup between fork and exec).
 //! - Run-time watch: [`hang_watch`] (a part of the launch, like [`checkpoint`]: the per-attempt
 //!   watchdog over the helper's step reports) on top of [`watch`] (a foundation: the pure hang
@@ -51,6 +53,7 @@ pub mod launch;
 pub mod logs;
 pub mod metrics;
 pub mod netcheck;
+pub mod python_files;
 pub mod scratch;
 pub mod slurm;
 pub mod straggler_watch;

@@ -1,4 +1,4 @@
-"""Zero-code step reports (python/muster_autoreport.py): scripts that never import muster's helper
+"""Zero-code step reports (python/muster_launcher/autoreport.py): scripts that never import muster's helper
 get the hang watch and the step metrics from torch's optimizer step hook, which muster's
 sitecustomize installs when the script imports torch.
 
@@ -11,7 +11,7 @@ sitecustomize installs when the script imports torch.
 - The reporter itself (no agent, no torch): the lead optimizer, stand-down, never raising.
 """
 
-import importlib.util
+import importlib
 import os
 import re
 import socket
@@ -94,8 +94,8 @@ for i in range(steps):
         opt.step()
     if ckpt is not None:
         ckpt.should_save(1000 + i)
-import muster_autoreport
-r = muster_autoreport._reporter
+from muster_launcher import autoreport
+r = autoreport._reporter
 print(f"REPORTER installed={r is not None} reporting={r is not None and not r._off} "
       f"counted={r._step if r is not None else 0}", flush=True)
 deadline = time.time() + 120
@@ -327,11 +327,12 @@ def test_the_opt_out_turns_the_reporter_off(tmp_path, how):
 # -- the reporter alone: a fake agent socket, fake optimizers, no torch ---------------------------
 
 def load_reporter():
-    spec = importlib.util.spec_from_file_location(
-        f"autoreport_{time.monotonic_ns()}", REPO / "python" / "muster_autoreport.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A fresh copy of the reporter (its module state is per process)."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "muster_launcher"]:
+        del sys.modules[name]
+    if str(REPO / "python") not in sys.path:
+        sys.path.insert(0, str(REPO / "python"))
+    return importlib.import_module("muster_launcher.autoreport")
 
 
 class FakeAgent:

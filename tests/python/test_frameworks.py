@@ -7,6 +7,7 @@ import os
 import random
 import re
 import signal
+import shutil
 import socket
 import subprocess
 import threading
@@ -204,10 +205,11 @@ def test_a_save_that_raises_is_reported_to_the_agent(tmp_path, script):
 
     python_dir = tmp_path / "python"
     python_dir.mkdir()
-    for name in ("muster_checkpoint.py", "muster_frameworks.py", "muster_importhook.py"):
-        (python_dir / name).write_text((REPO / "python" / name).read_text())
-    (python_dir / "sitecustomize.py").write_text(
-        (REPO / "python" / "muster_sitecustomize.py").read_text())
+    shutil.copytree(REPO / "python" / "muster_launcher", python_dir / "muster_launcher",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("muster_checkpoint.py", "muster_frameworks.py"):
+        shutil.copy(REPO / "python" / name, python_dir / name)
+    shutil.copy(REPO / "python" / "muster_sitecustomize.py", python_dir / "sitecustomize.py")
     entry = tmp_path / "entry.py"
     target = str(SCRIPTS / script)
     argv = [target, "--out", str(tmp_path / "out"), "--step-seconds", "0.2"]

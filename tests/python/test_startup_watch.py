@@ -3,7 +3,7 @@ inside `torch.distributed.init_process_group` is found within the limit, its sta
 stopped rank named, and the gang restarted; a script that never calls init_process_group and
 never steps is not watched at all.
 
-The zero-code reporter (python/muster_autoreport.py) wraps init_process_group and says `init`
+The zero-code reporter (python/muster_launcher/autoreport.py) wraps init_process_group and says `init`
 and `initdone`; the agent's rule is agent/src/watch/startup.rs.
 """
 

@@ -1,32 +1,37 @@
 """What muster's `sitecustomize` costs every rank at start, and that the lazy loading keeps what
-the modules it loads do (python/muster_sitecustomize.py, python/muster_importhook.py).
+the modules it loads do (python/muster_sitecustomize.py, python/muster_launcher/importhook.py).
 
 Every rank of every launch runs muster's sitecustomize, so it loads the zero-code reporter
-(muster_autoreport) and the framework callbacks (muster_frameworks) only when the script imports
-a module they hook: a rank that imports neither torch nor a trainer never reads them. These
+(muster_launcher.autoreport) and the framework integrations (muster_launcher.integrations) only
+when the script imports a module they hook: a rank that imports neither torch nor a trainer never
+reads them. These
 tests check, in a bare interpreter with the files laid out as muster ships them (one directory
 first on PYTHONPATH):
-- nothing but the hook itself is loaded at start, and `importlib.util` is not imported;
+- nothing but the channel and the import hook is loaded at start, and `importlib.util` is not
+  imported;
 - `import torch` loads the reporter, which hooks the optimizer step and wraps
   init_process_group exactly as when it was installed at start;
 - a Checkpointer that connects before torch is imported still stands the reporter down;
-- sitecustomize's list of the modules each one hooks agrees with the modules' own.
+- sitecustomize's list of the modules each one hooks agrees with the modules' own (it is
+  generated from them: python/generate_sitecustomize.py).
 Timing is the launch bench's (scripts/bench.d/20-launch), not asserted here.
 """
 
 import ast
-import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
-import time
+import sys
 import uuid
 
 from conftest import REPO, torch_python
 
-SHIPPED = ["muster_checkpoint.py", "muster_frameworks.py", "muster_autoreport.py",
-           "muster_importhook.py"]
+PYTHON = REPO / "python"
+# What muster writes besides `sitecustomize.py` (agent/src/python_files.rs).
+SHIPPED = ["muster_launcher", "muster_checkpoint.py", "muster_frameworks.py"]
+START = ["muster_launcher", "muster_launcher.channel", "muster_launcher.importhook"]
 
 PROBE = r'''
 import json, os, sys
@@ -40,10 +45,10 @@ if os.environ.get("CONNECT_FIRST"):
 if os.environ.get("IMPORT_TORCH"):
     import torch
     import torch.distributed as dist
-    import muster_autoreport
+    from muster_launcher import autoreport
     out["after_torch"] = loaded()
-    out["hooked"] = muster_autoreport._hooked
-    out["standing_down"] = muster_autoreport._standing_down
+    out["hooked"] = autoreport._hooked
+    out["standing_down"] = autoreport._standing_down
     out["init_wrapped"] = bool(getattr(dist.init_process_group, "_muster_wrapped", False))
 print("PROBE " + json.dumps(out), flush=True)
 '''
@@ -54,8 +59,12 @@ def shipped_dir(tmp_path):
     d = tmp_path / "helper"
     d.mkdir()
     for name in SHIPPED:
-        (d / name).write_text((REPO / "python" / name).read_text())
-    (d / "sitecustomize.py").write_text((REPO / "python" / "muster_sitecustomize.py").read_text())
+        if (PYTHON / name).is_dir():
+            shutil.copytree(PYTHON / name, d / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(PYTHON / name, d / name)
+    shutil.copy(PYTHON / "muster_sitecustomize.py", d / "sitecustomize.py")
     return d
 
 
@@ -73,16 +82,16 @@ def probe(tmp_path, socket_name, **env):
 
 def test_a_rank_without_torch_loads_only_the_hook(tmp_path):
     out, err = probe(tmp_path, "@muster-test-none")
-    assert out["start"] == ["muster_importhook"], out
+    assert out["start"] == START, out
     assert "muster:" not in err, err
 
 
 def test_importing_torch_loads_the_reporter_and_hooks_as_at_start(tmp_path):
     out, err = probe(tmp_path, "@muster-test-none", IMPORT_TORCH="1")
-    assert out["start"] == ["muster_importhook"], out
-    assert "muster_autoreport" in out["after_torch"], out
+    assert out["start"] == START, out
+    assert "muster_launcher.autoreport" in out["after_torch"], out
     # No trainer imported: the framework callbacks stay unread.
-    assert "muster_frameworks" not in out["after_torch"], out
+    assert "muster_launcher.integrations" not in out["after_torch"], out
     assert out["hooked"] is True and out["init_wrapped"] is True, out
     assert out["standing_down"] is False, out
     assert "muster:" not in err, err
@@ -103,19 +112,16 @@ def test_a_helper_connected_before_torch_still_stands_the_reporter_down(tmp_path
     assert "muster:" not in err, err
 
 
-def load(name):
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_{time.monotonic_ns()}", REPO / "python" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_lazy_list_names_every_module_each_one_hooks():
-    tree = ast.parse((REPO / "python" / "muster_sitecustomize.py").read_text())
+    tree = ast.parse((PYTHON / "muster_sitecustomize.py").read_text())
     lazy = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
                 and any(getattr(t, "id", None) == "_LAZY" for t in n.targets))
     hooked = {name: set(targets) for name, _, targets in lazy}
-    assert hooked["muster_frameworks"] == set(load("muster_frameworks")._TARGETS)
-    report = load("muster_autoreport")
-    assert hooked["muster_autoreport"] == {report._TARGET, report._C10D, report._DATALOADER}
+    check = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
+             "from muster_launcher import autoreport, integrations; "
+             "table = {m.__name__: list(m.HOOKED) for m in integrations.modules()}; "
+             "table[autoreport.__name__] = list(autoreport.HOOKED); print(json.dumps(table))")
+    p = subprocess.run([sys.executable, "-c", check, str(PYTHON)], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert hooked == {name: set(targets) for name, targets in json.loads(p.stdout).items()}

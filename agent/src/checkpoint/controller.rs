@@ -33,6 +33,7 @@ use super::{Outcome, Settings, DEFAULT_NOTIFY_LATENCY};
 use crate::events::{CheckpointResult, Event as AgentEvent, Events};
 use crate::exit_code;
 use crate::launch::{Config, Event, Observer, RankAssignment, StopRequest, TerminateHook};
+use crate::python_files::{self, Files, WriteError};
 use crate::scratch::ScratchDir;
 
 /// Kept back from the grace period for stopping and reaping after the deadline: the barrier's
@@ -53,35 +54,6 @@ struct Local {
     deadline: Instant,
     stop: Option<StopRequest>,
 }
-
-/// The worker-side modules, shipped inside the binary and put on the workers' `PYTHONPATH`, by
-/// file name (what `import muster_checkpoint` finds): the helper, the framework callbacks that
-/// muster's `sitecustomize` installs (docs/frameworks.md), the zero-code step reporter it loads,
-/// the import hook the last two wait for their modules with, and the `sitecustomize` itself
-/// (the script metrics' hook too: [`crate::metrics::script`] writes no copy of its own beside
-/// these, each file is one more inode made and removed at every start).
-const PYTHON_FILES: &[(&str, &str)] = &[
-    (
-        "muster_checkpoint.py",
-        include_str!("../../../python/muster_checkpoint.py"),
-    ),
-    (
-        "muster_frameworks.py",
-        include_str!("../../../python/muster_frameworks.py"),
-    ),
-    (
-        "muster_autoreport.py",
-        include_str!("../../../python/muster_autoreport.py"),
-    ),
-    (
-        "muster_importhook.py",
-        include_str!("../../../python/muster_importhook.py"),
-    ),
-    (
-        "sitecustomize.py",
-        include_str!("../../../python/muster_sitecustomize.py"),
-    ),
-];
 
 /// Why the barrier could not be set up: all of them are the environment's doing (exit 202).
 #[derive(Debug, thiserror::Error)]
@@ -275,19 +247,18 @@ fn write_helper(
     let Some(dir) = dir else {
         return Ok(None);
     };
-    for (name, text) in PYTHON_FILES {
-        let path = dir.path().join(name);
-        match std::fs::write(&path, text) {
-            Ok(()) => {}
-            Err(source) if named => return Err(StartError::Helper { path, source }),
-            Err(err) => {
-                // A full tmpfs, say: going without the helper beats not starting.
-                warn!("cannot write {}: {err}", path.display());
-                return Ok(None);
-            }
+    // All of muster's worker-side Python (the helper, the framework callbacks and the step
+    // reporter muster's `sitecustomize` loads, and that `sitecustomize`, which the script
+    // metrics' hook then shares: it writes no copy of its own beside these).
+    match python_files::write(dir.path(), Files::Workers) {
+        Ok(()) => Ok(Some(dir)),
+        Err(WriteError { path, source }) if named => Err(StartError::Helper { path, source }),
+        Err(err) => {
+            // A full tmpfs, say: going without the helper beats not starting.
+            warn!("{err}");
+            Ok(None)
         }
     }
-    Ok(Some(dir))
 }
 
 struct Controller {

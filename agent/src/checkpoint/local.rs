@@ -1,6 +1,6 @@
 //! The agent's end of the local channel to its workers: a Unix stream socket whose address the
 //! workers find in `MUSTER_CHECKPOINT_SOCKET`, speaking the newline-delimited words of
-//! `python/muster_checkpoint.py`.
+//! `python/muster_launcher/checkpoint.py`.
 //!
 //! The socket lives in Linux's abstract namespace (written `@name`): it is no file, so the agent
 //! starts on a read-only root filesystem, and it disappears with the agent. The namespace belongs
@@ -13,12 +13,13 @@
 //! worker: the agent reads continuously and pushes at most a few lines per checkpoint.
 //!
 //! Two kinds of connection, told apart by their first line:
-//! - `hello <local_rank> <rank> <pid>`: the helper a script uses (`muster_checkpoint`). Its rank
-//!   takes part in the checkpoint barrier; its steps and sections feed the hang watch.
-//! - `watch <local_rank> <rank> <pid>`: muster's zero-code reporter (`python/muster_autoreport.py`,
-//!   an optimizer step hook loaded by muster's `sitecustomize`). It only reports — `step <n>`,
-//!   `alive` (the rank's stack moved: it works between steps), `faulthandler`, `init` and
-//!   `initdone` (it entered and returned from `init_process_group`), `exiting` (the script
+//! - `hello <local_rank> <rank> <pid>`: the helper a script uses (`muster_checkpoint`, now
+//!   `muster_launcher.checkpoint`). Its rank takes part in the checkpoint barrier; its steps and
+//!   sections feed the hang watch.
+//! - `watch <local_rank> <rank> <pid>`: muster's zero-code reporter
+//!   (`python/muster_launcher/autoreport.py`, an optimizer step hook loaded by muster's
+//!   `sitecustomize`). It only reports — `step <n>`, `alive` (the rank's stack moved: it works
+//!   between steps), `faulthandler`, `init` and `initdone` (it entered and returned from `init_process_group`), `exiting` (the script
 //!   finished: the interpreter exits, from an `atexit` hook) — and the agent
 //!   answers `interval <ms>`, how often to say `alive` (0: never, the hang watch is off). Such a
 //!   rank cannot save, so it never counts as taking part in the barrier (a script without the

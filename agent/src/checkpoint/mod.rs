@@ -1,7 +1,7 @@
 //! Preemption: SIGTERM (or `POST /checkpoint`) on any node becomes a checkpoint that every rank on
 //! every node saves at the same step, committed before anyone exits, inside the grace period.
 //!
-//! - [`local`]: the Unix socket the workers' Python helper (`python/muster_checkpoint.py`) talks
+//! - [`local`]: the Unix socket the workers' Python helper (`python/muster_launcher/checkpoint.py`) talks
 //!   to: step reports in, "save at T" / "commit" / "abort" out.
 //! - [`barrier`]: the store keys and the pure decisions (target step, margin, verdict encoding).
 //! - this module: the driver that runs one checkpoint across the gang, [`run`], and the
@@ -28,8 +28,9 @@ use tracing::{info, warn};
 use barrier::{Keys, NodeProgress, Request, Verdict, UNSUPPORTED_PREFIX};
 use local::{LocalChannel, WorkerEvent};
 
-/// Read by the workers' `sitecustomize` (python/muster_frameworks.py): `0` keeps it from adding
-/// muster's checkpoint callback to Hugging Face and Lightning Trainers (`--framework-callbacks`).
+/// Read by the framework integrations muster's `sitecustomize` loads
+/// (python/muster_launcher/integrations/): `0` keeps them from adding muster's checkpoint
+/// callback to Hugging Face and Lightning Trainers (`--framework-callbacks`).
 pub const FRAMEWORK_CALLBACKS_ENV: &str = "MUSTER_FRAMEWORK_CALLBACKS";
 
 /// How long agreeing on a target and telling every worker is assumed to take; the target step is

@@ -301,7 +301,7 @@ pub struct Config {
     /// `--hang-timeout` and `--section-timeout`.
     pub hang: crate::watch::hang::Policy,
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
-    /// scripts that do not use the helper (`python/muster_autoreport.py`).
+    /// scripts that do not use the helper (`python/muster_launcher/autoreport.py`).
     pub auto_step_reports: bool,
     /// What the scheduler that started this agent does (`cli::scheduler`): whether a
     /// lost node comes back, whether it signals every process, the node's index.

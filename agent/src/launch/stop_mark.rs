@@ -1,7 +1,7 @@
 //! The agent's own stop, told apart from anyone else's signal. Under Slurm `slurmstepd` signals
 //! every process of the step, the ranks included, so a rank that takes part in the checkpoint
 //! barrier holds a SIGTERM (or another `checkpoint` signal) that did not come from its agent
-//! (`python/muster_checkpoint.py`). Python's signal handlers do not see the sender, so the agent
+//! (`python/muster_launcher/checkpoint.py`). Python's signal handlers do not see the sender, so the agent
 //! says "this one is mine" with a file: it creates the file named in [`ENV`] just before it
 //! signals the workers to stop, and removes it before each attempt starts. A held rank that sees
 //! the file dies of the signal as it would have without the hold.

@@ -83,8 +83,8 @@ impl HangTimeout {
 }
 
 /// The longest interval between two `alive` messages of muster's zero-code reporter
-/// (`python/muster_autoreport.py`), which says one when its rank's stack moved since the last:
-/// several chances within any limit, so that one rank briefly waiting at every look is not
+/// (`python/muster_launcher/autoreport.py`), which says one when its rank's stack moved since
+/// the last: several chances within any limit, so that one rank briefly waiting at every look is not
 /// taken for a stuck one.
 pub const MAX_LIVENESS_INTERVAL: Duration = Duration::from_secs(1);
 /// The shortest: the reporter samples the stack every 100 ms.

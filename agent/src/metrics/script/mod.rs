@@ -41,6 +41,7 @@ use self::file::FileName;
 use self::merge::{Skipped, Source};
 use super::Metrics;
 use crate::launch::Launch;
+use crate::python_files::{self, Files};
 
 /// The variable prometheus_client reads to enter multiprocess mode.
 pub const MULTIPROC_DIR_ENV: &str = "PROMETHEUS_MULTIPROC_DIR";
@@ -48,11 +49,6 @@ pub const MULTIPROC_DIR_ENV: &str = "PROMETHEUS_MULTIPROC_DIR";
 const LEGACY_MULTIPROC_DIR_ENV: &str = "prometheus_multiproc_dir";
 /// The port muster serves `/metrics` on, for the workers' `sitecustomize` hook.
 pub const METRICS_PORT_ENV: &str = "MUSTER_METRICS_PORT";
-
-/// The workers' start-up hook, shipped inside the binary.
-const SITECUSTOMIZE: &str = include_str!("../../../../python/muster_sitecustomize.py");
-/// The import hook `sitecustomize` patches prometheus_client with, written next to it.
-const IMPORT_HOOK: &str = include_str!("../../../../python/muster_importhook.py");
 
 /// Where the ranks' files are.
 #[derive(Debug)]
@@ -382,11 +378,11 @@ pub fn attach(
     }
 }
 
-/// Writes the workers' start-up hook as `dir/sitecustomize.py`, with the import hook it imports
-/// (`muster_importhook.py`), where there is no helper directory holding them.
+/// Writes the workers' start-up hook as `dir/sitecustomize.py`, with the package files it
+/// imports at start, where there is no helper directory holding them.
 fn write_sitecustomize(dir: &Path) -> io::Result<()> {
-    std::fs::write(dir.join("muster_importhook.py"), IMPORT_HOOK)?;
-    std::fs::write(dir.join("sitecustomize.py"), SITECUSTOMIZE)
+    python_files::write(dir, Files::StartupHook)
+        .map_err(|err| io::Error::new(err.source.kind(), err))
 }
 
 /// The agent's own `PROMETHEUS_MULTIPROC_DIR` (or the legacy lower-case name), if set and not

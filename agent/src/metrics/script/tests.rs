@@ -315,7 +315,10 @@ fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
     let tmp = scratch("attempts");
     let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, None).unwrap();
     assert!(script.python_dir().join("sitecustomize.py").is_file());
-    assert!(script.python_dir().join("muster_importhook.py").is_file());
+    assert!(script
+        .python_dir()
+        .join("muster_launcher/importhook.py")
+        .is_file());
     assert_eq!(
         script.worker_env(),
         vec![("MUSTER_METRICS_PORT".to_owned(), "8000".into())]

@@ -1,7 +1,7 @@
 """muster's zero-code step reports and liveness, for training scripts that do not use the helper.
 
-muster's `sitecustomize` calls `install()` in every worker. When the script imports torch, a
-global optimizer step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`) is
+muster's `sitecustomize` calls `install()` when the script first imports a module in `HOOKED`:
+then a global optimizer step hook (`torch.optim.optimizer.register_optimizer_step_post_hook`) is
 registered, lazily: nothing here imports torch, and until the first optimizer step nothing else
 happens. From then on the rank reports its steps to the agent and says when it is alive, so the
 hang watch (--hang-timeout), the step metrics and the dry run cover unmodified scripts: a plain
@@ -35,7 +35,7 @@ modules, whose time is spent in one C call on one line (its stack looks still); 
 collective while one peer works alone for longer than the limit are stalled (the hang watch then
 names the working rank, as for any hang).
 
-**Not twice.** When the script uses the helper (`muster_checkpoint.Checkpointer`, directly or
+**Not twice.** When the script uses the helper (`checkpoint.Checkpointer`, directly or
 through muster's framework callbacks), its step reports are the rank's steps: the Checkpointer
 calls `stand_down()` when it connects and this reporter stops for good; the agent also ignores a
 reporter's messages for a local rank that has a helper connected.
@@ -66,15 +66,17 @@ import os
 import sys
 from time import monotonic as _monotonic
 
-__all__ = ["install", "stand_down"]
+from . import channel
 
-SOCKET_ENV = "MUSTER_CHECKPOINT_SOCKET"
+__all__ = ["install", "stand_down", "HOOKED"]
+
 SWITCH_ENV = "MUSTER_AUTO_STEP_REPORTS"
 _TARGET = "torch.optim.optimizer"
 _C10D = "torch.distributed.distributed_c10d"
 _MODULES = "torch.nn.modules.module"
 _DATALOADER = "torch.utils.data.dataloader"
-_OFF = ("0", "false", "no", "off")
+# The modules whose import installs the reporter (muster's sitecustomize is generated from it).
+HOOKED = (_TARGET, _C10D, _DATALOADER)
 
 # How often the stack is sampled. Frequent enough that a loop whose iterations mostly wait in one
 # call (a GPU evaluation waiting in `.item()`) is still seen moving between calls; cheap enough
@@ -95,18 +97,8 @@ _hooked = False
 _standing_down = False
 
 
-def _address(value):
-    """"@name" is an abstract socket (see muster_checkpoint), anything else a path."""
-    if value.startswith("@"):
-        return "\0" + value[1:]
-    return value
-
-
 def _say_once(message):
-    try:
-        print("muster: zero-code step reports off: %s" % message, file=sys.stderr, flush=True)
-    except Exception:
-        pass
+    channel.say("zero-code step reports off: %s" % message)
 
 
 class _Reporter:
@@ -218,27 +210,16 @@ class _Reporter:
         """Connects and starts the sampler, at the first step (worker subprocesses that never
         step an optimizer, such as data loader workers, never connect)."""
         import _thread
-        import socket
         import threading
 
         self._thread = _thread.get_ident()
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(_address(self._path))
-            sock.setblocking(False)
+            self._sock = channel.connect(self._path)
         except OSError as err:
             self.stop("cannot reach the agent at %s (%s)" % (self._path, err))
             return False
-        self._sock = sock
         self._lock = threading.Lock()
-        self._send(
-            b"watch %s %s %d\n"
-            % (
-                os.environ.get("LOCAL_RANK", "0").encode("ascii", "replace"),
-                os.environ.get("RANK", "0").encode("ascii", "replace"),
-                os.getpid(),
-            )
-        )
+        self._send((channel.hello("watch") + "\n").encode("ascii", "replace"))
         self._register_faulthandler()
         import atexit
 
@@ -323,13 +304,8 @@ class _Reporter:
         self._sock = None
 
     def _register_faulthandler(self):
-        """The agent's fallback for reading stacks where py-spy cannot, shared with the helper
-        (shipped beside this module)."""
-        try:
-            import muster_checkpoint
-        except ImportError:
-            return
-        message = muster_checkpoint.register_faulthandler()
+        """The agent's fallback for reading stacks where py-spy cannot, shared with the helper."""
+        message = channel.register_faulthandler()
         if message is not None:
             self._send((message + "\n").encode("ascii", "replace"))
 
@@ -430,7 +406,7 @@ def _the_reporter():
     """This process's reporter, made at the first need; None when standing down."""
     global _reporter
     if _reporter is None and not _standing_down:
-        path = os.environ.get(SOCKET_ENV, "")
+        path = os.environ.get(channel.SOCKET_ENV, "")
         if not path:
             return None
         _reporter = _Reporter(path)
@@ -514,11 +490,9 @@ def _hook_failed(module, err):
 def install():
     """Called by muster's sitecustomize: hooks torch's optimizer steps when torch is imported.
     A no-op outside muster (no MUSTER_CHECKPOINT_SOCKET) and when switched off."""
-    if not os.environ.get(SOCKET_ENV):
+    if not channel.switched_on(SWITCH_ENV):
         return
-    if os.environ.get(SWITCH_ENV, "1").strip().lower() in _OFF:
-        return
-    from muster_importhook import after_import
+    from .importhook import after_import
 
     after_import([_TARGET], _hook, _hook_failed)
     after_import([_C10D], _wrap_init, _wrap_failed)
@@ -526,7 +500,7 @@ def install():
 
 
 def stand_down():
-    """Called by muster_checkpoint.Checkpointer when it connects: the script reports its own
+    """Called by `checkpoint.Checkpointer` when it connects: the script reports its own
     steps, so this reporter stops (or never starts)."""
     global _standing_down
     _standing_down = True

@@ -2,19 +2,18 @@
 
 `after_import(names, patch, on_error)` calls `patch(module)` right after each module in `names`
 runs for the first time (before whatever imported it reads from it), once per module:
-`muster_sitecustomize` patches `prometheus_client.exposition`, `muster_autoreport` hooks
-`torch.optim.optimizer`, `muster_frameworks` the HF and Lightning Trainer modules. It imports
+muster's `sitecustomize` patches `prometheus_client.exposition`, `autoreport` hooks
+`torch.optim.optimizer`, each of `integrations` its framework's Trainer module. It imports
 none of them: a meta-path finder waits for the names, answers each once (through the finders
 after it, with a loader that runs the real one and then `patch`), and removes itself once it has
 answered for all of them.
 
 `before_first_import(names, wake)` calls `wake()` once, just before the first module in `names`
-is looked for: `muster_sitecustomize` loads `muster_autoreport` and `muster_frameworks` only then,
-so a rank that imports none of the modules they hook never reads (compiles) them: each rank
-compiled both at every start before.
+is looked for: muster's `sitecustomize` loads `autoreport` and each integration only then, so a
+rank that imports none of the modules they hook never reads (compiles) them.
 
-muster writes this file next to `sitecustomize.py` and next to the checkpoint helper, so it is on
-the workers' PYTHONPATH wherever one of its importers is. Standard library only.
+muster's `sitecustomize` imports this module in every rank at start: it imports nothing but `sys`.
+Standard library only.
 """
 
 import sys

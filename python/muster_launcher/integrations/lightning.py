@@ -1,0 +1,102 @@
+"""Lightning (`lightning.pytorch` and the older `pytorch_lightning`): `MusterLightningCallback`,
+added to every Trainer the script builds under muster.
+
+At the agreed step T every rank calls
+`trainer.save_checkpoint(<default_root_dir>/muster-preempt-step=T.ckpt)` (the strategy picks who
+writes: rank 0 for DDP). Resume: `trainer.fit(model, ckpt_path=that_path)`. A save that raises
+tells the agent (`Barrier.fail`) and raises on. Imports Lightning only when the callback's class is
+first asked for.
+"""
+
+import functools
+import os
+
+from ..importhook import after_import
+from . import barrier
+
+# The module whose execution defines each package's Trainer -> that package.
+_PACKAGES = {
+    "lightning.pytorch.trainer.trainer": "lightning.pytorch",
+    "pytorch_lightning.trainer.trainer": "pytorch_lightning",
+}
+# The modules whose import installs this integration (muster's sitecustomize is generated from it).
+HOOKED = tuple(_PACKAGES)
+
+# Lightning's checkpoint file name; `T` is the global step.
+LIGHTNING_FILE = "muster-preempt-step={step}.ckpt"
+
+
+def installed_package():
+    """`lightning.pytorch` where it imports, else `pytorch_lightning`."""
+    try:
+        import lightning.pytorch  # noqa: F401
+
+        return "lightning.pytorch"
+    except ImportError:
+        return "pytorch_lightning"
+
+
+@functools.lru_cache(maxsize=None)
+def callback_class(package):
+    callbacks = __import__(package + ".callbacks", fromlist=["Callback"])
+
+    class MusterLightningCallback(callbacks.Callback):
+        """Joins muster's gang checkpoint: `trainer.save_checkpoint` on every rank at the agreed
+        step (`<default_root_dir>/muster-preempt-step=<T>.ckpt`), then leaves. A no-op outside
+        muster."""
+
+        _muster_callback = True
+
+        def __init__(self):
+            self._barrier = barrier.Barrier(package)
+
+        def on_train_start(self, trainer, pl_module):
+            self._barrier.report(trainer.global_step)
+
+        def on_validation_start(self, trainer, pl_module):
+            self._barrier.begin_section("validation")
+
+        def on_validation_end(self, trainer, pl_module):
+            self._barrier.end_section()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step
+            if not self._barrier.report(step):
+                return
+            path = os.path.join(trainer.default_root_dir, LIGHTNING_FILE.format(step=step))
+            try:
+                # Every rank calls it; the strategy picks who writes (rank 0 for DDP).
+                trainer.save_checkpoint(path, weights_only=False)
+            except Exception as err:
+                self._barrier.fail(err)
+                raise
+            verdict = self._barrier.confirm(step, path)
+            if verdict == "continue":
+                return
+            trainer.should_stop = True
+            if verdict == "committed":
+                self._barrier.leave(step, path, "trainer.fit(..., ckpt_path=%r)" % path)
+
+    return MusterLightningCallback
+
+
+def _add(trainer, package):
+    callbacks = getattr(trainer, "callbacks", None)
+    if not isinstance(callbacks, list) or any(barrier.is_muster(cb) for cb in callbacks):
+        return
+    callbacks.append(callback_class(package)())
+
+
+def _patch(module):
+    cls = getattr(module, "Trainer", None)
+    if not isinstance(cls, type):
+        return
+    package = _PACKAGES[module.__name__]
+    barrier.wrap_init(cls, lambda trainer: _add(trainer, package))
+
+
+def install():
+    """Adds the callback to every Trainer built once either package's Trainer module is imported;
+    a no-op unless the integrations are on (`barrier.enabled()`)."""
+    if barrier.enabled():
+        after_import(HOOKED, _patch, barrier.patch_failed)
