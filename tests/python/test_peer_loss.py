@@ -83,10 +83,12 @@ def test_a_survivors_rank_failing_from_a_lost_peer_costs_no_restart(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_killing_node_1_of_the_example_ends_0_with_no_restart_budget(tmp_path):
-    # The reproduction: this ended 1 ("no restarts left (0 used of 0)").
+    # The reproduction: this ended 1 ("no restarts left (0 used of 0)"). 400 steps (8 s
+    # of training at least): the example's default 100 can end before 3 s on an idle machine,
+    # and the fault is then never injected.
     code, out = dry_run(["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0",
                          "--fault", "kill:1@3", "--replace-after", "2", EXAMPLE,
-                         "--ckpt-dir", str(tmp_path / "ckpt")], timeout=280)
+                         "--steps", "400", "--ckpt-dir", str(tmp_path / "ckpt")], timeout=280)
     assert code == 0, out
     assert re.search(r"lost node 1 \([^)]*\) silent for [\d.]+s, its connection closed", out), out
     assert "gang re-formed: generation 1 (restarts used 0)" in out, out
