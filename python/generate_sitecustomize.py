@@ -1,9 +1,10 @@
 """Writes the `_LAZY` table of muster's sitecustomize (python/muster_sitecustomize.py) from the
 package: the zero-code reporter and every module in `muster_launcher.integrations.INTEGRATIONS`,
-each with the modules it hooks (its `HOOKED`).
+each with the modules it hooks (its `HOOKED`), and the variable that switches them on
+(`channel.SOCKET_ENV`).
 
-sitecustomize runs in every rank at start, so it does not import the integrations to learn what
-they hook: the table is written into it here, and python/tests check that it is current. Run it
+sitecustomize runs in every rank at start, so it does not import the integrations (nor the
+channel) to learn these: they are written into it here, and python/tests check that it is current. Run it
 after adding or changing an integration:
 
     python3 python/generate_sitecustomize.py          # rewrites the table
@@ -22,19 +23,21 @@ END = "# END generated"
 
 
 def entries():
-    """(module, what an error line calls it, the modules it hooks), integrations first."""
+    """The switch's variable, and (module, what an error line calls it, the modules it hooks),
+    integrations first."""
     sys.path.insert(0, HERE)
     try:
-        from muster_launcher import autoreport, integrations
+        from muster_launcher import autoreport, channel, integrations
     finally:
         sys.path.remove(HERE)
     table = [(m.__name__, "framework callbacks", tuple(m.HOOKED)) for m in integrations.modules()]
     table.append((autoreport.__name__, "zero-code step reports", tuple(autoreport.HOOKED)))
-    return table
+    return channel.SOCKET_ENV, table
 
 
-def table_source(table):
-    lines = [BEGIN + " from muster_launcher.integrations.INTEGRATIONS", "_LAZY = ("]
+def table_source(socket_env, table):
+    lines = [BEGIN + " from muster_launcher.integrations.INTEGRATIONS",
+             '_SOCKET_ENV = "%s"' % socket_env, "_LAZY = ("]
     for module, what, hooked in table:
         lines += ["    (", '        "%s",' % module, '        "%s",' % what, "        ("]
         lines += ['            "%s",' % name for name in hooked]
@@ -47,7 +50,7 @@ def generated(text):
     """`text` (the sitecustomize's source) with its table as the package says it should be."""
     start = text.index(BEGIN)
     end = text.index(END, start) + len(END) + 1
-    return text[:start] + table_source(entries()) + text[end:]
+    return text[:start] + table_source(*entries()) + text[end:]
 
 
 def main(argv):

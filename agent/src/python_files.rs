@@ -40,7 +40,7 @@ const FILES: &[PythonFile] = &[
         startup: true,
     },
     same_path!("muster_launcher/__init__.py", startup: true),
-    same_path!("muster_launcher/channel.py", startup: true),
+    same_path!("muster_launcher/channel.py", startup: false),
     same_path!("muster_launcher/importhook.py", startup: true),
     same_path!("muster_launcher/checkpoint.py", startup: false),
     same_path!("muster_launcher/autoreport.py", startup: false),
@@ -105,6 +105,7 @@ mod tests {
         assert!(dir.join("sitecustomize.py").is_file());
         assert!(dir.join("muster_launcher/importhook.py").is_file());
         assert!(!dir.join("muster_checkpoint.py").exists());
+        assert!(!dir.join("muster_launcher/channel.py").exists());
         assert!(!dir.join("muster_launcher/integrations").exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -9,7 +9,7 @@ the zero-code reporter); the rest of each protocol is in its module (`checkpoint
 
 Also here: the one line an error of muster's prints, and the stacks fallback that both
 connections announce (`register_faulthandler`). Importing this module imports nothing beyond
-`os` and `sys`: muster's start-up hook reads it in every rank.
+`os` and `sys` (the socket module only to connect).
 """
 
 import os

@@ -47,12 +47,11 @@ class SitecustomizeTest(TestCase):
         self.assertTrue(line, (p.stdout, p.stderr))
         return json.loads(line[0][len("PROBE "):]), p
 
-    def test_a_rank_loads_only_the_channel_and_the_import_hook_at_start(self):
+    def test_a_rank_loads_only_the_import_hook_at_start(self):
         self.write_modules(FAKE_TORCH, os.path.join(self.tmp, "user"))
         out, p = self.run_probe("torch.optim.optimizer", MUSTER_CHECKPOINT_SOCKET="@none",
                                 MUSTER_METRICS_PORT="8000")
-        self.assertEqual(out["start"], ["muster_launcher", "muster_launcher.channel",
-                                        "muster_launcher.importhook"])
+        self.assertEqual(out["start"], ["muster_launcher", "muster_launcher.importhook"])
         # torch imported: the reporter is loaded (and hooked), the integrations are not.
         self.assertIn("muster_launcher.autoreport", out["after"])
         self.assertNotIn("muster_launcher.integrations", out["after"])
@@ -64,7 +63,7 @@ class SitecustomizeTest(TestCase):
     def test_outside_muster_it_loads_nothing_of_muster_and_hooks_nothing(self):
         self.write_modules(FAKE_TORCH, os.path.join(self.tmp, "user"))
         out, _ = self.run_probe("torch.optim.optimizer")
-        self.assertEqual(out["start"], ["muster_launcher", "muster_launcher.channel"])
+        self.assertEqual(out["start"], [])
         self.assertNotIn("muster_launcher.autoreport", out["after"])
 
     def test_a_trainer_module_loads_its_integration_only(self):

@@ -7,7 +7,7 @@ when the script imports a module they hook: a rank that imports neither torch no
 reads them. These
 tests check, in a bare interpreter with the files laid out as muster ships them (one directory
 first on PYTHONPATH):
-- nothing but the channel and the import hook is loaded at start, and `importlib.util` is not
+- nothing but the import hook (and its package) is loaded at start, and `importlib.util` is not
   imported;
 - `import torch` loads the reporter, which hooks the optimizer step and wraps
   init_process_group exactly as when it was installed at start;
@@ -31,7 +31,7 @@ from conftest import REPO, torch_python
 PYTHON = REPO / "python"
 # What muster writes besides `sitecustomize.py` (agent/src/python_files.rs).
 SHIPPED = ["muster_launcher", "muster_checkpoint.py", "muster_frameworks.py"]
-START = ["muster_launcher", "muster_launcher.channel", "muster_launcher.importhook"]
+START = ["muster_launcher", "muster_launcher.importhook"]
 
 PROBE = r'''
 import json, os, sys
