@@ -188,65 +188,10 @@ fn is_ident_byte(b: u8) -> bool {
 /// The first segment of every path that follows `crate::` or a `super::` chain, resolved to an
 /// absolute module path's first segment (the top-level module), given the file's module path.
 fn referenced_top_levels(code: &str, module: &[String]) -> BTreeSet<String> {
-    let bytes = code.as_bytes();
-    let mut found = BTreeSet::new();
-    let mut i = 0;
-    while i < bytes.len() {
-        let starts_word = i == 0 || !(is_ident_byte(bytes[i - 1]) || bytes[i - 1] == b'$');
-        let rest = &code[i..];
-        let (base, consumed): (Vec<String>, usize) = if starts_word && rest.starts_with("crate::") {
-            (Vec::new(), "crate::".len())
-        } else if starts_word && rest.starts_with("super::") {
-            let mut depth = 0;
-            let mut len = 0;
-            while code[i + len..].starts_with("super::") {
-                depth += 1;
-                len += "super::".len();
-            }
-            let keep = module.len().saturating_sub(depth);
-            (module[..keep].to_vec(), len)
-        } else {
-            i += 1;
-            continue;
-        };
-        i += consumed;
-        for first in first_segments(&code[i..]) {
-            let top = base.first().cloned().unwrap_or(first);
-            found.insert(top);
-        }
-    }
-    found
-}
-
-/// The first identifier of the path at the start of `text`, or of each item of a `{...}` group.
-fn first_segments(text: &str) -> Vec<String> {
-    let text = text.trim_start();
-    if let Some(group) = text.strip_prefix('{') {
-        let mut depth = 0usize;
-        let mut items = Vec::new();
-        let mut start = 0;
-        for (i, c) in group.char_indices() {
-            match c {
-                '{' => depth += 1,
-                '}' if depth == 0 => {
-                    items.push(&group[start..i]);
-                    break;
-                }
-                '}' => depth -= 1,
-                ',' if depth == 0 => {
-                    items.push(&group[start..i]);
-                    start = i + 1;
-                }
-                _ => {}
-            }
-        }
-        return items
-            .into_iter()
-            .filter_map(|item| ident(item.trim_start()))
-            .filter(|name| name != "self")
-            .collect();
-    }
-    ident(text).into_iter().collect()
+    referenced_pairs(code, module)
+        .into_iter()
+        .filter_map(|path| path.into_iter().next())
+        .collect()
 }
 
 fn ident(text: &str) -> Option<String> {

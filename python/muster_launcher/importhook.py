@@ -72,14 +72,19 @@ class _Waker:
         self._wake()
         # Asked in the middle of the interpreter's walk over the meta path, which `wake` may have
         # changed: every other finder is asked here, so the walk's result is right either way.
-        for finder in list(sys.meta_path):
-            find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
-                continue
-            spec = find_spec(name, path, target)
-            if spec is not None:
-                return spec
-        return None
+        return _spec_from_others(self, name, path, target)
+
+
+def _spec_from_others(me, name, path, target):
+    """The spec the meta path's other finders give `name`, as the interpreter's walk would."""
+    for finder in list(sys.meta_path):
+        find_spec = getattr(finder, "find_spec", None)
+        if finder is me or find_spec is None:
+            continue
+        spec = find_spec(name, path, target)
+        if spec is not None:
+            return spec
+    return None
 
 
 class _PatchingLoader:
@@ -124,14 +129,8 @@ class _Finder:
                 sys.meta_path.remove(self)
             except ValueError:
                 pass
-        for finder in list(sys.meta_path):
-            find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
-                continue
-            spec = find_spec(name, path, target)
-            if spec is not None:
-                break
-        else:
+        spec = _spec_from_others(self, name, path, target)
+        if spec is None:
             return None
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _PatchingLoader(spec.loader, self.patch, self._on_error)
