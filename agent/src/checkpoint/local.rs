@@ -128,6 +128,35 @@ pub struct RankWatch {
     pub exiting: bool,
 }
 
+impl RankWatch {
+    /// A rank whose helper or reporter just connected: nothing seen of it yet.
+    pub fn connected(
+        local_rank: u32,
+        rank: Option<u32>,
+        pid: Option<u32>,
+        zero_code: bool,
+    ) -> Self {
+        Self {
+            local_rank,
+            rank,
+            pid,
+            connected_at: Instant::now(),
+            step: None,
+            steps_seen: 0,
+            last_progress: None,
+            slowest_period: None,
+            section: None,
+            faulthandler: None,
+            zero_code,
+            init_entered: None,
+            init_returned: None,
+            first_step: None,
+            last_step: None,
+            exiting: false,
+        }
+    }
+}
+
 struct Link {
     progress: RankProgress,
     watch: RankWatch,
@@ -526,24 +555,7 @@ fn handle_line(
                         reported_at: None,
                         step_period: None,
                     },
-                    watch: RankWatch {
-                        local_rank: rank,
-                        rank: word(2),
-                        pid: word(3),
-                        connected_at: Instant::now(),
-                        step: None,
-                        steps_seen: 0,
-                        last_progress: None,
-                        slowest_period: None,
-                        section: None,
-                        faulthandler: None,
-                        zero_code: role == Role::Reporter,
-                        init_entered: None,
-                        init_returned: None,
-                        first_step: None,
-                        last_step: None,
-                        exiting: false,
-                    },
+                    watch: RankWatch::connected(rank, word(2), word(3), role == Role::Reporter),
                     outbox: outbox.clone(),
                 },
             );

@@ -737,22 +737,8 @@ mod tests {
         first_step: Option<Instant>,
     ) -> local::RankWatch {
         local::RankWatch {
-            local_rank,
-            rank: Some(local_rank),
-            pid: None,
-            connected_at: Instant::now(),
-            step: None,
-            steps_seen: 0,
-            last_progress: None,
-            slowest_period: None,
-            section: None,
-            faulthandler: None,
-            zero_code,
-            init_entered: None,
-            init_returned: None,
             first_step,
-            last_step: None,
-            exiting: false,
+            ..local::RankWatch::connected(local_rank, Some(local_rank), None, zero_code)
         }
     }
 
