@@ -194,8 +194,17 @@ if block:
             reader, writer = socket.socketpair()
             reader.recv(1)
         elif block == "compute":  # works, never steps: its stack moves
+            # Two call sites of one function: the sampler compares the two innermost frames'
+            # instructions, and a loop on one line (`sum(genexpr)`) can show the same instruction,
+            # in a frame at the same address, at every look on a loaded node.
+            def work(n):
+                total = 0
+                for i in range(n):
+                    total += i * i
+                return total
             while True:
-                sum(i * i for i in range(1000))
+                work(20000)
+                work(20001)
         else:
             raise SystemExit(f"unknown BLOCK={block}")
     else:
