@@ -206,21 +206,29 @@ pub fn sweep_in_background(base: &Path, prefix: &str) {
 /// Safe beside live agents: a live agent's directory records a running pid and start time, and
 /// one being created right now belongs to a running process too. Two agents sweeping at once
 /// race only to remove the same dead directory: whatever one finds already gone is skipped.
+///
+/// Where more than [`SWEEP_ALWAYS_UP_TO`] such directories exist (many agents sharing one
+/// machine's /tmp, as in a scale test), only some starts sweep ([`sweeps_this_time`]).
 pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool) -> usize {
     let Ok(entries) = std::fs::read_dir(base) else {
         return 0;
     };
+    let candidates: Vec<(PathBuf, Owner)> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let owner = Owner::parse(entry.file_name().to_str()?, prefix)?;
+            (owner.pidns == me.pidns && owner.pid != me.pid).then(|| (entry.path(), owner))
+        })
+        .collect();
+    if !sweeps_this_time(candidates.len(), rand::random::<f64>()) {
+        return 0;
+    }
     let uid = nix::unistd::geteuid().as_raw();
     let mut removed = 0;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(owner) = name.to_str().and_then(|n| Owner::parse(n, prefix)) else {
-            continue;
-        };
-        if owner.pidns != me.pidns || owner.pid == me.pid || alive(owner) {
+    for (path, owner) in candidates {
+        if alive(owner) {
             continue;
         }
-        let path = entry.path();
         // Not through a link, and only our own user's (a shared /tmp holds others').
         let ours = std::fs::symlink_metadata(&path)
             .is_ok_and(|m| m.file_type().is_dir() && m.uid() == uid);
@@ -241,6 +249,20 @@ pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool
         }
     }
     removed
+}
+
+/// Up to this many directories of other agents, every start sweeps them all.
+pub const SWEEP_ALWAYS_UP_TO: usize = 64;
+
+/// Whether a start that finds `candidates` other agents' directories sweeps them, `draw` being
+/// uniform in [0, 1): always up to [`SWEEP_ALWAYS_UP_TO`], else with a chance of that many in
+/// `candidates`. Asking whether an owner is alive reads its `/proc/<pid>/stat`; with N agents
+/// starting at once beside each other's directories, sweeping at every start was N² reads
+/// (2,048 agents: 4 million, most of their start-up's CPU). So the reads a start pays stay
+/// about [`SWEEP_ALWAYS_UP_TO`] on average, and a dead agent's directory is still removed, by
+/// one of the next starts in N / 64 on average.
+pub fn sweeps_this_time(candidates: usize, draw: f64) -> bool {
+    candidates <= SWEEP_ALWAYS_UP_TO || draw * (candidates as f64) < SWEEP_ALWAYS_UP_TO as f64
 }
 
 /// The `TMPDIR` to give the workers, if they need one: `Some(base)` when neither the agent's
@@ -404,6 +426,23 @@ mod tests {
             ..me
         }
         .alive());
+    }
+
+    #[test]
+    fn a_few_directories_are_always_swept_many_only_at_some_starts() {
+        for draw in [0.0, 0.5, 0.999] {
+            assert!(sweeps_this_time(0, draw));
+            assert!(sweeps_this_time(SWEEP_ALWAYS_UP_TO, draw));
+        }
+        // 2,048 directories: one start in 32 sweeps.
+        assert!(sweeps_this_time(2048, 0.0));
+        assert!(sweeps_this_time(2048, 0.031));
+        assert!(!sweeps_this_time(2048, 0.032));
+        assert!(!sweeps_this_time(2048, 0.999));
+        let sweeping = (0..1000)
+            .filter(|i| sweeps_this_time(640, f64::from(*i) / 1000.0))
+            .count();
+        assert_eq!(sweeping, 100);
     }
 
     #[test]

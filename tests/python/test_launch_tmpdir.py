@@ -18,12 +18,15 @@ NO_WRITABLE = "no writable directory for muster's files"
 # A worker that reports what muster gave it, checked while muster's files still exist.
 REPORT = r"""
 import os, sys
-# The helper's directory: the script-metrics hook's directory may come before it.
+import zipfile
+# The helper's archive in the agent's private directory (muster-python.zip, holding
+# muster_checkpoint.py); the script-metrics hook's archive may come before it.
 entries = os.environ.get("PYTHONPATH", "").split(":")
-with_helper = [e for e in entries if os.path.isfile(os.path.join(e, "muster_checkpoint.py"))]
+with_helper = [e for e in entries
+               if os.path.isfile(e) and "muster_checkpoint.py" in zipfile.ZipFile(e).namelist()]
 first = with_helper[0] if with_helper else entries[0]
 print("SOCKET", os.environ.get("MUSTER_CHECKPOINT_SOCKET", "unset"))
-print("HELPER", bool(with_helper), first)
+print("HELPER", bool(with_helper), os.path.dirname(first))
 print("ERRFILE", os.environ.get("TORCHELASTIC_ERROR_FILE", "unset"))
 sys.path.insert(0, first)
 import muster_checkpoint
@@ -58,7 +61,7 @@ def test_tmp_dir_holds_the_helper_and_error_files_and_is_emptied_at_exit(tmp_pat
     assert all(h.startswith("True " + str(scratch) + "/") for h in helpers), p.stdout
     errfiles = values(p.stdout, "ERRFILE")
     assert all(e.startswith(str(scratch) + "/") and e.endswith("/error.json") for e in errfiles)
-    # One private directory per agent: <dir>/muster_checkpoint.py beside
+    # One private directory per agent: <dir>/muster-python.zip beside
     # <dir>/<run_id>_<random>/attempt_0/<rank>/error.json (torchrun's shape below it).
     private = {h.split(" ", 1)[1] for h in helpers}
     assert len(private) == 1, helpers

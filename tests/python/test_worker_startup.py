@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import uuid
+import zipfile
 
 from conftest import REPO, torch_python
 
@@ -54,23 +55,24 @@ print("PROBE " + json.dumps(out), flush=True)
 '''
 
 
-def shipped_dir(tmp_path):
-    """The helper's directory as muster writes it: the modules and `sitecustomize.py`."""
-    d = tmp_path / "helper"
-    d.mkdir()
-    for name in SHIPPED:
-        if (PYTHON / name).is_dir():
-            shutil.copytree(PYTHON / name, d / name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy(PYTHON / name, d / name)
-    shutil.copy(PYTHON / "muster_sitecustomize.py", d / "sitecustomize.py")
-    return d
+def shipped_archive(tmp_path):
+    """The helper's archive as muster writes it (muster-python.zip, stored entries): the modules
+    and `sitecustomize.py`, imported through zipimport."""
+    archive = tmp_path / "muster-python.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        for name in SHIPPED:
+            if (PYTHON / name).is_dir():
+                for path in sorted((PYTHON / name).rglob("*.py")):
+                    z.write(path, path.relative_to(PYTHON).as_posix())
+            else:
+                z.write(PYTHON / name, name)
+        z.write(PYTHON / "muster_sitecustomize.py", "sitecustomize.py")
+    return archive
 
 
 def probe(tmp_path, socket_name, **env):
     full = {k: v for k, v in os.environ.items() if not k.startswith(("MUSTER_", "PYTHON"))}
-    full.update(PYTHONPATH=str(shipped_dir(tmp_path)), MUSTER_CHECKPOINT_SOCKET=socket_name,
+    full.update(PYTHONPATH=str(shipped_archive(tmp_path)), MUSTER_CHECKPOINT_SOCKET=socket_name,
                 MUSTER_METRICS_PORT="8000", RANK="0", LOCAL_RANK="0", **env)
     p = subprocess.run([torch_python(), "-c", PROBE], env=full, capture_output=True, text=True,
                        timeout=120)

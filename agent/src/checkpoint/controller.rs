@@ -160,10 +160,10 @@ impl Preemption {
         self.helper_dir.as_deref().map(ScratchDir::base)
     }
 
-    /// The workers' `PYTHONPATH`: the helper's directory first, then what the agent was given;
+    /// The workers' `PYTHONPATH`: the helper's archive first, then what the agent was given;
     /// `None` when there is no helper directory (the agent's own `PYTHONPATH` passes through).
     pub fn python_path(&self) -> Option<std::ffi::OsString> {
-        let mut path = self.helper_dir()?.as_os_str().to_owned();
+        let mut path = python_files::path_entry(self.helper_dir()?).into_os_string();
         if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
             path.push(":");
             path.push(existing);
@@ -251,7 +251,7 @@ fn write_helper(
     // reporter muster's `sitecustomize` loads, and that `sitecustomize`, which the script
     // metrics' hook then shares: it writes no copy of its own beside these).
     match python_files::write(dir.path(), Files::Workers) {
-        Ok(()) => Ok(Some(dir)),
+        Ok(_) => Ok(Some(dir)),
         Err(WriteError { path, source }) if named => Err(StartError::Helper { path, source }),
         Err(err) => {
             // A full tmpfs, say: going without the helper beats not starting.

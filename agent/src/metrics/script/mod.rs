@@ -87,7 +87,7 @@ pub struct ScriptMetrics {
     /// (the agent's private one, which goes with the agent): then only the attempts are
     /// removed. Each directory is one more made and removed at every start.
     own_home: Option<PathBuf>,
-    /// The directory holding the hook, first on the workers' `PYTHONPATH`.
+    /// muster's archive holding the hook, first on the workers' `PYTHONPATH`.
     python: PathBuf,
     port: u16,
     current: Mutex<Current>,
@@ -114,14 +114,13 @@ impl ScriptMetrics {
         hook_dir: Option<&Path>,
     ) -> io::Result<ScriptMetrics> {
         let (python, base, own_home) = if let Some(dir) = hook_dir {
-            (dir.to_path_buf(), dir.to_path_buf(), None)
+            (python_files::path_entry(dir), dir.to_path_buf(), None)
         } else {
             // Named for its owner, so that the next agent removes it when this one is SIGKILLed.
             let home = tmp.join(crate::scratch::private_name(HOME_PREFIX));
-            let python = home.join("python");
-            std::fs::create_dir_all(&python)?;
+            std::fs::create_dir_all(&home)?;
             crate::scratch::sweep_in_background(tmp, HOME_PREFIX);
-            write_sitecustomize(&python)?;
+            let python = write_sitecustomize(&home)?;
             (python, home.clone(), Some(home))
         };
         let layout = match user_dir {
@@ -145,8 +144,8 @@ impl ScriptMetrics {
         })
     }
 
-    /// The directory holding `sitecustomize.py`, to put first on the workers' `PYTHONPATH`.
-    pub fn python_dir(&self) -> &Path {
+    /// muster's archive holding `sitecustomize.py`, to put first on the workers' `PYTHONPATH`.
+    pub fn python_path_entry(&self) -> &Path {
         &self.python
     }
 
@@ -378,9 +377,10 @@ pub fn attach(
     }
 }
 
-/// Writes the workers' start-up hook as `dir/sitecustomize.py`, with the package files it
-/// imports at start, where there is no helper directory holding them.
-fn write_sitecustomize(dir: &Path) -> io::Result<()> {
+/// Writes the workers' start-up hook (`sitecustomize.py` with the package files it imports at
+/// start, in muster's archive) into `dir`, where there is no helper directory holding them;
+/// returns the archive's path, the `PYTHONPATH` entry.
+fn write_sitecustomize(dir: &Path) -> io::Result<PathBuf> {
     python_files::write(dir, Files::StartupHook)
         .map_err(|err| io::Error::new(err.source.kind(), err))
 }

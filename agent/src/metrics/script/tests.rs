@@ -314,11 +314,11 @@ fn env_value(env: &[(String, std::ffi::OsString)], key: &str) -> Option<PathBuf>
 fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
     let tmp = scratch("attempts");
     let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, None).unwrap();
-    assert!(script.python_dir().join("sitecustomize.py").is_file());
+    // The hook is muster's archive (python_files.rs tests what it holds), first on the path.
+    assert!(script.python_path_entry().is_file());
     assert!(script
-        .python_dir()
-        .join("muster_launcher/importhook.py")
-        .is_file());
+        .python_path_entry()
+        .ends_with(crate::python_files::ARCHIVE));
     assert_eq!(
         script.worker_env(),
         vec![("MUSTER_METRICS_PORT".to_owned(), "8000".into())]
@@ -358,7 +358,10 @@ fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_o
     let helper = tmp.join("helper");
     std::fs::create_dir_all(&helper).unwrap();
     let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(&helper)).unwrap();
-    assert_eq!(script.python_dir(), helper.as_path());
+    assert_eq!(
+        script.python_path_entry(),
+        crate::python_files::path_entry(&helper)
+    );
     // Nothing written, nothing made: the helper's directory holds the hook already.
     assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 1);
