@@ -132,3 +132,34 @@ pub async fn serve<F: std::future::Future>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn one_request_waits_for_the_registered_consumer_and_duplicates_join_it() {
+        let slot = RequestSlot::default();
+        assert_eq!(
+            slot.deliver(CheckpointTrigger::Http),
+            CheckpointDelivery::NoConsumer
+        );
+        let mut consumer = slot.clone().register();
+        assert_eq!(
+            slot.deliver(CheckpointTrigger::Http),
+            CheckpointDelivery::Delivered
+        );
+        assert_eq!(
+            slot.deliver(CheckpointTrigger::Signal),
+            CheckpointDelivery::AlreadyPending
+        );
+        let request = consumer.recv().await.unwrap();
+        assert_eq!(request.trigger, CheckpointTrigger::Http);
+        assert!(consumer.try_recv().is_none());
+        drop(consumer);
+        assert_eq!(
+            slot.deliver(CheckpointTrigger::Http),
+            CheckpointDelivery::NoConsumer
+        );
+    }
+}

@@ -355,7 +355,7 @@ impl Metrics {
         &self.inner.traffic
     }
 
-    // ---- agent loop -------------------------------------------------------------------------
+    // ---- agent loop and probes ----------------------------------------------------------------
 
     /// Enters `phase`; `muster_agent_phase{phase}` shows it from the next scrape on. Private:
     /// the observer in [`agent`] is the one writer of the phase.
@@ -397,6 +397,16 @@ impl Metrics {
         self.inner.probes.advance_readiness(readiness);
     }
 
+    /// Shows the rendezvous's spare list (node 0 fills it) on `/gangz` and `muster_gang_spares`.
+    pub fn attach_spare_hosts(&self, spares: rendezvous::rdzv::driver::SpareHosts) {
+        self.inner.probes.attach_spare_hosts(spares);
+    }
+
+    /// The hosts node 0 answered "spare" in the running generation (empty elsewhere).
+    pub fn spare_hosts(&self) -> Vec<String> {
+        self.inner.probes.spare_hosts()
+    }
+
     // ---- worker output ------------------------------------------------------------------------
 
     /// Exports what each rank wrote (`muster_worker_output_*`), read from the log pumps'
@@ -405,7 +415,7 @@ impl Metrics {
         self.inner.output.attach(stats);
     }
 
-    // ---- GPU watch ----------------------------------------------------------------------------
+    // ---- GPU and straggler watches ------------------------------------------------------------
 
     /// Exports the GPU watch's per-GPU readings, NVLink error counters and XID counts
     /// (`muster_gpu_*`), built from its latest look at every scrape.
@@ -479,16 +489,6 @@ impl Metrics {
             tracing::warn!("encoding metrics failed: {err}");
         }
         out
-    }
-
-    /// Shows the rendezvous's spare list (node 0 fills it) on `/gangz` and `muster_gang_spares`.
-    pub fn attach_spare_hosts(&self, spares: rendezvous::rdzv::driver::SpareHosts) {
-        self.inner.probes.attach_spare_hosts(spares);
-    }
-
-    /// The hosts node 0 answered "spare" in the running generation (empty elsewhere).
-    pub fn spare_hosts(&self) -> Vec<String> {
-        self.inner.probes.spare_hosts()
     }
 
     /// Serves the training script's own metrics (see [`script`]) next to muster's from now on;
