@@ -52,8 +52,10 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
             metrics::CheckpointToken::from_file(path).map_err(|e| Exit::config(e.to_string()))?,
         ),
     };
+    let checkpoint_requests = checkpoint::requests::RequestSlot::default();
     let endpoint_config = metrics::EndpointConfig {
         checkpoint_token,
+        checkpoint_requests: checkpoint_requests.clone(),
         ..metrics::EndpointConfig::default()
     };
     let endpoint =
@@ -197,7 +199,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         Readiness::Ready
     });
     let run = launch.run(shutdown.clone());
-    let result = metrics::agent::serve_checkpoint_requests(&metrics, run, |reason| {
+    let result = checkpoint::requests::serve(&checkpoint_requests, run, |reason| {
         preemption.trigger(reason)
     })
     .await;

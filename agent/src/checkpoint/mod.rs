@@ -4,6 +4,8 @@
 //! - [`local`]: the Unix socket the workers' Python helper (`python/muster_launcher/checkpoint.py`) talks
 //!   to: step reports in, "save at T" / "commit" / "abort" out.
 //! - [`barrier`]: the store keys and the pure decisions (target step, margin, verdict encoding).
+//! - [`requests`]: the channel that brings an operator's request (`POST /checkpoint`) to the
+//!   barrier.
 //! - this module: the driver that runs one checkpoint across the gang, [`run`], and the
 //!   request's trigger and watcher.
 //!
@@ -13,6 +15,7 @@
 pub mod barrier;
 pub mod controller;
 pub mod local;
+pub mod requests;
 
 use std::collections::BTreeSet;
 use std::fmt::Write as _;

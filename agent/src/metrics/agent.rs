@@ -12,6 +12,7 @@
 //! - [`Metered`]: wraps the [`Rendezvous`] of every attempt to time its rounds, record their
 //!   outcome, the rank assignment, and attach the statistics of the workers' store.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::broadcast::error::RecvError;
@@ -19,15 +20,17 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
 
+use super::signals::GraceCountdown;
+use super::workers::WorkerTally;
 use super::{
-    serve_in_thread, CheckpointOutcome, CheckpointPhase, EndpointConfig, Metrics, MetricsAddr,
-    Phase, Readiness, RoundOutcome, ServeError, Serving, StoreRole, WorkerExit,
+    serve_in_thread, EndpointConfig, Metrics, MetricsAddr, Phase, Readiness, RoundOutcome,
+    ServeError, Serving, StoreRole,
 };
-use crate::events::{self, CheckpointResult, NetworkCheckResult, PreflightResult};
-use crate::launch::config::{Config, SignalAction};
+use crate::events;
+use crate::launch::config::Config;
 use crate::launch::{
-    AfterGroup, BoxFuture, Event, ExitStatus, GroupOutcome, Launch, LaunchError, LocalRendezvous,
-    Observer, Phase as LaunchPhase, Rendezvous, RestartCause, Round, StopRequest,
+    AfterGroup, BoxFuture, Event, GroupOutcome, Launch, LaunchError, LocalRendezvous, Observer,
+    Phase as LaunchPhase, Rendezvous, Round, StopRequest,
 };
 
 /// How often the observer proves the agent's runtime is turning.
@@ -136,9 +139,13 @@ pub fn meter_rendezvous(
 
 /// Records what the configuration fixes before the first attempt.
 pub fn record_config(metrics: &Metrics, config: &Config) {
-    metrics.set_run_id(&config.run_id);
-    metrics.set_restarts_remaining(config.max_restarts);
-    metrics.set_grace_period(config.grace_period.unwrap_or(config.shutdown_timeout));
+    metrics.job().set_run_id(&config.run_id);
+    metrics
+        .workers()
+        .set_restarts_remaining(config.max_restarts);
+    metrics
+        .signals()
+        .set_grace_period(config.grace_period.unwrap_or(config.shutdown_timeout));
     metrics.heartbeat();
 }
 
@@ -174,7 +181,7 @@ fn observe(
                     state.launch_phase_changed(&metrics, &phase, &mut announcement);
                 }
                 event = observer.events.recv() => match event {
-                    Ok(Event::AttemptStarted { assignment: a }) => metrics.set_assignment(
+                    Ok(Event::AttemptStarted { assignment: a }) => metrics.rdzv().set_assignment(
                         a.node_rank,
                         a.group_world_size,
                         a.world_size,
@@ -188,7 +195,7 @@ fn observe(
                     }
                     Err(RecvError::Closed) => return,
                 },
-                Some(event) = events.recv() => state.record_part(&metrics, event, &phase),
+                Some(event) = events.recv() => state.record_part(&metrics, &event, &phase),
             }
         }
     })
@@ -221,12 +228,10 @@ fn agent_phase(launch: &LaunchPhase, inputs: PhaseInputs) -> Phase {
 
 #[derive(Default)]
 struct ObserverState {
-    /// The attempt whose workers are being counted.
-    attempt: Option<u32>,
+    /// The worker group's attempt and the restarts counted against the budget.
+    workers: WorkerTally,
     /// A terminate signal already started the grace countdown.
-    stopping: bool,
-    /// Restarts that consumed the `--max-restarts` budget.
-    counted_restarts: u32,
+    countdown: GraceCountdown,
     inputs: PhaseInputs,
 }
 
@@ -248,105 +253,68 @@ impl ObserverState {
         }
         metrics.set_phase(agent_phase(phase, self.inputs));
         if let LaunchPhase::Finished { .. } = phase {
-            metrics.workers_stopped();
+            metrics.workers().workers_stopped();
         }
         metrics.heartbeat();
     }
 
+    /// Hands a launch loop event to the families it moves.
     fn record(&mut self, metrics: &Metrics, event: &Event, max_restarts: u32, grace: Duration) {
         match event {
-            Event::WorkerStarted { restart_count, .. } => {
-                if self.attempt == Some(*restart_count) {
-                    metrics.worker_started();
-                } else {
-                    self.attempt = Some(*restart_count);
-                    metrics.workers_started(1);
-                }
-            }
-            Event::WorkerExited { status, .. } => metrics.worker_exited(match status {
-                ExitStatus::Exited(code) => WorkerExit::Code(*code),
-                ExitStatus::Signaled(signal) => WorkerExit::Signal(*signal as i32),
-            }),
-            Event::GroupEnded { .. } => metrics.workers_stopped(),
-            Event::Restarting { cause, .. } => {
-                metrics.restarted(*cause);
-                if *cause != RestartCause::MembershipChange {
-                    self.counted_restarts += 1;
-                }
-                metrics.set_restarts_remaining(max_restarts.saturating_sub(self.counted_restarts));
+            Event::WorkerStarted { .. }
+            | Event::WorkerExited { .. }
+            | Event::GroupEnded { .. }
+            | Event::Restarting { .. } => {
+                metrics
+                    .workers()
+                    .observe(event, &mut self.workers, max_restarts);
             }
             // Recorded by the observer loop itself (it knows the local world size).
             Event::AttemptStarted { .. } => {}
-            Event::StraysStopped { count, killed, .. } => metrics.strays_stopped(*count, *killed),
-            Event::WorkerOomKilled { .. } => metrics.worker_oom_killed(),
-            Event::GpuReleaseWaited {
-                waited, released, ..
-            } => metrics.gpu_release_waited(*waited, *released),
-            Event::SignalReceived { signal, action } => {
-                metrics.signal_received(*signal as i32);
-                if *action == SignalAction::Checkpoint {
-                    metrics.checkpoint_requested(super::CheckpointTrigger::Signal);
-                }
-                if matches!(action, SignalAction::Terminate | SignalAction::Checkpoint)
-                    && !self.stopping
-                {
-                    self.stopping = true;
-                    metrics.grace_deadline(Instant::now() + grace);
-                }
+            Event::StraysStopped { .. }
+            | Event::WorkerOomKilled { .. }
+            | Event::GpuReleaseWaited { .. } => metrics.cleanup().observe(event),
+            Event::SignalReceived { .. } => {
+                metrics.signals().observe(event, &mut self.countdown, grace);
+                metrics.checkpoints().observe(event);
             }
         }
     }
 
     /// An event of the parts below the loop; `phase` is the loop's current phase.
-    fn record_part(&mut self, metrics: &Metrics, event: events::Event, phase: &LaunchPhase) {
+    fn record_part(&mut self, metrics: &Metrics, event: &events::Event, phase: &LaunchPhase) {
         use events::Event as Part;
         let before = self.inputs;
         match event {
             Part::PreflightStarted => self.inputs.preflight = true,
-            Part::PreflightFinished { result, elapsed } => {
+            Part::PreflightFinished { .. } => {
                 self.inputs.preflight = false;
-                record_preflight(metrics, &result, elapsed);
+                metrics.preflight().observe(event);
             }
             Part::ResolvingStarted => self.inputs.resolving = true,
-            Part::DnsAttempt(result) => metrics.dns_attempt(result),
-            Part::ResolvingFinished { resolved, elapsed } => {
-                if resolved {
+            Part::DnsAttempt(_) => metrics.dns().observe(event),
+            Part::ResolvingFinished { resolved, .. } => {
+                if *resolved {
                     self.inputs.resolving = false;
                 }
-                metrics.dns_resolution_finished(elapsed);
+                metrics.dns().observe(event);
             }
             Part::RendezvousStoreHosted { stats } => {
+                let stats: Arc<rendezvous::store::server::Stats> = Arc::clone(stats);
                 metrics.attach_store(StoreRole::Rendezvous, stats);
             }
             // Others can join: the pod is ready (and its DNS record, where readiness gates it,
             // can be published).
             Part::RendezvousStoreAccepting => metrics.advance_readiness(Readiness::Ready),
-            Part::CheckpointStarted { from_peer } => {
-                if from_peer {
-                    metrics.checkpoint_requested(super::CheckpointTrigger::Peer);
-                }
+            Part::CheckpointStarted { .. } => {
                 self.inputs.checkpointing = true;
-                metrics.set_checkpoint_phase(CheckpointPhase::Agreeing);
+                metrics.checkpoints().observe_part(event);
             }
-            Part::CheckpointEnded { result, elapsed } => match result {
-                CheckpointResult::Committed { step } => {
-                    metrics.checkpoint_finished(CheckpointOutcome::Committed, elapsed, Some(step));
-                }
-                CheckpointResult::Aborted => {
-                    metrics.checkpoint_finished(CheckpointOutcome::Aborted, elapsed, None);
-                }
-                // No barrier ran (the scripts lack the helper): not a checkpoint.
-                CheckpointResult::Unsupported => {
-                    metrics.set_checkpoint_phase(CheckpointPhase::Idle);
-                }
-            },
-            Part::WorkerStep { local_rank, step } => metrics.worker_step(local_rank, step),
-            Part::NetworkChecked { result, elapsed } => match result {
-                NetworkCheckResult::Judged(summary) => {
-                    metrics.network_check_judged(&summary, elapsed);
-                }
-                NetworkCheckResult::NoVerdict => metrics.network_check_without_verdict(elapsed),
-            },
+            Part::CheckpointEnded { .. } => metrics.checkpoints().observe_part(event),
+            Part::WorkerStep { local_rank, step } => {
+                metrics.workers().worker_step(*local_rank, *step);
+            }
+            Part::NetworkChecked { .. } => metrics.network().observe(event),
         }
         if before.preflight != self.inputs.preflight
             || before.resolving != self.inputs.resolving
@@ -354,40 +322,6 @@ impl ObserverState {
         {
             metrics.set_phase(agent_phase(phase, self.inputs));
         }
-    }
-}
-
-/// The GPU pre-flight's checks, per GPU and node-wide, and its verdict. A skipped check (not
-/// applicable here) is not exported.
-fn record_preflight(metrics: &Metrics, result: &PreflightResult, elapsed: Duration) {
-    use crate::gpu::report::{Status, Verdict};
-    match result {
-        PreflightResult::Checked(report) => {
-            for check in report.checks.iter().filter(|c| c.status != Status::Skip) {
-                let healthy = check.status != Status::Fail;
-                match &check.gpu {
-                    Some(gpu) => metrics.gpu_check(
-                        Some(gpu.index),
-                        gpu.uuid.as_deref().unwrap_or(""),
-                        &check.check,
-                        healthy,
-                    ),
-                    None => metrics.gpu_check(None, "", &check.check, healthy),
-                }
-            }
-            for gpu in &report.gpus {
-                if let Some(links) = gpu.nvlink_active {
-                    metrics.gpu_nvlink_active_links(
-                        gpu.index,
-                        gpu.uuid.as_deref().unwrap_or(""),
-                        links,
-                    );
-                }
-            }
-            metrics.gpu_preflight_finished(report.verdict != Verdict::Unhealthy, elapsed);
-        }
-        PreflightResult::Skipped => {}
-        PreflightResult::Failed => metrics.gpu_preflight_finished(false, elapsed),
     }
 }
 
@@ -427,7 +361,7 @@ struct RoundGuard<'a> {
 impl Drop for RoundGuard<'_> {
     fn drop(&mut self) {
         if !self.finished {
-            self.metrics.rendezvous_round_finished(
+            self.metrics.rdzv().rendezvous_round_finished(
                 RoundOutcome::Cancelled,
                 "stopped",
                 self.started.elapsed(),
@@ -446,8 +380,8 @@ impl Rendezvous for Metered {
         Box::pin(async move {
             // Until the round completes, the nodes of the last round count as joined (the
             // rendezvous does not report its progress to the agent).
-            self.metrics
-                .rendezvous_nodes(config.nnodes.max, self.metrics.nodes_joined());
+            let rdzv = self.metrics.rdzv();
+            rdzv.rendezvous_nodes(config.nnodes.max, rdzv.nodes_joined());
             let mut guard = RoundGuard {
                 metrics: &self.metrics,
                 started: Instant::now(),
@@ -460,8 +394,8 @@ impl Rendezvous for Metered {
             match &result {
                 Ok(round) => {
                     let a = &round.assignment;
-                    metrics.rendezvous_nodes(a.group_world_size, a.group_world_size);
-                    metrics.set_assignment(
+                    rdzv.rendezvous_nodes(a.group_world_size, a.group_world_size);
+                    rdzv.set_assignment(
                         a.node_rank,
                         a.group_world_size,
                         a.world_size,
@@ -470,21 +404,17 @@ impl Rendezvous for Metered {
                     if let Some(store) = &round.store {
                         metrics.attach_store(StoreRole::Workers, store.stats());
                     }
-                    metrics.rendezvous_round_finished(
+                    rdzv.rendezvous_round_finished(
                         RoundOutcome::Completed,
                         self.completed_reason,
                         elapsed,
                     );
                 }
                 Err(err) if err.is_rendezvous_timeout() => {
-                    metrics.rendezvous_round_finished(
-                        RoundOutcome::Timeout,
-                        "join_timeout",
-                        elapsed,
-                    );
+                    rdzv.rendezvous_round_finished(RoundOutcome::Timeout, "join_timeout", elapsed);
                 }
                 Err(_) => {
-                    metrics.rendezvous_round_finished(RoundOutcome::Failed, "error", elapsed);
+                    rdzv.rendezvous_round_finished(RoundOutcome::Failed, "error", elapsed);
                 }
             }
             result
@@ -503,7 +433,7 @@ impl Rendezvous for Metered {
         Box::pin(async move {
             let after = self.inner.after_group(outcome, stop).await;
             if let Some(cause) = self.inner.gang_cause() {
-                self.metrics.set_gang_root_cause(&cause.root);
+                self.metrics.workers().set_gang_root_cause(&cause.root);
             }
             after
         })
@@ -519,28 +449,6 @@ impl Rendezvous for Metered {
 
     fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {
         self.inner.end_on_failure(exit_code, why)
-    }
-}
-
-/// Runs `run` (the launch) while handing every `POST /checkpoint` to `trigger` (the checkpoint
-/// barrier's operator entry; false when it is gone). From here on the endpoint answers 202.
-pub async fn serve_checkpoint_requests<F: std::future::Future>(
-    metrics: &Metrics,
-    run: F,
-    trigger: impl Fn(&str) -> bool,
-) -> F::Output {
-    let mut requests = metrics.checkpoint_requests();
-    tokio::pin!(run);
-    loop {
-        tokio::select! {
-            output = &mut run => return output,
-            Some(request) = requests.recv() => {
-                if !trigger("checkpoint requested over HTTP (POST /checkpoint)") {
-                    tracing::warn!("POST /checkpoint: the checkpoint barrier is gone");
-                }
-                tracing::debug!("checkpoint request from {:?}", request.trigger);
-            }
-        }
     }
 }
 
@@ -720,7 +628,7 @@ mod tests {
         });
         events.publish(events::Event::CheckpointStarted { from_peer: true });
         events.publish(events::Event::CheckpointEnded {
-            result: CheckpointResult::Committed { step: 40 },
+            result: events::CheckpointResult::Committed { step: 40 },
             elapsed: Duration::from_secs(2),
         });
         events.publish(events::Event::RendezvousStoreAccepting);

@@ -9,10 +9,11 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::time::timeout;
+use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::*;
+use crate::checkpoint::requests::RequestSlot;
 
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -367,34 +368,48 @@ fn the_phase_is_a_consistent_state_set() {
 #[test]
 fn events_move_the_right_series() {
     let metrics = Metrics::new();
-    metrics.set_run_id("job-42");
-    metrics.dns_attempt(DnsResult::NxDomain);
-    metrics.dns_attempt(DnsResult::NxDomain);
-    metrics.dns_attempt(DnsResult::Ok);
-    metrics.dns_resolution_finished(Duration::from_millis(2500));
-    metrics.rendezvous_nodes(3, 2);
-    metrics.rendezvous_round_finished(
+    metrics.job().set_run_id("job-42");
+    metrics.dns().dns_attempt(DnsResult::NxDomain);
+    metrics.dns().dns_attempt(DnsResult::NxDomain);
+    metrics.dns().dns_attempt(DnsResult::Ok);
+    metrics
+        .dns()
+        .dns_resolution_finished(Duration::from_millis(2500));
+    metrics.rdzv().rendezvous_nodes(3, 2);
+    metrics.rdzv().rendezvous_round_finished(
         RoundOutcome::Completed,
         "all_joined",
         Duration::from_millis(1500),
     );
-    metrics.set_assignment(1, 3, 12, 4);
-    metrics.workers_started(4);
-    metrics.worker_exited(WorkerExit::Code(3));
-    metrics.worker_exited(WorkerExit::Signal(9));
-    metrics.worker_exited(WorkerExit::Code(-1));
-    metrics.restarted(RestartCause::WorkerFailure);
-    metrics.set_restarts_remaining(2);
-    metrics.worker_step(0, 120);
-    metrics.worker_step(MAX_LOCAL_RANKS, 1);
-    metrics.signal_received(15);
-    metrics.gpu_check(Some(0), "GPU-abc", "ecc_uncorrectable", false);
-    metrics.gpu_check(Some(MAX_GPUS), "GPU-far", "ecc_uncorrectable", false);
-    metrics.gpu_check(None, "", "driver", true);
-    metrics.gpu_nvlink_active_links(0, "GPU-abc", 18);
-    metrics.gpu_preflight_finished(false, Duration::from_millis(300));
-    metrics.checkpoint_requested(CheckpointTrigger::Signal);
-    metrics.set_checkpoint_phase(CheckpointPhase::Saving);
+    metrics.rdzv().set_assignment(1, 3, 12, 4);
+    metrics.workers().workers_started(4);
+    metrics.workers().worker_exited(WorkerExit::Code(3));
+    metrics.workers().worker_exited(WorkerExit::Signal(9));
+    metrics.workers().worker_exited(WorkerExit::Code(-1));
+    metrics.workers().restarted(RestartCause::WorkerFailure);
+    metrics.workers().set_restarts_remaining(2);
+    metrics.workers().worker_step(0, 120);
+    metrics.workers().worker_step(MAX_LOCAL_RANKS, 1);
+    metrics.signals().signal_received(15);
+    metrics
+        .preflight()
+        .gpu_check(Some(0), "GPU-abc", "ecc_uncorrectable", false);
+    metrics
+        .preflight()
+        .gpu_check(Some(MAX_GPUS), "GPU-far", "ecc_uncorrectable", false);
+    metrics.preflight().gpu_check(None, "", "driver", true);
+    metrics
+        .preflight()
+        .gpu_nvlink_active_links(0, "GPU-abc", 18);
+    metrics
+        .preflight()
+        .gpu_preflight_finished(false, Duration::from_millis(300));
+    metrics
+        .checkpoints()
+        .checkpoint_requested(CheckpointTrigger::Signal);
+    metrics
+        .checkpoints()
+        .set_checkpoint_phase(CheckpointPhase::Saving);
     let samples = scrape(&metrics);
     let v = |name: &str, labels: &[(&str, &str)]| value(&samples, name, labels);
 
@@ -539,14 +554,14 @@ fn events_move_the_right_series() {
         Some(0.0)
     );
 
-    metrics.checkpoint_finished(
+    metrics.checkpoints().checkpoint_finished(
         CheckpointOutcome::Committed,
         Duration::from_secs(7),
         Some(130),
     );
-    metrics.workers_stopped();
-    metrics.worker_exited(WorkerExit::Signal(15));
-    metrics.workers_started(4);
+    metrics.workers().workers_stopped();
+    metrics.workers().worker_exited(WorkerExit::Signal(15));
+    metrics.workers().workers_started(4);
     let samples = scrape(&metrics);
     let v = |name: &str, labels: &[(&str, &str)]| value(&samples, name, labels);
     assert_eq!(
@@ -581,8 +596,8 @@ fn label_values_stay_bounded() {
     assert_eq!(signal_name(1000), "unknown");
     assert_eq!(WorkerExit::Code(70000).labels().0, "255");
     let metrics = Metrics::new();
-    metrics.set_run_id(&"é".repeat(200));
-    metrics.set_run_id("second");
+    metrics.job().set_run_id(&"é".repeat(200));
+    metrics.job().set_run_id("second");
     let samples = scrape(&metrics);
     let infos: Vec<&Sample> = samples
         .iter()
@@ -592,7 +607,9 @@ fn label_values_stay_bounded() {
     assert_eq!(infos[0].labels["run_id"], "second");
     assert_eq!(truncate(&"é".repeat(200), 5), "éé");
     for i in 0..MAX_GPU_CHECKS + 10 {
-        metrics.gpu_check(Some(0), "GPU-a", &format!("check_{i}"), true);
+        metrics
+            .preflight()
+            .gpu_check(Some(0), "GPU-a", &format!("check_{i}"), true);
     }
     let checks = scrape(&metrics)
         .iter()
@@ -618,10 +635,10 @@ fn the_gang_root_cause_is_one_series_replaced_by_the_next_failed_attempt() {
         error: Some("ValueError: x".into()),
         at_unix_ms: 0,
     };
-    metrics.set_gang_root_cause(&root);
+    metrics.workers().set_gang_root_cause(&root);
     root.node_rank = 2;
     root.rank = 5;
-    metrics.set_gang_root_cause(&root);
+    metrics.workers().set_gang_root_cause(&root);
     let samples = scrape(&metrics);
     let series: Vec<&Sample> = samples
         .iter()
@@ -645,8 +662,8 @@ fn the_gang_root_cause_is_one_series_replaced_by_the_next_failed_attempt() {
 #[tokio::test(start_paused = true)]
 async fn ages_and_the_grace_budget_are_measured_at_scrape_time() {
     let metrics = Metrics::new();
-    metrics.set_grace_period(Duration::from_secs(30));
-    metrics.worker_step(2, 7);
+    metrics.signals().set_grace_period(Duration::from_secs(30));
+    metrics.workers().worker_step(2, 7);
     tokio::time::advance(Duration::from_secs(12)).await;
     let samples = scrape(&metrics);
     assert_eq!(
@@ -666,7 +683,9 @@ async fn ages_and_the_grace_budget_are_measured_at_scrape_time() {
         Some(12.0)
     );
     metrics.heartbeat();
-    metrics.grace_deadline(Instant::now() + Duration::from_secs(20));
+    metrics
+        .signals()
+        .grace_deadline(Instant::now() + Duration::from_secs(20));
     tokio::time::advance(Duration::from_secs(5)).await;
     let samples = scrape(&metrics);
     assert_eq!(
@@ -1156,7 +1175,7 @@ async fn probes_follow_the_agent_loop() {
         503,
         "running but no workers yet"
     );
-    metrics.workers_started(2);
+    metrics.workers().workers_started(2);
     assert_eq!(get("/gangz").await.status, 200);
     metrics.set_phase(Phase::Checkpointing);
     assert_eq!(get("/gangz").await.status, 200);
@@ -1198,7 +1217,7 @@ async fn readiness_never_depends_on_the_gang() {
         metrics.set_phase(phase);
         assert_eq!(get("/readyz").await.status, 200, "{phase:?}");
     }
-    metrics.workers_stopped();
+    metrics.workers().workers_stopped();
     metrics.advance_readiness(Readiness::HostingStore);
     assert_eq!(
         get("/readyz").await.status,
@@ -1418,13 +1437,15 @@ async fn loopback_may_checkpoint_with_or_without_a_token() {
     let metrics = Metrics::new();
     let token_file = std::env::temp_dir().join(format!("muster-tok-{}", std::process::id()));
     std::fs::write(&token_file, "letmein\n").unwrap();
+    let requests = RequestSlot::default();
     let config = EndpointConfig {
         checkpoint_token: Some(CheckpointToken::from_file(&token_file).unwrap()),
+        checkpoint_requests: requests.clone(),
         ..EndpointConfig::default()
     };
     std::fs::remove_file(&token_file).unwrap();
     let (addr, shutdown) = start(&metrics, config);
-    let mut consumer = metrics.checkpoint_requests();
+    let mut consumer = requests.register();
     let reply = send(
         addr,
         b"POST /checkpoint HTTP/1.1\r\nContent-Length: 0\r\n\r\n",
@@ -1452,7 +1473,12 @@ async fn loopback_may_checkpoint_with_or_without_a_token() {
 #[tokio::test]
 async fn checkpoint_requests_reach_the_registered_consumer() {
     let metrics = Metrics::new();
-    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let requests = RequestSlot::default();
+    let config = EndpointConfig {
+        checkpoint_requests: requests.clone(),
+        ..EndpointConfig::default()
+    };
+    let (addr, shutdown) = start(&metrics, config);
     let post = || {
         send(
             addr,
@@ -1466,7 +1492,7 @@ async fn checkpoint_requests_reach_the_registered_consumer() {
         (503, "checkpoint barrier not available\n")
     );
 
-    let mut consumer = metrics.checkpoint_requests();
+    let mut consumer = requests.register();
     let reply = post().await;
     assert_eq!(
         (reply.status, reply.body.as_str()),
@@ -1553,12 +1579,16 @@ async fn the_unspecified_address_listens_on_loopback_too() {
 #[test]
 fn gathering_is_fast() {
     let metrics = Metrics::new();
-    metrics.workers_started(8);
+    metrics.workers().workers_started(8);
     for rank in 0..8 {
-        metrics.worker_step(rank, 100);
-        metrics.gpu_nvlink_active_links(rank, "GPU-x", 18);
+        metrics.workers().worker_step(rank, 100);
+        metrics
+            .preflight()
+            .gpu_nvlink_active_links(rank, "GPU-x", 18);
         for check in ["ecc", "nvlink", "thermal", "pcie", "fabric"] {
-            metrics.gpu_check(Some(rank), "GPU-x", check, true);
+            metrics
+                .preflight()
+                .gpu_check(Some(rank), "GPU-x", check, true);
         }
     }
     let mut times: Vec<Duration> = (0..200)
@@ -1688,7 +1718,7 @@ async fn gangz_and_a_gauge_show_the_spares_node_0_answered() {
     let spares = rendezvous::rdzv::driver::SpareHosts::default();
     metrics.attach_spare_hosts(spares.clone());
     metrics.set_phase(Phase::Running);
-    metrics.workers_started(1);
+    metrics.workers().workers_started(1);
     assert_eq!(get("/gangz").await.body, "gang running\n");
     assert_eq!(
         value(&scrape(&metrics), "muster_gang_spares", &[]),

@@ -44,6 +44,7 @@ use tokio_util::sync::CancellationToken;
 use super::auth::CheckpointToken;
 use super::conns::{Admission, Limits, Table};
 use super::Metrics;
+use crate::checkpoint::requests::RequestSlot;
 use guard::{Exchange, Guarded};
 
 /// Largest request line plus headers accepted (Prometheus and the kubelet send a few hundred bytes).
@@ -87,6 +88,8 @@ pub struct EndpointConfig {
     /// `--checkpoint-token-file`: lets a non-loopback peer with this bearer token trigger a
     /// checkpoint.
     pub checkpoint_token: Option<CheckpointToken>,
+    /// Where `POST /checkpoint` delivers its requests (503 while nobody is registered on it).
+    pub checkpoint_requests: RequestSlot,
 }
 
 impl Default for EndpointConfig {
@@ -99,6 +102,7 @@ impl Default for EndpointConfig {
             max_connections: 256,
             max_connections_per_peer: 16,
             checkpoint_token: None,
+            checkpoint_requests: RequestSlot::default(),
         }
     }
 }
@@ -180,13 +184,13 @@ impl Endpoint {
                     let id = match admission {
                         Admission::Admitted { id, evicted } => {
                             if let Some(limit) = evicted {
-                                self.metrics.count_http_shed(limit);
+                                self.metrics.traffic().count_http_shed(limit);
                             }
                             id
                         }
                         Admission::Refused(limit) => {
                             // Every candidate is busy writing a response: close the new one.
-                            self.metrics.count_http_shed(limit);
+                            self.metrics.traffic().count_http_shed(limit);
                             drop(stream);
                             continue;
                         }
@@ -369,7 +373,7 @@ async fn serve_connection(
         if err.is_parse() {
             // hyper answered it itself (400, or 431 if its buffer filled).
             let status = if err.is_parse_too_large() { 431 } else { 400 };
-            metrics.count_http_request("other", status);
+            metrics.traffic().count_http_request("other", status);
         }
         tracing::debug!(%peer, "metrics endpoint: connection ended: {err}");
     }

@@ -12,10 +12,11 @@ use hyper::{Method, Request, Response, StatusCode, Version};
 use tokio_util::sync::CancellationToken;
 
 use super::super::auth::{self, Rejected};
-use super::super::{CheckpointDelivery, CheckpointTrigger, Metrics, Readiness};
+use super::super::{Metrics, Readiness};
 use super::guard::Exchange;
 use super::wire::Reject;
 use super::{EndpointConfig, MAX_BODY_BYTES, METRICS_CONTENT_TYPE};
+use crate::checkpoint::requests::{CheckpointDelivery, CheckpointTrigger};
 
 /// What every request of one connection is answered with.
 pub(super) struct Context {
@@ -61,7 +62,10 @@ pub(super) async fn respond(
     };
     if path == STACKS_PATH {
         let reply = stacks(&parts.method, context.peer.ip(), &context.metrics).await;
-        context.metrics.count_http_request("stacks", reply.status);
+        context
+            .metrics
+            .traffic()
+            .count_http_request("stacks", reply.status);
         return Ok(reply.into_response(keep_alive));
     }
     let reply = route(
@@ -78,7 +82,10 @@ pub(super) async fn respond(
 /// An error answer, after which the connection closes.
 fn refuse(status: u16, context: &Context) -> Response<Full<Bytes>> {
     tracing::debug!(peer = %context.peer, status, "metrics endpoint: rejected request");
-    context.metrics.count_http_request("other", status);
+    context
+        .metrics
+        .traffic()
+        .count_http_request("other", status);
     Reply::text(status, format!("{}\n", reason(status))).into_response(false)
 }
 
@@ -238,7 +245,7 @@ fn route(
         "/checkpoint" => ("other", not_allowed("POST", "use POST\n")),
         _ => ("other", Reply::text(404, "not found\n".to_owned())),
     };
-    metrics.count_http_request(handler, reply.status);
+    metrics.traffic().count_http_request(handler, reply.status);
     reply
 }
 
@@ -303,7 +310,7 @@ fn gangz(metrics: &Metrics) -> Reply {
             format!(
                 "gang not running: phase {}, {} local workers running\n{findings}",
                 metrics.phase().as_str(),
-                metrics.workers_running()
+                metrics.workers().workers_running()
             ),
         )
     }
@@ -316,7 +323,7 @@ fn checkpoint(
     config: &EndpointConfig,
 ) -> Reply {
     if let Err(rejected) = auth::authorize(peer, bearer, config.checkpoint_token.as_ref()) {
-        metrics.checkpoint_rejected(rejected);
+        metrics.traffic().checkpoint_rejected(rejected);
         tracing::debug!(%peer, reason = rejected.as_str(), "POST /checkpoint refused");
         return match rejected {
             Rejected::Forbidden => Reply::text(
@@ -336,7 +343,13 @@ fn checkpoint(
             }
         };
     }
-    match metrics.request_checkpoint(CheckpointTrigger::Http) {
+    let delivery = config.checkpoint_requests.deliver(CheckpointTrigger::Http);
+    if delivery != CheckpointDelivery::NoConsumer {
+        metrics
+            .checkpoints()
+            .checkpoint_requested(CheckpointTrigger::Http);
+    }
+    match delivery {
         CheckpointDelivery::Delivered => Reply::text(202, "checkpoint requested\n".to_owned()),
         CheckpointDelivery::AlreadyPending => {
             Reply::text(202, "checkpoint already requested\n".to_owned())
