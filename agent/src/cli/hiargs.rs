@@ -383,7 +383,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let rdzv = rendezvous(low, shape.nnodes)?;
     let mut warnings = rdzv.warnings;
     let supervision = supervision(low)?;
-    let gpu = gpu_timing(low)?;
+    let gpu = gpu_handling(low)?;
     let preempted_exit_code = preempted_exit_code(low)?;
     let hang = hang_policy(low)?;
     let straggler = straggler(low, shape.nnodes, &mut warnings)?;
@@ -633,14 +633,14 @@ fn supervision(low: &LowArgs) -> Result<Supervision, ConfigError> {
 }
 
 /// How the agent waits for, watches and places on the GPUs.
-struct GpuTiming {
+struct GpuHandling {
     release_timeout: Duration,
     watch_interval: Duration,
     numa_binding: bool,
 }
 
 /// `--gpu-release-timeout`, `--gpu-watch-interval` and `--numa-binding`.
-fn gpu_timing(low: &LowArgs) -> Result<GpuTiming, ConfigError> {
+fn gpu_handling(low: &LowArgs) -> Result<GpuHandling, ConfigError> {
     let release_timeout = parse_duration(low, "gpu-release-timeout")?
         .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
     let watch_interval =
@@ -656,7 +656,7 @@ fn gpu_timing(low: &LowArgs) -> Result<GpuTiming, ConfigError> {
             ))
         }
     };
-    Ok(GpuTiming {
+    Ok(GpuHandling {
         release_timeout,
         watch_interval,
         numa_binding,
