@@ -374,26 +374,142 @@ fn entrypoint(
     })
 }
 
-/// Validates the raw parse into a [`Config`].
+/// Validates the raw parse into a [`Config`], one section after another: the order of the
+/// sections is the order in which flags are checked, so it decides which of two bad flags an
+/// error names.
 pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
-    if low.values.get("run-path").is_some_and(|v| v.value == "1") {
+    refuse_run_path(low)?;
+    let shape = job_shape(low, probe)?;
+    let rdzv = rendezvous(low, shape.nnodes)?;
+    let mut warnings = rdzv.warnings;
+    let supervision = supervision(low)?;
+    let gpu = gpu_handling(low)?;
+    let preempted_exit_code = preempted_exit_code(low)?;
+    let hang = hang_policy(low)?;
+    let straggler = straggler(low, shape.nnodes, &mut warnings)?;
+    let framework_callbacks = on_off(low, "framework-callbacks")?;
+    let auto_step_reports = on_off(low, "auto-step-reports")?;
+    let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
+    let logs = log_config(low)?;
+    let signals = parsed(low, "signals-to-handle", parse_signals)?.unwrap_or_default();
+    let metrics_addr = parsed(low, "metrics-addr", str::parse)?;
+    let gpu_check = gpu_check(low, probe)?;
+    let network_check = network_check(low, shape.nnodes.max)?;
+    let entrypoint = entrypoint(
+        &low.positional,
+        switch(low, "module"),
+        switch(low, "no-python"),
+        probe,
+    )?;
+    let max_store_bytes = parsed(low, "max-store-bytes", parse_byte_size)?
+        .unwrap_or(rendezvous::store::server::DEFAULT_MAX_STORE_BYTES);
+
+    Ok(Config {
+        nnodes: shape.nnodes,
+        nproc_per_node: shape.nproc_per_node,
+        node_rank: shape.node_rank,
+        node_rank_given: shape.node_rank_given,
+        rdzv_backend: rdzv.backend,
+        rdzv_endpoint: rdzv.endpoint,
+        run_id: rdzv.run_id,
+        rdzv_conf: rdzv.conf,
+        standalone: rdzv.standalone,
+        max_restarts: shape.max_restarts,
+        max_no_progress_restarts: shape.max_no_progress_restarts,
+        node_unit: shape.node_unit,
+        monitor_interval: supervision.monitor_interval,
+        role,
+        entrypoint,
+        logs,
+        master_addr: rdzv.master_addr,
+        master_port: rdzv.master_port,
+        local_addr: rdzv.local_addr,
+        shutdown_timeout: supervision.shutdown_timeout,
+        signals,
+        metrics_addr,
+        gpu_check,
+        grace_period: supervision.grace_period,
+        preempted_exit_code,
+        numa_binding: gpu.numa_binding,
+        checkpoint_token_file: path_flag(low, "checkpoint-token-file"),
+        warnings,
+        tmp_dir: path_flag(low, "tmp-dir"),
+        keep_strays: switch(low, "keep-strays"),
+        framework_callbacks,
+        gpu_release_timeout: gpu.release_timeout,
+        gpu_watch_interval: gpu.watch_interval,
+        max_store_bytes,
+        network_check,
+        hang,
+        auto_step_reports,
+        scheduler: crate::cli::scheduler::Behaviour::default(),
+        straggler,
+    })
+}
+
+/// A switch given on the command line or in its variable (`1` is how the raw parse spells on).
+fn switch(low: &LowArgs, flag: &str) -> bool {
+    low.values.get(flag).is_some_and(|v| v.value == "1")
+}
+
+/// A flag's value through `parse`, an error naming the flag when it does not parse.
+fn parsed<T, E: std::fmt::Display>(
+    low: &LowArgs,
+    flag: &str,
+    parse: impl FnOnce(&str) -> Result<T, E>,
+) -> Result<Option<T>, ConfigError> {
+    get(low, flag)
+        .map(|raw| parse(&raw.value).map_err(|e| bad(raw, flag, e)))
+        .transpose()
+}
+
+/// A path flag; an empty value counts as not given.
+fn path_flag(low: &LowArgs, flag: &str) -> Option<PathBuf> {
+    get(low, flag)
+        .map(|r| PathBuf::from(r.value.trim()))
+        .filter(|p| !p.as_os_str().is_empty())
+}
+
+/// A switch that is on unless `--FLAG off` (or its variable) turns it off.
+fn on_off(low: &LowArgs, flag: &str) -> Result<bool, ConfigError> {
+    match get(low, flag) {
+        None => Ok(true),
+        Some(raw) => parse_switch_value(&raw.value)
+            .ok_or_else(|| bad(raw, flag, "expected on or off (or 1/0, true/false, yes/no)")),
+    }
+}
+
+/// torchrun's `--run-path` runs the script inside the launcher, which muster never does.
+fn refuse_run_path(low: &LowArgs) -> Result<(), ConfigError> {
+    if switch(low, "run-path") {
         return Err(ConfigError(
             "--run-path is not supported: muster never runs training code inside the agent; \
              drop the flag (the script then runs as `python -u script.py`)"
                 .into(),
         ));
     }
-    let switch = |flag: &str| low.values.get(flag).is_some_and(|v| v.value == "1");
+    Ok(())
+}
 
-    let nnodes = match get(low, "nnodes") {
-        None => NodeRange { min: 1, max: 1 },
-        Some(raw) => parse_nnodes(&raw.value).map_err(|e| bad(raw, "nnodes", e))?,
-    };
-    let nproc_per_node = match get(low, "nproc-per-node") {
-        None => 1,
-        Some(raw) => parse_nproc(&raw.value, (probe.gpu_count)(), (probe.cpu_count)())
-            .map_err(|e| bad(raw, "nproc-per-node", e))?,
-    };
+/// The gang's shape and how often it may restart.
+struct JobShape {
+    nnodes: NodeRange,
+    nproc_per_node: u32,
+    node_rank: u32,
+    node_rank_given: bool,
+    max_restarts: u32,
+    max_no_progress_restarts: u32,
+    node_unit: u32,
+}
+
+/// `--nnodes`, `--nproc-per-node`, `--node-rank`, `--max-restarts`, `--node-unit` and
+/// `--max-no-progress-restarts`.
+fn job_shape(low: &LowArgs, probe: &Probe<'_>) -> Result<JobShape, ConfigError> {
+    let nnodes = parsed(low, "nnodes", parse_nnodes)?.unwrap_or(NodeRange { min: 1, max: 1 });
+    let nproc_per_node = parsed(low, "nproc-per-node", |text| {
+        parse_nproc(text, (probe.gpu_count)(), (probe.cpu_count)())
+    })?
+    .unwrap_or(1);
     let node_rank = parse_u32(low, "node-rank", 0)?;
     let max_restarts = parse_u32(low, "max-restarts", 0)?;
     let node_unit = parse_u32(low, "node-unit", 1)?;
@@ -414,33 +530,54 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         "max-no-progress-restarts",
         crate::launch::crash_loop::DEFAULT_MAX_NO_PROGRESS_RESTARTS,
     )?;
-    let master_port = match get(low, "master-port") {
-        None => None,
-        Some(raw) => Some(
-            raw.value
-                .trim()
-                .parse::<u16>()
-                .map_err(|_| bad(raw, "master-port", "expected a port number"))?,
-        ),
-    };
+    Ok(JobShape {
+        nnodes,
+        nproc_per_node,
+        node_rank,
+        node_rank_given: get(low, "node-rank").is_some_and(|r| !r.value.trim().is_empty()),
+        max_restarts,
+        max_no_progress_restarts,
+        node_unit,
+    })
+}
+
+/// Where and how the gang meets, after torchrun's standalone rule.
+struct RendezvousSection {
+    backend: String,
+    endpoint: String,
+    run_id: String,
+    conf: Vec<(String, String)>,
+    standalone: bool,
+    master_addr: Option<String>,
+    master_port: Option<u16>,
+    local_addr: Option<String>,
+    /// What `--standalone` overrode, said out loud at start.
+    warnings: Vec<String>,
+}
+
+/// `--master-port`, `--rdzv-backend`, `--rdzv-endpoint`, `--rdzv-conf`, `--standalone`,
+/// `--rdzv-id`, `--master-addr` and `--local-addr`.
+fn rendezvous(low: &LowArgs, nnodes: NodeRange) -> Result<RendezvousSection, ConfigError> {
+    let master_port = parsed(low, "master-port", |text| {
+        text.trim()
+            .parse::<u16>()
+            .map_err(|_| "expected a port number")
+    })?;
     let rdzv_backend = get(low, "rdzv-backend").map_or("static", |r| r.value.trim());
     if !matches!(rdzv_backend, "static" | "c10d") {
         let raw = get(low, "rdzv-backend").ok_or_else(|| ConfigError("rdzv-backend".into()))?;
         return Err(bad(raw, "rdzv-backend", "muster supports static and c10d"));
     }
     let rdzv_endpoint = get(low, "rdzv-endpoint").map_or("", |r| r.value.trim());
-    let rdzv_conf = match get(low, "rdzv-conf") {
-        None => Vec::new(),
-        Some(raw) => parse_rdzv_conf(&raw.value).map_err(|e| bad(raw, "rdzv-conf", e))?,
-    };
+    let conf = parsed(low, "rdzv-conf", parse_rdzv_conf)?.unwrap_or_default();
     // torchrun: --standalone, or the static default with nothing pointing elsewhere on one node.
-    let explicit_standalone = switch("standalone");
+    let explicit_standalone = switch(low, "standalone");
     let standalone = explicit_standalone
         || (rdzv_backend == "static"
             && rdzv_endpoint.is_empty()
             && master_port.is_none()
             && nnodes.max == 1);
-    let mut warnings = if explicit_standalone {
+    let warnings = if explicit_standalone {
         standalone_conflicts(low, nnodes)?
     } else {
         Vec::new()
@@ -448,7 +585,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let given_id = get(low, "rdzv-id")
         .map(|r| r.value.trim().to_owned())
         .filter(|id| !id.is_empty());
-    let (rdzv_backend, rdzv_endpoint, run_id) = if standalone {
+    let (backend, endpoint, run_id) = if standalone {
         // `--standalone` always draws a fresh id (torchrun's rule, and what `--help` says); a
         // single node that is standalone only because nothing points elsewhere keeps the id the
         // user gave.
@@ -464,15 +601,49 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             given_id.unwrap_or_else(|| "none".to_owned()),
         )
     };
+    Ok(RendezvousSection {
+        backend,
+        endpoint,
+        run_id,
+        conf,
+        standalone,
+        master_addr: get(low, "master-addr").map(|r| r.value.trim().to_owned()),
+        master_port,
+        local_addr: get(low, "local-addr").map(|r| r.value.trim().to_owned()),
+        warnings,
+    })
+}
 
-    let monitor_interval =
-        parse_duration(low, "monitor-interval")?.unwrap_or(Duration::from_millis(100));
-    let shutdown_timeout =
-        parse_duration(low, "shutdown-timeout")?.unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT);
-    let grace_period = parse_duration(low, "grace-period")?;
-    let gpu_release_timeout = parse_duration(low, "gpu-release-timeout")?
+/// How the agent watches and stops its ranks.
+struct Supervision {
+    monitor_interval: Duration,
+    shutdown_timeout: Duration,
+    grace_period: Option<Duration>,
+}
+
+/// `--monitor-interval`, `--shutdown-timeout` and `--grace-period`.
+fn supervision(low: &LowArgs) -> Result<Supervision, ConfigError> {
+    Ok(Supervision {
+        monitor_interval: parse_duration(low, "monitor-interval")?
+            .unwrap_or(Duration::from_millis(100)),
+        shutdown_timeout: parse_duration(low, "shutdown-timeout")?
+            .unwrap_or(DEFAULT_SHUTDOWN_TIMEOUT),
+        grace_period: parse_duration(low, "grace-period")?,
+    })
+}
+
+/// How the agent waits for, watches and places on the GPUs.
+struct GpuHandling {
+    release_timeout: Duration,
+    watch_interval: Duration,
+    numa_binding: bool,
+}
+
+/// `--gpu-release-timeout`, `--gpu-watch-interval` and `--numa-binding`.
+fn gpu_handling(low: &LowArgs) -> Result<GpuHandling, ConfigError> {
+    let release_timeout = parse_duration(low, "gpu-release-timeout")?
         .unwrap_or(crate::launch::config::DEFAULT_GPU_RELEASE_TIMEOUT);
-    let gpu_watch_interval =
+    let watch_interval =
         parse_duration(low, "gpu-watch-interval")?.unwrap_or(crate::gpu::watch::DEFAULT_INTERVAL);
     let numa_binding = match get(low, "numa-binding").map(|r| (r, r.value.trim())) {
         None => false,
@@ -485,55 +656,44 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
             ))
         }
     };
+    Ok(GpuHandling {
+        release_timeout,
+        watch_interval,
+        numa_binding,
+    })
+}
+
+/// `--preempted-exit-code`.
+fn preempted_exit_code(low: &LowArgs) -> Result<u8, ConfigError> {
     // 200, not 0: in a Job a pod that exits 0 is Succeeded and completes its index, so a
     // preempted gang would end the Job as Complete with training unfinished.
-    let preempted_exit_code = match get(low, "preempted-exit-code") {
-        None => crate::exit_code::PREEMPTED_CHECKPOINTED,
-        Some(raw) => raw
-            .value
-            .trim()
+    Ok(parsed(low, "preempted-exit-code", |text| {
+        text.trim()
             .parse::<u8>()
-            .map_err(|_| bad(raw, "preempted-exit-code", "expected an exit code 0-255"))?,
-    };
-    let hang = crate::watch::hang::Policy {
-        timeout: match get(low, "hang-timeout") {
-            None => crate::watch::hang::HangTimeout::Auto,
-            Some(raw) => crate::watch::hang::HangTimeout::parse(&raw.value)
-                .map_err(|why| bad(raw, "hang-timeout", why))?,
-        },
-        section_timeout: parse_duration(low, "section-timeout")?
-            .unwrap_or(crate::watch::hang::DEFAULT_SECTION_TIMEOUT),
+            .map_err(|_| "expected an exit code 0-255")
+    })?
+    .unwrap_or(crate::exit_code::PREEMPTED_CHECKPOINTED))
+}
+
+/// `--hang-timeout`, `--section-timeout` and `--startup-timeout` (0 turns the startup watch off).
+fn hang_policy(low: &LowArgs) -> Result<crate::watch::hang::Policy, ConfigError> {
+    use crate::watch::hang::{HangTimeout, Policy, DEFAULT_SECTION_TIMEOUT};
+    Ok(Policy {
+        timeout: parsed(low, "hang-timeout", HangTimeout::parse)?.unwrap_or(HangTimeout::Auto),
+        section_timeout: parse_duration(low, "section-timeout")?.unwrap_or(DEFAULT_SECTION_TIMEOUT),
         startup_timeout: match parse_duration(low, "startup-timeout")? {
             None => Some(crate::watch::startup::DEFAULT_TIMEOUT),
             Some(limit) => (!limit.is_zero()).then_some(limit),
         },
-    };
-    let on_off = |flag: &'static str| -> Result<bool, ConfigError> {
-        match get(low, flag) {
-            None => Ok(true),
-            Some(raw) => parse_switch_value(&raw.value)
-                .ok_or_else(|| bad(raw, flag, "expected on or off (or 1/0, true/false, yes/no)")),
-        }
-    };
-    let straggler = straggler(low, nnodes, &mut warnings)?;
-    let framework_callbacks = on_off("framework-callbacks")?;
-    let auto_step_reports = on_off("auto-step-reports")?;
-    let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
+    })
+}
 
-    let redirects = match get(low, "redirects") {
-        None => StreamSpec::default(),
-        Some(raw) => parse_stream_spec(&raw.value).map_err(|e| bad(raw, "redirects", e))?,
-    };
-    let tee = match get(low, "tee") {
-        None => StreamSpec::default(),
-        Some(raw) => parse_stream_spec(&raw.value).map_err(|e| bad(raw, "tee", e))?,
-    };
-    let local_ranks_filter = match get(low, "local-ranks-filter") {
-        None => None,
-        Some(raw) => {
-            Some(parse_rank_list(&raw.value).map_err(|e| bad(raw, "local-ranks-filter", e))?)
-        }
-    };
+/// `--redirects`, `--tee`, `--local-ranks-filter`, `--log-format`,
+/// `--log-line-prefix-template`, `--log-dir` and `--progress-interval`.
+fn log_config(low: &LowArgs) -> Result<LogConfig, ConfigError> {
+    let redirects = parsed(low, "redirects", parse_stream_spec)?.unwrap_or_default();
+    let tee = parsed(low, "tee", parse_stream_spec)?.unwrap_or_default();
+    let local_ranks_filter = parsed(low, "local-ranks-filter", parse_rank_list)?;
     let format = match get(low, "log-format").map(|r| (r, r.value.trim())) {
         None | Some((_, "text")) => LogFormat::Text,
         Some((_, "json")) => LogFormat::Json,
@@ -545,16 +705,21 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let log_dir_origin = get(low, "log-dir").map_or_else(String::new, |r| r.source.to_string());
     let progress_interval =
         parse_duration(low, "progress-interval")?.unwrap_or(crate::logs::DEFAULT_PROGRESS_INTERVAL);
+    Ok(LogConfig {
+        log_dir,
+        redirects,
+        tee,
+        local_ranks_filter,
+        prefix_template,
+        format,
+        log_dir_origin,
+        progress_interval,
+    })
+}
 
-    let signals = match get(low, "signals-to-handle") {
-        None => SignalPolicy::default(),
-        Some(raw) => parse_signals(&raw.value).map_err(|e| bad(raw, "signals-to-handle", e))?,
-    };
-    let metrics_addr = match get(low, "metrics-addr") {
-        None => None,
-        Some(raw) => Some(raw.value.parse().map_err(|e| bad(raw, "metrics-addr", e))?),
-    };
-    let gpu_check = match get(low, "gpu-check").map(|r| (r, r.value.trim())) {
+/// `--gpu-check`.
+fn gpu_check(low: &LowArgs, probe: &Probe<'_>) -> Result<GpuCheck, ConfigError> {
+    Ok(match get(low, "gpu-check").map(|r| (r, r.value.trim())) {
         // The issue's default: require when the job asks for GPUs (`--nproc-per-node gpu`, or
         // the device plugin gave the pod some, announced in NVIDIA_VISIBLE_DEVICES), else off.
         None => {
@@ -566,75 +731,6 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         Some((_, "off")) => GpuCheck::Off,
         Some((_, "require")) => GpuCheck::Require,
         Some((raw, _)) => return Err(bad(raw, "gpu-check", "expected off, warn or require")),
-    };
-
-    let network_check = network_check(low, nnodes.max)?;
-
-    let entrypoint = entrypoint(
-        &low.positional,
-        switch("module"),
-        switch("no-python"),
-        probe,
-    )?;
-
-    Ok(Config {
-        nnodes,
-        nproc_per_node,
-        node_rank,
-        node_rank_given: get(low, "node-rank").is_some_and(|r| !r.value.trim().is_empty()),
-        rdzv_backend,
-        rdzv_endpoint,
-        run_id,
-        rdzv_conf,
-        standalone,
-        max_restarts,
-        max_no_progress_restarts,
-        node_unit,
-        monitor_interval,
-        role,
-        entrypoint,
-        logs: LogConfig {
-            log_dir,
-            redirects,
-            tee,
-            local_ranks_filter,
-            prefix_template,
-            format,
-            log_dir_origin,
-            progress_interval,
-        },
-        master_addr: get(low, "master-addr").map(|r| r.value.trim().to_owned()),
-        master_port,
-        local_addr: get(low, "local-addr").map(|r| r.value.trim().to_owned()),
-        shutdown_timeout,
-        signals,
-        metrics_addr,
-        gpu_check,
-        grace_period,
-        preempted_exit_code,
-        numa_binding,
-        checkpoint_token_file: get(low, "checkpoint-token-file")
-            .map(|r| PathBuf::from(r.value.trim()))
-            .filter(|p| !p.as_os_str().is_empty()),
-        warnings,
-        tmp_dir: get(low, "tmp-dir")
-            .map(|r| PathBuf::from(r.value.trim()))
-            .filter(|p| !p.as_os_str().is_empty()),
-        keep_strays: switch("keep-strays"),
-        framework_callbacks,
-        gpu_release_timeout,
-        gpu_watch_interval,
-        max_store_bytes: match get(low, "max-store-bytes") {
-            None => rendezvous::store::server::DEFAULT_MAX_STORE_BYTES,
-            Some(raw) => {
-                parse_byte_size(&raw.value).map_err(|why| bad(raw, "max-store-bytes", why))?
-            }
-        },
-        network_check,
-        hang,
-        auto_step_reports,
-        scheduler: crate::cli::scheduler::Behaviour::default(),
-        straggler,
     })
 }
 

@@ -11,6 +11,7 @@
 //! a collective: a deadlock between collectives), the detecting node names its own longest
 //! stalled rank after [`SETTLE`].
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -203,6 +204,8 @@ fn store_addr(attempt: &WatchedAttempt) -> Option<SocketAddr> {
     Some((ip, a.master_port).into())
 }
 
+/// One attempt's watch: waits for a hang on this node or word of one from another, dumps the
+/// ranks' stacks and names the cause (or leaves naming it to the node that can).
 async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Hang {
     if policy.timeout == hang::HangTimeout::Off && policy.startup_timeout.is_none() {
         return std::future::pending().await;
@@ -213,9 +216,38 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
     let store = store_addr(&attempt).filter(|_| attempt.assignment.group_world_size > 1);
     let stop_waiting = CancellationToken::new();
     let _stop_on_drop = stop_waiting.clone().drop_guard();
+    let notices = gang_notices(store, &run_id, &stop_waiting);
+    let trigger = wait_for_trigger(&policy, &view, &attempt, notices).await;
+    let limit = announce(&trigger, node, store, &run_id);
+
+    let reports = view.ranks();
+    let dumps = dump_all(&attempt, &reports).await;
+    if let Some(hang) = name_cause(&policy, &attempt, &view, &dumps, &reports, &trigger, limit) {
+        return hang;
+    }
+    match trigger {
+        Trigger::Remote(_) => {
+            info!(
+                "no stalled rank on node {node} is outside torch.distributed: the cause is elsewhere; waiting for the gang to re-form"
+            );
+            std::future::pending().await
+        }
+        Trigger::Local(stall) => {
+            name_own_after_settle(&view, &attempt, stall, limit, &dumps, store.is_some()).await
+        }
+    }
+}
+
+/// Another node's hang notice, read from the attempt's store; a future that never resolves
+/// when there is no store to read (or the watcher ends without a notice).
+fn gang_notices(
+    store: Option<SocketAddr>,
+    run_id: &str,
+    stop_waiting: &CancellationToken,
+) -> impl Future<Output = Notice> {
     let (notice_tx, notice_rx) = tokio::sync::oneshot::channel::<Notice>();
     if let Some(store) = store {
-        let run_id = run_id.clone();
+        let run_id = run_id.to_owned();
         let stop = stop_waiting.clone();
         tokio::spawn(async move {
             match gang::wait(store, &run_id, stop).await {
@@ -228,38 +260,52 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
             }
         });
     }
-    let notices = async move {
+    async move {
         match notice_rx.await {
             Ok(notice) => notice,
             Err(_) => std::future::pending().await,
         }
-    };
-    tokio::pin!(notices);
+    }
+}
 
-    let trigger = loop {
-        let views = rank_views(&attempt, &view.ranks());
+/// Looks at the reports until a rank of this node passes its hang or startup limit, or
+/// another node's notice comes.
+async fn wait_for_trigger(
+    policy: &Policy,
+    view: &ProgressView,
+    attempt: &WatchedAttempt,
+    notices: impl Future<Output = Notice>,
+) -> Trigger {
+    let node = attempt.assignment.node_rank;
+    tokio::pin!(notices);
+    loop {
+        let views = rank_views(attempt, &view.ranks());
         let now = Instant::now();
-        if let Some(stall) = hang::decide(&policy, &views, now) {
-            break Trigger::Local(stall);
+        if let Some(stall) = hang::decide(policy, &views, now) {
+            return Trigger::Local(stall);
         }
         if let Some(stall) = policy
             .startup_timeout
             .and_then(|limit| startup::decide(limit, &views, now))
         {
-            break Trigger::Local(stall);
+            return Trigger::Local(stall);
         }
-        let at = hang::next_check(&policy, &views, now, POLL);
+        let at = hang::next_check(policy, &views, now, POLL);
         tokio::select! {
             () = tokio::time::sleep_until(at) => {}
             notice = &mut notices => {
                 if notice.node_rank != node {
-                    break Trigger::Remote(notice);
+                    return Trigger::Remote(notice);
                 }
             }
         }
-    };
+    }
+}
 
-    let limit = match &trigger {
+/// Logs how this node learned of the hang and, when it detected it, tells the other nodes;
+/// returns the limit the stalled rank passed.
+fn announce(trigger: &Trigger, node: u32, store: Option<SocketAddr>, run_id: &str) -> Duration {
+    match trigger {
         Trigger::Local(stall) => {
             // A warning, not the error: the rank that passed its limit first is often one that
             // waits for the cause; the `hung:` error below names the cause.
@@ -280,7 +326,7 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
                     startup: stall.startup.is_some(),
                     what: stall.describe(),
                 };
-                let run_id = run_id.clone();
+                let run_id = run_id.to_owned();
                 tokio::spawn(async move {
                     if let Err(err) = gang::publish(store, &run_id, &notice).await {
                         warn!("cannot tell the other nodes of the hang: {err}");
@@ -296,79 +342,95 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
             );
             notice.limit
         }
-    };
+    }
+}
 
-    let reports = view.ranks();
-    let dumps = dump_all(&attempt, &reports).await;
-    let views = rank_views(&attempt, &view.ranks());
+/// The cause among this node's ranks, logged as the `hung:` error, in order: a stalled rank
+/// outside torch.distributed, a rank working outside it without stepping, a rank stuck before
+/// its first step (continued if stopped). `None`: this node sees no cause.
+fn name_cause(
+    policy: &Policy,
+    attempt: &WatchedAttempt,
+    view: &ProgressView,
+    dumps: &[Dump],
+    reports: &[RankWatch],
+    trigger: &Trigger,
+    limit: Duration,
+) -> Option<Hang> {
+    let views = rank_views(attempt, &view.ranks());
     let now = Instant::now();
-    let stalled: Vec<(Stall, Waiting)> = hang::stalled_ranks(&views, limit, now)
-        .into_iter()
-        .map(|s| {
-            let waiting = waiting_of(&dumps, s.local_rank);
-            (s, waiting)
-        })
-        .collect();
-    let reported_by = match &trigger {
+    let stalled = with_waiting(hang::stalled_ranks(&views, limit, now), dumps);
+    let reported_by = match trigger {
         Trigger::Remote(notice) => Some(notice.node_rank),
         Trigger::Local(_) => None,
     };
     if let Some(culprit) = hang::pick_culprit(&stalled) {
-        let hang = named(&attempt, culprit, &dumps, reported_by);
-        error!("hung: {}", hang.describe());
-        return hang;
+        return Some(logged(named(attempt, culprit, dumps, reported_by)));
     }
     // Every stalled rank here waits in torch.distributed. A rank of this node that works
     // outside it without stepping (an evaluation of its own, a loop that never ends) is the
     // one they wait for; only a rank whose stack was read counts (an unknown stack names nobody).
-    let working: Vec<(Stall, Waiting)> = hang::working_ranks(&views, limit, now)
+    let working: Vec<(Stall, Waiting)> =
+        with_waiting(hang::working_ranks(&views, limit, now), dumps)
+            .into_iter()
+            .filter(|(_, w)| *w == Waiting::Elsewhere)
+            .collect();
+    if let Some(culprit) = hang::pick_culprit(&working) {
+        return Some(logged(named(attempt, culprit, dumps, reported_by)));
+    }
+    let culprit = startup_culprit(policy, attempt, &views, dumps, reports, trigger)?;
+    let hang = logged(named(attempt, &culprit, dumps, reported_by));
+    continue_stopped(attempt, &culprit, reports);
+    Some(hang)
+}
+
+/// Each stall with where its rank's dumped stack waits.
+fn with_waiting(stalls: Vec<Stall>, dumps: &[Dump]) -> Vec<(Stall, Waiting)> {
+    stalls
         .into_iter()
         .map(|s| {
-            let waiting = waiting_of(&dumps, s.local_rank);
+            let waiting = waiting_of(dumps, s.local_rank);
             (s, waiting)
         })
-        .filter(|(_, w)| *w == Waiting::Elsewhere)
-        .collect();
-    if let Some(culprit) = hang::pick_culprit(&working) {
-        let hang = named(&attempt, culprit, &dumps, reported_by);
-        error!("hung: {}", hang.describe());
-        return hang;
+        .collect()
+}
+
+/// The `hung:` error line for a named cause.
+fn logged(hang: Hang) -> Hang {
+    error!("hung: {}", hang.describe());
+    hang
+}
+
+/// The detecting node's last resort when every stalled rank waits in torch.distributed: it
+/// gives the other nodes [`SETTLE`] to name the cause, then names its own stalled rank.
+async fn name_own_after_settle(
+    view: &ProgressView,
+    attempt: &WatchedAttempt,
+    stall: Stall,
+    limit: Duration,
+    dumps: &[Dump],
+    has_other_nodes: bool,
+) -> Hang {
+    let node = attempt.assignment.node_rank;
+    if has_other_nodes {
+        info!(
+            "every stalled rank on node {node} waits in torch.distributed; giving the other nodes {} s to name the cause",
+            SETTLE.as_secs()
+        );
+        tokio::time::sleep(SETTLE).await;
     }
-    if let Some(culprit) = startup_culprit(&policy, &attempt, &views, &dumps, &reports, &trigger) {
-        let hang = named(&attempt, &culprit, &dumps, reported_by);
-        error!("hung: {}", hang.describe());
-        continue_stopped(&attempt, &culprit, &reports);
-        return hang;
-    }
-    match trigger {
-        Trigger::Remote(_) => {
-            info!(
-                "no stalled rank on node {node} is outside torch.distributed: the cause is elsewhere; waiting for the gang to re-form"
-            );
-            std::future::pending().await
-        }
-        Trigger::Local(stall) => {
-            if store.is_some() {
-                info!(
-                    "every stalled rank on node {node} waits in torch.distributed; giving the other nodes {} s to name the cause",
-                    SETTLE.as_secs()
-                );
-                tokio::time::sleep(SETTLE).await;
-            }
-            let views = rank_views(&attempt, &view.ranks());
-            let now = Instant::now();
-            let stall = hang::stalled_ranks(&views, limit, now)
-                .into_iter()
-                .find(|s| s.local_rank == stall.local_rank)
-                .unwrap_or(stall);
-            let hang = named(&attempt, &stall, &dumps, None);
-            error!(
-                "hung: {} (every stalled rank waits in torch.distributed)",
-                hang.describe()
-            );
-            hang
-        }
-    }
+    let views = rank_views(attempt, &view.ranks());
+    let now = Instant::now();
+    let stall = hang::stalled_ranks(&views, limit, now)
+        .into_iter()
+        .find(|s| s.local_rank == stall.local_rank)
+        .unwrap_or(stall);
+    let hang = named(attempt, &stall, dumps, None);
+    error!(
+        "hung: {} (every stalled rank waits in torch.distributed)",
+        hang.describe()
+    );
+    hang
 }
 
 type Dump = (u32, Result<ProcessStacks, stacks::ReadError>);

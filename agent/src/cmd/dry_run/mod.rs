@@ -339,6 +339,8 @@ impl Spawner<'_> {
     }
 }
 
+/// The dry run once configured: starts every agent, supervises them until they have all
+/// exited, and returns the job's exit code (the chaos report's with `--chaos`).
 async fn drive(
     rest: &[OsString],
     plan: &Plan,
@@ -350,15 +352,53 @@ async fn drive(
     let port = free_port()?;
     let run_id = format!("dryrun-{}", std::process::id());
     // Listeners before the first agent starts: no stop signal can fall between the two.
+    let (sig_tx, mut sig_rx) = mpsc::unbounded_channel::<Signal>();
+    forward_stop_signals(&sig_tx)?;
+    announce(plan, port, &run_id, chaos.as_ref());
+    let started = Instant::now();
+    let rehearsal = (!faults.is_empty() || chaos.is_some())
+        .then(|| Rehearsal::new(faults, plan.nnodes + plan.spares, started, plan.format));
+    let chaos = chaos.map(|(settings, strikes)| {
+        let world = plan.nnodes.saturating_mul(plan.nproc_per_node) as usize;
+        chaos::runner::Runner::new(settings, strikes, world, started)
+    });
+    let (lines_tx, lines) = mpsc::unbounded_channel::<(Instant, u32, String)>();
+    let (exit_tx, exits) = mpsc::unbounded_channel::<(usize, u32, u8)>();
+    let spawner = Spawner {
+        me,
+        port,
+        run_id,
+        plan,
+        rest,
+        sink,
+        lines: rehearsal.is_some().then_some(lines_tx),
+        exits: exit_tx,
+    };
+    let mut pumps = tokio::task::JoinSet::new();
+    let agents = Agents::start(&spawner, &mut pumps)?;
+    let mut supervisor = Supervisor {
+        spawner,
+        pumps,
+        agents,
+        rehearsal,
+        chaos,
+        lines,
+        exits,
+    };
+    let stopped_by = supervisor.supervise(&mut sig_rx).await;
+    Ok(supervisor.finish(stopped_by).await)
+}
+
+/// Passes each stop signal the dry run receives into `tx`.
+fn forward_stop_signals(tx: &mpsc::UnboundedSender<Signal>) -> anyhow::Result<()> {
     let mut listeners = Vec::new();
     for sig in STOP_SIGNALS {
         let stream = signal(SignalKind::from_raw(sig as i32))
             .with_context(|| format!("cannot watch {sig}"))?;
         listeners.push((sig, stream));
     }
-    let (sig_tx, mut sig_rx) = mpsc::unbounded_channel::<Signal>();
     for (sig, mut stream) in listeners {
-        let tx = sig_tx.clone();
+        let tx = tx.clone();
         tokio::spawn(async move {
             while stream.recv().await.is_some() {
                 if tx.send(sig).is_err() {
@@ -367,6 +407,16 @@ async fn drive(
             }
         });
     }
+    Ok(())
+}
+
+/// The dry run's first lines: the agents it starts, where they meet, and the chaos schedule.
+fn announce(
+    plan: &Plan,
+    port: u16,
+    run_id: &str,
+    chaos: Option<&(chaos::Settings, Vec<chaos::plan::Strike>)>,
+) {
     let spares = match plan.spares {
         0 => String::new(),
         1 => format!(" and 1 spare (node {})", plan.nnodes),
@@ -387,175 +437,251 @@ async fn drive(
              --chaos-recovery-bound before the next"
         );
     }
-    if let Some((settings, strikes)) = &chaos {
+    if let Some((settings, strikes)) = chaos {
         let world = plan.nnodes.saturating_mul(plan.nproc_per_node);
         for line in chaos_plan_lines(settings, strikes, plan.nnodes, world) {
             tracing::info!("{line}");
         }
     }
-    let started = Instant::now();
-    let mut rehearsal = (!faults.is_empty() || chaos.is_some())
-        .then(|| Rehearsal::new(faults, plan.nnodes + plan.spares, started, plan.format));
-    let mut chaos = chaos.map(|(settings, strikes)| {
-        let world = plan.nnodes.saturating_mul(plan.nproc_per_node) as usize;
-        chaos::runner::Runner::new(settings, strikes, world, started)
-    });
-    let (lines_tx, mut lines) = mpsc::unbounded_channel::<(Instant, u32, String)>();
-    let (exit_tx, mut exits) = mpsc::unbounded_channel::<(usize, u32, u8)>();
-    let spawner = Spawner {
-        me,
-        port,
-        run_id,
-        plan,
-        rest,
-        sink,
-        lines: rehearsal.is_some().then_some(lines_tx),
-        exits: exit_tx,
-    };
-    let mut pids: Vec<Option<Pid>> = Vec::new();
-    let mut pumps = tokio::task::JoinSet::new();
-    for node in 0..plan.nnodes + plan.spares {
-        match spawner.spawn(node, 0, &mut pumps) {
-            Ok(pid) => pids.push(pid),
-            Err(e) => {
-                // The ones already started must not run on without the rest of the gang.
-                signal_all(&pids, Signal::SIGKILL);
-                return Err(anyhow::Error::new(e).context("cannot start an agent"));
+}
+
+/// The agents, one slot per node (spares after the nodes): the running agent's pid (`None` once
+/// reaped), which incarnation of the node's agent it is, and the node's exit code.
+struct Agents {
+    pids: Vec<Option<Pid>>,
+    incarnations: Vec<u32>,
+    codes: Vec<Option<u8>>,
+}
+
+impl Agents {
+    /// Starts every node's first agent.
+    fn start(spawner: &Spawner<'_>, pumps: &mut tokio::task::JoinSet<()>) -> anyhow::Result<Self> {
+        let plan = spawner.plan;
+        let mut pids: Vec<Option<Pid>> = Vec::new();
+        for node in 0..plan.nnodes + plan.spares {
+            match spawner.spawn(node, 0, pumps) {
+                Ok(pid) => pids.push(pid),
+                Err(e) => {
+                    // The ones already started must not run on without the rest of the gang.
+                    signal_all(&pids, Signal::SIGKILL);
+                    return Err(anyhow::Error::new(e).context("cannot start an agent"));
+                }
             }
         }
+        Ok(Self {
+            incarnations: vec![0; pids.len()],
+            codes: vec![None; pids.len()],
+            pids,
+        })
     }
-    let mut incarnations: Vec<u32> = vec![0; pids.len()];
 
-    let mut codes: Vec<Option<u8>> = vec![None; pids.len()];
-    let mut seen = StopSignals::default();
-    let mut stopped_by: Option<Signal> = None;
-    // Armed by an insistent second signal; until then it never fires.
-    let backstop = tokio::time::sleep(KILL_BACKSTOP);
-    tokio::pin!(backstop);
-    let mut backstop_armed = false;
-    let mut ticks = tokio::time::interval(fault::SAMPLE_INTERVAL);
-    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    while codes.iter().any(Option::is_none)
-        || rehearsal
-            .as_ref()
-            .is_some_and(Rehearsal::replacement_pending)
-    {
-        tokio::select! {
-            exit = exits.recv() => {
-                let Some((index, incarnation, code)) = exit else { break };
-                // A replaced agent's exit is history, not its node's outcome.
-                if incarnations.get(index) != Some(&incarnation) {
-                    continue;
+    /// Records an agent's exit code; `false` when the agent was a replaced incarnation.
+    fn exited(&mut self, index: usize, incarnation: u32, code: u8) -> bool {
+        // A replaced agent's exit is history, not its node's outcome.
+        if self.incarnations.get(index) != Some(&incarnation) {
+            return false;
+        }
+        if let Some(slot) = self.codes.get_mut(index) {
+            *slot = Some(code);
+        }
+        // Reaped: its pid may be reused, so it is never signalled again.
+        if let Some(pid) = self.pids.get_mut(index) {
+            *pid = None;
+        }
+        true
+    }
+
+    /// A node's replacement agent takes its slot: running again, no exit code yet.
+    fn replaced(&mut self, index: usize, pid: Option<Pid>, incarnation: u32) {
+        if let (Some(p), Some(c), Some(i)) = (
+            self.pids.get_mut(index),
+            self.codes.get_mut(index),
+            self.incarnations.get_mut(index),
+        ) {
+            *p = pid;
+            *c = None;
+            *i = incarnation;
+        }
+    }
+}
+
+/// The dry run while its agents run: how to start one, the agents, the rehearsal and chaos
+/// runner (with `--fault` or `--chaos`), and what the agents send back.
+struct Supervisor<'a> {
+    spawner: Spawner<'a>,
+    pumps: tokio::task::JoinSet<()>,
+    agents: Agents,
+    rehearsal: Option<Rehearsal>,
+    chaos: Option<chaos::runner::Runner>,
+    lines: mpsc::UnboundedReceiver<(Instant, u32, String)>,
+    exits: mpsc::UnboundedReceiver<(usize, u32, u8)>,
+}
+
+impl Supervisor<'_> {
+    /// Runs until every agent has exited and no replacement is due, passing stop signals on to
+    /// the agents; returns the stop signal that stopped the run, if one did.
+    async fn supervise(&mut self, signals: &mut mpsc::UnboundedReceiver<Signal>) -> Option<Signal> {
+        let mut seen = StopSignals::default();
+        let mut stopped_by: Option<Signal> = None;
+        // Armed by an insistent second signal; until then it never fires.
+        let backstop = tokio::time::sleep(KILL_BACKSTOP);
+        tokio::pin!(backstop);
+        let mut backstop_armed = false;
+        let mut ticks = tokio::time::interval(fault::SAMPLE_INTERVAL);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while self.agents.codes.iter().any(Option::is_none)
+            || self
+                .rehearsal
+                .as_ref()
+                .is_some_and(Rehearsal::replacement_pending)
+        {
+            tokio::select! {
+                exit = self.exits.recv() => {
+                    let Some((index, incarnation, code)) = exit else { break };
+                    self.agent_exited(index, incarnation, code);
                 }
-                if let Some(slot) = codes.get_mut(index) {
-                    *slot = Some(code);
+                Some((at, node, line)) = self.lines.recv(), if self.rehearsal.is_some() => {
+                    self.agent_line(at, node, &line);
                 }
-                // Reaped: its pid may be reused, so it is never signalled again.
-                if let Some(pid) = pids.get_mut(index) {
-                    *pid = None;
-                }
-                if let (Some(r), Ok(node)) = (rehearsal.as_mut(), u32::try_from(index)) {
-                    r.agent_exited(Instant::now(), node, code);
-                }
-            }
-            Some((at, node, line)) = lines.recv(), if rehearsal.is_some() => {
-                if let Some(r) = rehearsal.as_mut() {
-                    r.line(at, &line);
-                }
-                if let Some(c) = chaos.as_mut() {
-                    if let Some(msg) = timeline::agent_message(&line, plan.format) {
-                        c.agent_message(node, &msg);
-                    }
-                }
-            }
-            _ = ticks.tick(), if rehearsal.is_some() => {
-                let Some(r) = rehearsal.as_mut() else { continue };
-                if let Some(c) = chaos.as_mut() {
-                    c.tick(Instant::now(), r);
-                }
-                for node in r.tick(Instant::now(), &pids) {
-                    let index = node as usize;
-                    let incarnation = incarnations.get(index).map_or(0, |i| i + 1);
-                    match spawner.spawn(node, incarnation, &mut pumps) {
-                        Ok(pid) => {
-                            if let (Some(p), Some(c), Some(i)) = (
-                                pids.get_mut(index),
-                                codes.get_mut(index),
-                                incarnations.get_mut(index),
-                            ) {
-                                *p = pid;
-                                *c = None;
-                                *i = incarnation;
-                            }
-                            tracing::info!("muster dry-run: started node {node}'s replacement agent");
-                            r.replaced(Instant::now(), node, pid);
-                        }
-                        Err(e) => tracing::error!(
-                            "muster dry-run: cannot start node {node}'s replacement agent: {e}"
-                        ),
-                    }
-                }
-            }
-            Some(sig) = sig_rx.recv() => match seen.arrived(Instant::now()) {
-                Repeat::First => {
-                    tracing::info!("muster dry-run: {sig} received: stopping every agent");
-                    stopped_by = Some(sig);
-                    if let Some(r) = rehearsal.as_mut() {
-                        r.stop();
-                    }
-                    signal_all(&pids, sig);
-                }
-                Repeat::Duplicate => {}
-                Repeat::Insistent => {
-                    tracing::warn!(
-                        "muster dry-run: {sig} again: the agents kill their ranks now \
-                         (SIGKILL to agents still running in {:.0} s)",
-                        KILL_BACKSTOP.as_secs_f64()
-                    );
-                    signal_all(&pids, sig);
-                    if !backstop_armed {
+                _ = ticks.tick(), if self.rehearsal.is_some() => self.rehearsal_tick(),
+                Some(sig) = signals.recv() => {
+                    let insistent = self.stop_signal(sig, seen.arrived(Instant::now()), &mut stopped_by);
+                    if insistent && !backstop_armed {
                         backstop.as_mut().reset(Instant::now() + KILL_BACKSTOP);
                         backstop_armed = true;
                     }
                 }
-            },
-            () = &mut backstop, if backstop_armed => {
-                tracing::warn!("muster dry-run: agents still running; sending SIGKILL");
-                signal_all(&pids, Signal::SIGKILL);
-                backstop_armed = false;
+                () = &mut backstop, if backstop_armed => {
+                    tracing::warn!("muster dry-run: agents still running; sending SIGKILL");
+                    signal_all(&self.agents.pids, Signal::SIGKILL);
+                    backstop_armed = false;
+                }
+            }
+        }
+        stopped_by
+    }
+
+    /// An agent exited: its node's code, and the rehearsal's record of it.
+    fn agent_exited(&mut self, index: usize, incarnation: u32, code: u8) {
+        if !self.agents.exited(index, incarnation, code) {
+            return;
+        }
+        if let (Some(r), Ok(node)) = (self.rehearsal.as_mut(), u32::try_from(index)) {
+            r.agent_exited(Instant::now(), node, code);
+        }
+    }
+
+    /// An agent's output line, for the rehearsal's timeline and the chaos runner.
+    fn agent_line(&mut self, at: Instant, node: u32, line: &str) {
+        if let Some(r) = self.rehearsal.as_mut() {
+            r.line(at, line);
+        }
+        if let Some(c) = self.chaos.as_mut() {
+            if let Some(msg) = timeline::agent_message(line, self.spawner.plan.format) {
+                c.agent_message(node, &msg);
             }
         }
     }
-    // The pipes close when the agents (and their ranks) are gone.
-    drop(spawner);
-    while pumps.join_next().await.is_some() {}
-    let codes: Vec<u8> = codes
-        .into_iter()
-        .map(|c| c.unwrap_or(exit_code::INTERNAL_ERROR))
-        .collect();
-    let counted = rehearsal
-        .as_ref()
-        .map_or_else(|| codes.clone(), |r| r.counted_codes(&codes));
-    let job = stopped_code(job_code(&counted), stopped_by);
-    tracing::info!(
-        "muster dry-run: {}; job exit code {job}",
-        exit_codes_in_words(&codes)
-    );
-    if let Some(mut r) = rehearsal {
-        // The agents' last lines (a commit, an abort) are in the channel still.
-        while let Ok((at, _, line)) = lines.try_recv() {
-            r.line(at, &line);
+
+    /// The rehearsal's clock: due chaos strikes and faults, then the replacement agents due.
+    fn rehearsal_tick(&mut self) {
+        let Some(r) = self.rehearsal.as_mut() else {
+            return;
+        };
+        if let Some(c) = self.chaos.as_mut() {
+            c.tick(Instant::now(), r);
         }
-        let ended = Instant::now();
-        let timeline = r.finish(ended, job);
-        print_timeline(&timeline);
-        if let Some(c) = chaos {
-            let report = c.report(&timeline.entries(), job, ended);
-            print_chaos_report(&report);
-            return Ok(report.exit_code());
+        for node in r.tick(Instant::now(), &self.agents.pids) {
+            let index = node as usize;
+            let incarnation = self.agents.incarnations.get(index).map_or(0, |i| i + 1);
+            match self.spawner.spawn(node, incarnation, &mut self.pumps) {
+                Ok(pid) => {
+                    self.agents.replaced(index, pid, incarnation);
+                    tracing::info!("muster dry-run: started node {node}'s replacement agent");
+                    r.replaced(Instant::now(), node, pid);
+                }
+                Err(e) => tracing::error!(
+                    "muster dry-run: cannot start node {node}'s replacement agent: {e}"
+                ),
+            }
         }
     }
-    Ok(job)
+
+    /// Passes a stop signal on to every agent, once per request; `true` when it was an
+    /// insistent repeat (the agents' last chance before the backstop).
+    fn stop_signal(
+        &mut self,
+        sig: Signal,
+        repeat: Repeat,
+        stopped_by: &mut Option<Signal>,
+    ) -> bool {
+        match repeat {
+            Repeat::First => {
+                tracing::info!("muster dry-run: {sig} received: stopping every agent");
+                *stopped_by = Some(sig);
+                if let Some(r) = self.rehearsal.as_mut() {
+                    r.stop();
+                }
+                signal_all(&self.agents.pids, sig);
+                false
+            }
+            Repeat::Duplicate => false,
+            Repeat::Insistent => {
+                tracing::warn!(
+                    "muster dry-run: {sig} again: the agents kill their ranks now \
+                     (SIGKILL to agents still running in {:.0} s)",
+                    KILL_BACKSTOP.as_secs_f64()
+                );
+                signal_all(&self.agents.pids, sig);
+                true
+            }
+        }
+    }
+
+    /// After the agents: drains their output, logs the job's exit code, prints the timeline and
+    /// the chaos report; returns the dry run's exit code.
+    async fn finish(self, stopped_by: Option<Signal>) -> u8 {
+        let Self {
+            spawner,
+            mut pumps,
+            agents,
+            rehearsal,
+            chaos,
+            mut lines,
+            exits: _,
+        } = self;
+        // The pipes close when the agents (and their ranks) are gone.
+        drop(spawner);
+        while pumps.join_next().await.is_some() {}
+        let codes: Vec<u8> = agents
+            .codes
+            .into_iter()
+            .map(|c| c.unwrap_or(exit_code::INTERNAL_ERROR))
+            .collect();
+        let counted = rehearsal
+            .as_ref()
+            .map_or_else(|| codes.clone(), |r| r.counted_codes(&codes));
+        let job = stopped_code(job_code(&counted), stopped_by);
+        tracing::info!(
+            "muster dry-run: {}; job exit code {job}",
+            exit_codes_in_words(&codes)
+        );
+        if let Some(mut r) = rehearsal {
+            // The agents' last lines (a commit, an abort) are in the channel still.
+            while let Ok((at, _, line)) = lines.try_recv() {
+                r.line(at, &line);
+            }
+            let ended = Instant::now();
+            let timeline = r.finish(ended, job);
+            print_timeline(&timeline);
+            if let Some(c) = chaos {
+                let report = c.report(&timeline.entries(), job, ended);
+                print_chaos_report(&report);
+                return report.exit_code();
+            }
+        }
+        job
+    }
 }
 
 /// Writes the chaos report as the dry run's own log lines; with `--log-format json` each is a
