@@ -2,6 +2,7 @@
 //! heartbeats and answer newcomers, ending the generation when needed.
 
 use std::net::SocketAddr;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use tokio::time::{sleep, Instant};
@@ -212,6 +213,8 @@ impl<K: Kv> Watcher<K> {
         }
     }
 
+    /// Node 0's part of a tick: the exit barrier first, then the members' liveness, then the
+    /// registrations of newcomers.
     async fn coordinate_tick(
         &mut self,
         beats: &mut [Beat],
@@ -227,117 +230,140 @@ impl<K: Kv> Watcher<K> {
             return Ok(None);
         }
         if !beats.is_empty() {
-            let keys: Vec<Vec<u8>> = beats.iter().map(|b| self.keys.heartbeat(&b.who)).collect();
-            let values = self.kv.multi_get(&keys).await?;
-            let now = Instant::now();
-            for ((beat, conn), value) in beats.iter_mut().zip(conns.iter_mut()).zip(values) {
-                if value != beat.last_value {
-                    let addr = heartbeat_addr(&value);
-                    if addr != conn.addr {
-                        *conn = Conn {
-                            addr,
-                            seen_open: false,
-                            closed_at: None,
-                        };
-                    }
-                    beat.last_value = value;
-                    beat.changed_at = now;
-                }
-                beat.link = self.link(conn, now);
-                beat.closed_at = conn.closed_at;
-            }
-            let (verdict, reason) = decide::decide_liveness(now, beats, barrier, &self.cfg);
-            match verdict {
-                Liveness::Completed => {
-                    debug!("{reason}");
-                    return Ok(Some(Event::Completed));
-                }
-                Liveness::Lost(dead) => {
-                    let fatal =
-                        decide::decide_unreplaceable_loss(dead.len(), self.group_size, &self.cfg);
-                    return match fatal {
-                        Some((code, why)) => {
-                            self.end_generation(format!("lost {reason}; {why}"), Some(code))
-                                .await
-                        }
-                        None => self.end_generation(format!("lost {reason}"), None).await,
-                    };
-                }
-                Liveness::Alive => {}
+            if let ControlFlow::Break(event) = self.judge_members(beats, conns, barrier).await? {
+                return Ok(event);
             }
         } else if barrier == Barrier::Complete {
             return Ok(Some(Event::Completed));
         }
-        let count = self.kv.add(&self.keys.slots(self.gen), 0).await? as u64;
-        if count > *seen_slots {
-            let keys: Vec<Vec<u8>> = (*seen_slots + 1..=count)
-                .map(|i| self.keys.slot(self.gen, i))
-                .collect();
-            let values = self.kv.multi_get(&keys).await?;
-            let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
-            let first = *seen_slots + 1;
-            let registered: Vec<(u64, Registration)> = (first..)
-                .zip(values.iter().take_while(|v| !v.is_empty()))
-                .filter_map(|(slot, v)| Some((slot, serde_json::from_slice(v).ok()?)))
-                .collect();
-            // Survivors of a lost store host first: a stale one is turned away without costing
-            // the running gang a re-form; one remembering a newer generation than this store's
-            // means the gang must re-form here to adopt it.
-            let mut turned_away: Vec<(u64, String)> = Vec::new();
-            if registered.iter().any(|(_, r)| r.memory.is_some()) {
-                let current: GenRecord =
-                    serde_json::from_slice(&self.gen_raw).unwrap_or_else(|_| GenRecord::first());
-                let memories: Vec<(usize, Option<u32>, &GangMemory)> = registered
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, (_, r))| r.memory.as_ref().map(|m| (i, r.node_rank, m)))
-                    .collect();
-                let (decision, why) = recovery::decide_memories(&current, &memories, &self.cfg);
-                if decision.adopt.is_some() {
-                    return self.end_generation(why, None).await;
-                }
-                turned_away = decision
-                    .rejected
-                    .into_iter()
-                    .map(|(i, reason)| (registered[i].0, reason))
-                    .collect();
-            }
-            let newcomers: Vec<Registration> = registered
-                .into_iter()
-                .filter(|(slot, _)| !turned_away.iter().any(|(t, _)| t == slot))
-                .map(|(_, r)| r)
-                .collect();
-            let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
-            let (restart, reason) =
-                decide::decide_newcomers(&members, &self.held_ranks, &newcomers, &self.cfg);
-            if restart {
-                return self.end_generation(reason, None).await;
-            }
-            // Spares stay registered; tell them once and stop re-reading them.
-            if readable > 0 {
-                // Under the agent's target, like the spare's own line: node 0 says who waits.
-                info!(target: "muster::spare", "{reason}");
-                if let Ok(mut list) = self.spares.lock() {
-                    list.extend(newcomers.iter().map(|r| r.host.clone()));
-                }
-                let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
-                let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-                for slot in first..first + readable {
-                    let body = match turned_away.iter().find(|(t, _)| *t == slot) {
-                        Some((_, why)) => {
-                            warn!("turning away slot {slot}: {why}");
-                            serde_json::to_vec(&Answer::Rejected {
-                                reason: why.clone(),
-                            })
-                            .unwrap_or_default()
-                        }
-                        None => spare.clone(),
+        self.answer_newcomers(seen_slots).await
+    }
+
+    /// Node 0: reads the members' heartbeats and judges them. `Break` ends the tick with its
+    /// event (the barrier completed, or a lost member ended the generation); `Continue`: all
+    /// alive.
+    async fn judge_members(
+        &mut self,
+        beats: &mut [Beat],
+        conns: &mut [Conn],
+        barrier: Barrier,
+    ) -> Result<ControlFlow<Option<Event>>, KvError> {
+        let keys: Vec<Vec<u8>> = beats.iter().map(|b| self.keys.heartbeat(&b.who)).collect();
+        let values = self.kv.multi_get(&keys).await?;
+        let now = Instant::now();
+        for ((beat, conn), value) in beats.iter_mut().zip(conns.iter_mut()).zip(values) {
+            if value != beat.last_value {
+                let addr = heartbeat_addr(&value);
+                if addr != conn.addr {
+                    *conn = Conn {
+                        addr,
+                        seen_open: false,
+                        closed_at: None,
                     };
-                    pairs.push((self.keys.assign(self.gen, slot), body));
                 }
-                self.kv.multi_set(&pairs).await?;
-                *seen_slots += readable;
+                beat.last_value = value;
+                beat.changed_at = now;
             }
+            beat.link = self.link(conn, now);
+            beat.closed_at = conn.closed_at;
+        }
+        let (verdict, reason) = decide::decide_liveness(now, beats, barrier, &self.cfg);
+        match verdict {
+            Liveness::Completed => {
+                debug!("{reason}");
+                Ok(ControlFlow::Break(Some(Event::Completed)))
+            }
+            Liveness::Lost(dead) => {
+                let fatal =
+                    decide::decide_unreplaceable_loss(dead.len(), self.group_size, &self.cfg);
+                let event = match fatal {
+                    Some((code, why)) => {
+                        self.end_generation(format!("lost {reason}; {why}"), Some(code))
+                            .await?
+                    }
+                    None => self.end_generation(format!("lost {reason}"), None).await?,
+                };
+                Ok(ControlFlow::Break(event))
+            }
+            Liveness::Alive => Ok(ControlFlow::Continue(())),
+        }
+    }
+
+    /// Node 0: reads the registrations that arrived since `seen_slots` during the generation:
+    /// survivors of a lost store host are adopted (a new round) or turned away, an admissible
+    /// newcomer ends the generation, the others are answered "spare".
+    async fn answer_newcomers(&mut self, seen_slots: &mut u64) -> Result<Option<Event>, KvError> {
+        let count = self.kv.add(&self.keys.slots(self.gen), 0).await? as u64;
+        if count <= *seen_slots {
+            return Ok(None);
+        }
+        let keys: Vec<Vec<u8>> = (*seen_slots + 1..=count)
+            .map(|i| self.keys.slot(self.gen, i))
+            .collect();
+        let values = self.kv.multi_get(&keys).await?;
+        let readable = values.iter().take_while(|v| !v.is_empty()).count() as u64;
+        let first = *seen_slots + 1;
+        let registered: Vec<(u64, Registration)> = (first..)
+            .zip(values.iter().take_while(|v| !v.is_empty()))
+            .filter_map(|(slot, v)| Some((slot, serde_json::from_slice(v).ok()?)))
+            .collect();
+        // Survivors of a lost store host first: a stale one is turned away without costing
+        // the running gang a re-form; one remembering a newer generation than this store's
+        // means the gang must re-form here to adopt it.
+        let mut turned_away: Vec<(u64, String)> = Vec::new();
+        if registered.iter().any(|(_, r)| r.memory.is_some()) {
+            let current: GenRecord =
+                serde_json::from_slice(&self.gen_raw).unwrap_or_else(|_| GenRecord::first());
+            let memories: Vec<(usize, Option<u32>, &GangMemory)> = registered
+                .iter()
+                .enumerate()
+                .filter_map(|(i, (_, r))| r.memory.as_ref().map(|m| (i, r.node_rank, m)))
+                .collect();
+            let (decision, why) = recovery::decide_memories(&current, &memories, &self.cfg);
+            if decision.adopt.is_some() {
+                return self.end_generation(why, None).await;
+            }
+            turned_away = decision
+                .rejected
+                .into_iter()
+                .map(|(i, reason)| (registered[i].0, reason))
+                .collect();
+        }
+        let newcomers: Vec<Registration> = registered
+            .into_iter()
+            .filter(|(slot, _)| !turned_away.iter().any(|(t, _)| t == slot))
+            .map(|(_, r)| r)
+            .collect();
+        let members: Vec<u32> = self.members.iter().map(|(r, _)| *r).collect();
+        let (restart, reason) =
+            decide::decide_newcomers(&members, &self.held_ranks, &newcomers, &self.cfg);
+        if restart {
+            return self.end_generation(reason, None).await;
+        }
+        // Spares stay registered; tell them once and stop re-reading them.
+        if readable > 0 {
+            // Under the agent's target, like the spare's own line: node 0 says who waits.
+            info!(target: "muster::spare", "{reason}");
+            if let Ok(mut list) = self.spares.lock() {
+                list.extend(newcomers.iter().map(|r| r.host.clone()));
+            }
+            let spare = serde_json::to_vec(&Answer::Spare).unwrap_or_default();
+            let mut pairs: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+            for slot in first..first + readable {
+                let body = match turned_away.iter().find(|(t, _)| *t == slot) {
+                    Some((_, why)) => {
+                        warn!("turning away slot {slot}: {why}");
+                        serde_json::to_vec(&Answer::Rejected {
+                            reason: why.clone(),
+                        })
+                        .unwrap_or_default()
+                    }
+                    None => spare.clone(),
+                };
+                pairs.push((self.keys.assign(self.gen, slot), body));
+            }
+            self.kv.multi_set(&pairs).await?;
+            *seen_slots += readable;
         }
         Ok(None)
     }
