@@ -1,14 +1,17 @@
-//! The rendezvous driver: one agent's [`Rendezvous`], its entry [`Rendezvous::next_round`] and
-//! the generation bumps after a local failure. Thin async loops around the pure decisions in
-//! [`super::decide`]; each phase lives in its own module:
+//! The rendezvous driver: thin async loops around the pure decisions in [`super::decide`]. This
+//! file holds one agent's [`Rendezvous`] and the generation bumps; each phase has its own file:
 //!
-//! - [`super::join`]: a non-coordinator joins the current generation (or waits as a spare).
-//! - [`super::round`]: node 0 coordinates the round.
-//! - [`super::watcher`]: while workers run, heartbeat and watch the generation; on node 0 also
-//!   watch the members' heartbeats and newcomers, bumping the generation when needed.
+//! - [`Rendezvous::next_round`]: join the current generation (`join.rs`); on node 0 also
+//!   coordinate it (`round.rs`).
+//! - [`super::Watcher::run`] (`watcher.rs`): while workers run, heartbeat and watch the
+//!   generation; on node 0 also watch the members' heartbeats and newcomers, bumping the
+//!   generation when needed.
 //! - [`Rendezvous::report_failure`]: bump after a local worker failure (counted restart or
 //!   fatal end).
-//! - [`super::exit`]: leave together after success.
+//! - [`Rendezvous::exit_barrier`] (`exit.rs`): leave together after success.
+//!
+//! What they share: the generation record on the store (`record.rs`) and whether the store host
+//! is still there (`health.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -120,11 +120,11 @@ impl<K: Kv> Rendezvous<K> {
         Ok(outcome)
     }
 
-    /// After the job's fatal end (a [`BumpKind::Fatal`] generation): members count themselves
-    /// out on `g<G>/left`, and node 0 keeps the store up until they have (at most the heartbeat
-    /// timeout), so that leaving right after its own ranks failed does not look to members still
-    /// stopping theirs like a lost store host — they would wait for a replacement instead of
-    /// ending with the job, and could not read the failure board.
+    /// After the job's fatal end (a [`super::BumpKind::Fatal`] generation): members count
+    /// themselves out on `g<G>/left`, and node 0 keeps the store up until they have (at most the
+    /// heartbeat timeout), so that leaving right after its own ranks failed does not look to
+    /// members still stopping theirs like a lost store host — they would wait for a replacement
+    /// instead of ending with the job, and could not read the failure board.
     pub async fn leave_after_fatal(&mut self, a: &Assignment) {
         if self.reg.coordinator {
             let others = i64::from(a.group_world_size) - 1;

@@ -54,7 +54,7 @@ mod round;
 pub mod store_kv;
 #[cfg(test)]
 mod testkit;
-pub mod watcher;
+mod watcher;
 
 use std::time::Duration;
 
