@@ -27,6 +27,8 @@
 //!   Where a local rank has a helper connection too, the helper's reports are the rank's: the
 //!   reporter's are ignored, so no step is counted twice.
 
+mod message;
+
 use std::collections::HashMap;
 use std::os::linux::net::SocketAddrExt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -40,6 +42,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::events::{Event, Events};
+use message::{Hello, Message, Role};
 
 /// Environment variable naming the socket, read by the Python helper: `@name` for an abstract
 /// socket (what the agent exports), else a file path (a helper may be pointed at one by hand).
@@ -161,15 +164,6 @@ struct Link {
     progress: RankProgress,
     watch: RankWatch,
     outbox: mpsc::UnboundedSender<String>,
-}
-
-/// Which kind of connection a worker opened (see the module's doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    /// `hello`: the checkpoint helper.
-    Helper,
-    /// `watch`: the zero-code reporter.
-    Reporter,
 }
 
 #[derive(Default)]
@@ -516,6 +510,8 @@ async fn read_bounded_line(
 /// Weight of a new sample in the smoothed step period.
 const PERIOD_SMOOTHING: f64 = 0.3;
 
+/// Carries out one line of a worker: [`message::parse`], then [`apply`]. An error closes the
+/// connection; its text is the reason the closing log line names.
 fn handle_line(
     line: &str,
     conn: &mut Option<(u32, Role)>,
@@ -523,94 +519,77 @@ fn handle_line(
     outbox: &mpsc::UnboundedSender<String>,
     events: &mpsc::UnboundedSender<WorkerEvent>,
 ) -> Result<(), String> {
-    let words: Vec<&str> = line.split_whitespace().collect();
-    let number = |i: usize| -> Result<u64, String> {
-        words
-            .get(i)
-            .and_then(|w| w.parse().ok())
-            .ok_or_else(|| format!("malformed message {line:?}"))
+    match message::parse(line) {
+        Ok(message) => apply(message, conn, links, outbox, events),
+        Err(e) => {
+            // These messages are refused for a connection that may not send them before their
+            // numbers are looked at, so such a connection is closed for that reason.
+            if let Some(word @ ("faulthandler" | "saved" | "missed" | "failed")) = e.word {
+                connection_of(word, *conn)?;
+            }
+            Err(e.reason)
+        }
+    }
+}
+
+/// The local rank and role of the connection that sent message `word`, or why that connection
+/// may not send it (it did not say hello or watch, or only the helper may).
+fn connection_of(word: &str, conn: Option<(u32, Role)>) -> Result<(u32, Role), String> {
+    let helper_only = |what: String| match conn {
+        Some((rank, Role::Helper)) => Ok((rank, Role::Helper)),
+        _ => Err(format!("{what} from a connection that did not say hello")),
     };
-    match words.first().copied() {
-        Some(kind @ ("hello" | "watch")) => {
-            let role = if kind == "hello" {
-                Role::Helper
-            } else {
-                Role::Reporter
-            };
-            let rank = u32::try_from(number(1)?).map_err(|_| format!("bad rank in {line:?}"))?;
-            let word = |i: usize| words.get(i).and_then(|w| w.parse::<u32>().ok());
-            *conn = Some((rank, role));
-            let mut links = lock(links);
-            if role == Role::Reporter {
-                // How often to say `alive`; 0: never.
-                let ms = links.liveness.map_or(0, |d| d.as_millis().max(1));
-                let _ = outbox.send(format!("interval {ms}"));
-            }
-            links.of(role).insert(
-                rank,
-                Link {
-                    progress: RankProgress {
-                        local_rank: rank,
-                        step: None,
-                        reported_at: None,
-                        step_period: None,
-                    },
-                    watch: RankWatch::connected(rank, word(2), word(3), role == Role::Reporter),
-                    outbox: outbox.clone(),
-                },
-            );
-            // The reporter said when the group formed; the helper connects after that.
-            if role == Role::Helper {
-                let init = links
-                    .reporters
-                    .get(&rank)
-                    .map(|l| (l.watch.init_entered, l.watch.init_returned));
-                if let (Some((entered, returned)), Some(link)) =
-                    (init, links.by_rank.get_mut(&rank))
-                {
-                    link.watch.init_entered = entered;
-                    link.watch.init_returned = returned;
-                }
-            }
+    let before = |what: &str| conn.ok_or_else(|| what.to_owned());
+    match word {
+        "section" | "endsection" => helper_only(word.to_owned()),
+        "saved" | "missed" | "failed" => helper_only(format!("checkpoint message {word}")),
+        "init" | "initdone" => before("init before watch"),
+        "exiting" => before("exiting before watch"),
+        "alive" => before("alive before watch"),
+        "step" => before("step before hello"),
+        _ => before("message before hello"),
+    }
+}
+
+/// Carries out one parsed message of the connection `conn`.
+fn apply(
+    message: Message,
+    conn: &mut Option<(u32, Role)>,
+    links: &Mutex<Links>,
+    outbox: &mpsc::UnboundedSender<String>,
+    events: &mpsc::UnboundedSender<WorkerEvent>,
+) -> Result<(), String> {
+    let (rank, role) = match message {
+        Message::Hello(hello) => {
+            greet(hello, conn, links, outbox);
+            return Ok(());
         }
-        Some("faulthandler") => {
-            let (rank, role) = conn.ok_or("message before hello")?;
-            let signal =
-                i32::try_from(number(1)?).map_err(|_| format!("bad signal in {line:?}"))?;
-            // The path is the rest of the line (it may hold spaces).
-            let path = line
-                .trim()
-                .splitn(3, ' ')
-                .nth(2)
-                .filter(|p| !p.is_empty())
-                .ok_or_else(|| format!("malformed message {line:?}"))?;
+        ref other => connection_of(other.word(), *conn)?,
+    };
+    match message {
+        Message::Hello(_) => {}
+        Message::Faulthandler { signal, path } => {
             if let Some(link) = lock(links).of(role).get_mut(&rank) {
-                link.watch.faulthandler = Some((signal, std::path::PathBuf::from(path)));
+                link.watch.faulthandler = Some((signal, path));
             }
         }
-        Some(kind @ ("section" | "endsection")) => {
-            let Some((rank, Role::Helper)) = *conn else {
-                return Err(format!("{kind} from a connection that did not say hello"));
-            };
+        section @ (Message::Section { .. } | Message::EndSection) => {
             let now = Instant::now();
             let mut links = lock(links);
             let Some(link) = links.by_rank.get_mut(&rank) else {
                 return Ok(());
             };
             let w = &mut link.watch;
-            if kind == "section" {
-                let name = words.get(1..).map(|w| w.join(" ")).unwrap_or_default();
-                w.section = Some((name, now));
-            } else {
-                w.section = None;
-            }
+            w.section = match section {
+                Message::Section { name } => Some((name, now)),
+                _ => None,
+            };
             w.last_progress = Some(now);
         }
-        Some(kind @ ("init" | "initdone")) => {
-            let (rank, role) = conn.ok_or("init before watch")?;
+        init @ (Message::Init | Message::InitDone) => {
             let now = Instant::now();
             if let Some(link) = lock(links).of(role).get_mut(&rank) {
-                if kind == "init" {
+                if init == Message::Init {
                     link.watch.init_entered = Some(now);
                     link.watch.init_returned = None;
                 } else {
@@ -618,15 +597,13 @@ fn handle_line(
                 }
             }
         }
-        Some("exiting") => {
-            let (rank, role) = conn.ok_or("exiting before watch")?;
+        Message::Exiting => {
             if let Some(link) = lock(links).of(role).get_mut(&rank) {
                 link.watch.exiting = true;
                 link.watch.faulthandler = None;
             }
         }
-        Some("alive") => {
-            let (rank, role) = conn.ok_or("alive before watch")?;
+        Message::Alive => {
             let mut links = lock(links);
             // A helper's rank progresses by its steps and sections only, as documented.
             if role == Role::Reporter && !links.by_rank.contains_key(&rank) {
@@ -635,9 +612,7 @@ fn handle_line(
                 }
             }
         }
-        Some("step") => {
-            let step = number(1)?;
-            let (rank, role) = conn.ok_or("step before hello")?;
+        Message::Step { step } => {
             let mut links = lock(links);
             let links = &mut *links;
             // With the helper connected too, its steps are the rank's: not counted twice.
@@ -652,36 +627,81 @@ fn handle_line(
                 });
             }
         }
-        Some(kind @ ("saved" | "missed" | "failed")) => {
-            let Some((rank, Role::Helper)) = *conn else {
-                return Err(format!(
-                    "checkpoint message {kind} from a connection that did not say hello"
-                ));
-            };
-            let generation = number(1)?;
-            let event = match kind {
-                "saved" => WorkerEvent::Saved {
-                    local_rank: rank,
-                    generation,
-                    step: number(2)?,
-                    checkpoint_id: words.get(3).copied().unwrap_or_default().to_owned(),
-                },
-                "missed" => WorkerEvent::Missed {
-                    local_rank: rank,
-                    generation,
-                    step: number(2)?,
-                },
-                _ => WorkerEvent::Failed {
-                    local_rank: rank,
-                    generation,
-                    reason: words.get(2..).map(|w| w.join(" ")).unwrap_or_default(),
-                },
-            };
-            let _ = events.send(event);
+        Message::Saved {
+            generation,
+            step,
+            checkpoint_id,
+        } => {
+            let _ = events.send(WorkerEvent::Saved {
+                local_rank: rank,
+                generation,
+                step,
+                checkpoint_id,
+            });
         }
-        _ => return Err(format!("unknown message {line:?}")),
+        Message::Missed { generation, step } => {
+            let _ = events.send(WorkerEvent::Missed {
+                local_rank: rank,
+                generation,
+                step,
+            });
+        }
+        Message::Failed { generation, reason } => {
+            let _ = events.send(WorkerEvent::Failed {
+                local_rank: rank,
+                generation,
+                reason,
+            });
+        }
     }
     Ok(())
+}
+
+/// A connection's first line: remembers who is on it, tells a reporter how often to say
+/// `alive`, and gives a helper what the reporter of its rank saw of the group's forming.
+fn greet(
+    hello: Hello,
+    conn: &mut Option<(u32, Role)>,
+    links: &Mutex<Links>,
+    outbox: &mpsc::UnboundedSender<String>,
+) {
+    let Hello {
+        role,
+        local_rank: rank,
+        rank: global_rank,
+        pid,
+    } = hello;
+    *conn = Some((rank, role));
+    let mut links = lock(links);
+    if role == Role::Reporter {
+        // How often to say `alive`; 0: never.
+        let ms = links.liveness.map_or(0, |d| d.as_millis().max(1));
+        let _ = outbox.send(format!("interval {ms}"));
+    }
+    links.of(role).insert(
+        rank,
+        Link {
+            progress: RankProgress {
+                local_rank: rank,
+                step: None,
+                reported_at: None,
+                step_period: None,
+            },
+            watch: RankWatch::connected(rank, global_rank, pid, role == Role::Reporter),
+            outbox: outbox.clone(),
+        },
+    );
+    // The reporter said when the group formed; the helper connects after that.
+    if role == Role::Helper {
+        let init = links
+            .reporters
+            .get(&rank)
+            .map(|l| (l.watch.init_entered, l.watch.init_returned));
+        if let (Some((entered, returned)), Some(link)) = (init, links.by_rank.get_mut(&rank)) {
+            link.watch.init_entered = entered;
+            link.watch.init_returned = returned;
+        }
+    }
 }
 
 impl Link {

@@ -298,6 +298,21 @@ pub fn members(state: &RoundState, membership: &Membership) -> Vec<(u32, String)
         .collect()
 }
 
+/// The members' node ranks that their node does not hold as its own identity (given by
+/// arrival, or a spare's in a lost member's place): node 0's watcher lets a node that claims
+/// one of them as its own force a new round to win it back.
+pub fn held_ranks(state: &RoundState, membership: &Membership) -> Vec<u32> {
+    membership
+        .members
+        .iter()
+        .filter(|&&(rank, i)| {
+            let reg = &state.arrivals[i].reg;
+            reg.held || reg.node_rank != Some(rank)
+        })
+        .map(|&(rank, _)| rank)
+        .collect()
+}
+
 /// A member whose heartbeat connection is open but whose counter has not moved for this many
 /// heartbeat timeouts is lost all the same: a hung process (stopped, deadlocked) whose kernel
 /// still answers keep-alives. Long, because an open connection is strong evidence of life.
@@ -919,6 +934,26 @@ mod tests {
         let m = resolve_members(&s.arrivals, 4);
         assert_eq!(m.members, vec![(0, 1), (1, 0), (2, 3), (3, 2)]);
         assert!(m.spares.is_empty() && m.rejected.is_empty());
+    }
+
+    #[test]
+    fn held_ranks_are_those_given_by_arrival_or_held_from_an_earlier_round() {
+        let t0 = Instant::now();
+        let mut s = state(
+            t0,
+            &[
+                (Some(0), "w0", 0),
+                (None, "anon", 0),
+                (Some(2), "keeps-2", 0),
+                (Some(3), "w3", 0),
+            ],
+        );
+        // keeps-2 got rank 2 at an earlier round (by arrival): it holds it, it does not own it.
+        s.arrivals[2].reg.held = true;
+        let m = resolve_members(&s.arrivals, 4);
+        assert_eq!(m.members, vec![(0, 0), (1, 1), (2, 2), (3, 3)]);
+        assert_eq!(held_ranks(&s, &m), vec![1, 2]);
+        assert!(held_ranks(&s, &Membership::default()).is_empty());
     }
 
     #[test]

@@ -42,20 +42,30 @@
 pub mod board;
 pub mod decide;
 pub mod driver;
+mod exit;
+mod health;
 pub mod identity;
+mod join;
 pub mod keys;
 pub mod kv;
+mod record;
 pub mod recovery;
+mod round;
 pub mod store_kv;
+#[cfg(test)]
+mod testkit;
+mod watcher;
 
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 pub use board::Board;
-pub use driver::{BarrierOutcome, Event, Joined, Presence, Rendezvous, Watcher};
+pub use driver::{Joined, Rendezvous};
+pub use exit::BarrierOutcome;
 pub use kv::{Kv, KvError};
 pub use store_kv::StoreKv;
+pub use watcher::{Event, Presence, Watcher};
 
 /// torchrun's defaults (`dynamic_rendezvous.py`), except the heartbeat: torchrun declares a node
 /// dead after 3 × 5 s; we default to the same 15 s.

@@ -149,7 +149,9 @@ impl State {
     }
 
     /// Carries out `request` for `client`, appending its reply (if the command has one) to
-    /// `reply` and the ids of other clients it released to `woken`.
+    /// `reply` and the ids of other clients it released to `woken`. The store's dispatcher: a
+    /// command of more than a line or two has its own function, called straight from the match
+    /// (no boxing or allocation on the way).
     pub fn apply(
         &mut self,
         client: ClientId,
@@ -164,80 +166,18 @@ impl State {
                 key,
                 expected,
                 desired,
-            } => {
-                let current = match self.values.get(&key) {
-                    // The "lie": nothing to compare with, so the expected value is returned and
-                    // nothing is created.
-                    None if !expected.is_empty() => expected,
-                    Some(current) if *current != expected => current.clone(),
-                    // Missing and expected empty, or present and equal: replaced.
-                    _ => {
-                        self.store_value(&key, &desired, "COMPARE_SET")?;
-                        desired
-                    }
-                };
-                put_bytes(reply, &current);
-                // libuv: every COMPARE_SET wakes the key's waiters, even a failed one (classic
-                // wakes none, not even when it creates the key, which strands waiters).
-                self.wake(&key, woken);
-            }
-            Request::Get { key } => {
-                // libuv: a missing key reads as empty (classic closes the connection).
-                let value = self.values.get(&key).map_or(&[][..], |v| &v[..]);
-                put_bytes(reply, value);
-            }
+            } => self.compare_set(&key, expected, desired, reply, woken)?,
+            Request::Get { key } => self.get(&key, reply),
             Request::Add { key, delta } => {
                 let value = self.add(&key, delta, woken)?;
                 reply.put_i64_le(value);
             }
-            Request::Check { keys } => {
-                let ready = keys.iter().all(|k| self.exists(k));
-                reply.put_u8(if ready {
-                    reply::READY
-                } else {
-                    reply::NOT_READY
-                });
-            }
+            Request::Check { keys } => self.check(&keys, reply),
             Request::Wait { keys } => self.wait(client, keys, reply)?,
             Request::GetNumKeys => reply.put_i64_le(self.values.len() as i64),
-            Request::DeleteKey { key } => {
-                // Deleting wakes nobody (both backends).
-                let deleted = self.values.remove_entry(&key);
-                if let Some((key, value)) = &deleted {
-                    self.bytes -= entry_cost(key, value);
-                }
-                reply.put_i64_le(i64::from(deleted.is_some()));
-            }
-            Request::Append { key, value } => {
-                let more = match self.values.get(&key) {
-                    Some(_) => value.len(),
-                    None => entry_cost(&key, &value),
-                };
-                self.charge("APPEND", more)?;
-                match self.values.entry(key.clone()) {
-                    Entry::Occupied(mut e) => {
-                        let mut joined = BytesMut::with_capacity(e.get().len() + value.len());
-                        joined.put_slice(e.get());
-                        joined.put_slice(&value);
-                        e.insert(joined.freeze());
-                    }
-                    Entry::Vacant(e) => {
-                        e.insert(own(&value));
-                    }
-                }
-                self.wake(&key, woken);
-            }
-            Request::MultiGet { keys } => {
-                let len = keys
-                    .iter()
-                    .map(|key| 8 + self.values.get(key).map_or(0, Bytes::len))
-                    .sum();
-                self.check_reply("MULTI_GET", len)?;
-                for key in &keys {
-                    let value = self.values.get(key).map_or(&[][..], |v| &v[..]);
-                    put_bytes(reply, value);
-                }
-            }
+            Request::DeleteKey { key } => self.delete_key(&key, reply),
+            Request::Append { key, value } => self.append(&key, &value, woken)?,
+            Request::MultiGet { keys } => self.multi_get(&keys, reply)?,
             Request::MultiSet { pairs } => {
                 // Pairs before one that does not fit stay stored, as a torch client's connection
                 // error cannot tell how far the request went either.
@@ -250,70 +190,196 @@ impl State {
                 reply.put_u8(reply::WAIT_CANCELED);
             }
             Request::Ping { nonce } => reply.put_u32_le(nonce),
-            Request::QueuePush { key, value } => {
-                let more = value.len()
-                    + ITEM_OVERHEAD
-                    + if self.queues.contains_key(&key) {
-                        0
-                    } else {
-                        key.len() + ENTRY_OVERHEAD
-                    };
-                self.charge("QUEUE_PUSH", more)?;
-                self.queues
-                    .entry(own(&key))
-                    .or_default()
-                    .push_back(own(&value));
-                // libuv: a push releases one waiter, since one element serves one popper.
-                self.wake_one(&key, woken);
-            }
-            Request::QueuePop { key } => {
-                let queue = self.queues.get_mut(&key);
-                let len = queue.as_ref().map_or(0, |q| q.len());
-                reply.put_i64_le(len as i64);
-                if let Some(value) = queue.and_then(VecDeque::pop_front) {
-                    put_bytes(reply, &value);
-                    self.bytes -= value.len() + ITEM_OVERHEAD;
-                    if len == 1 {
-                        // An empty queue is the same as none to every command (CHECK, WAIT,
-                        // QUEUE_LEN, QUEUE_POP); dropping it gives its key's bytes back.
-                        self.queues.remove(&key);
-                        self.bytes -= key.len() + ENTRY_OVERHEAD;
-                    }
-                }
-            }
+            Request::QueuePush { key, value } => self.queue_push(&key, &value, woken)?,
+            Request::QueuePop { key } => self.queue_pop(&key, reply),
             Request::QueueLen { key } => {
                 let len = self.queues.get(&key).map_or(0, VecDeque::len);
                 reply.put_i64_le(len as i64);
             }
-            Request::ListKeys => {
-                let len = 8 + self.values.keys().map(|k| 8 + k.len()).sum::<usize>();
-                self.check_reply("LIST_KEYS", len)?;
-                reply.put_i64_le(self.values.len() as i64);
-                for key in self.values.keys() {
-                    put_bytes(reply, key);
-                }
-            }
+            Request::ListKeys => self.list_keys(reply)?,
             Request::Barrier { key, world_size } => {
-                let count = self.add(&key, 1, woken)?;
-                let registration = key.len() + ITEM_OVERHEAD;
-                if count < world_size {
-                    self.charge("BARRIER", registration)?;
-                }
-                if count >= world_size {
-                    reply.put_u8(reply::STOP_WAITING);
-                    if let Some(blocked) = self.barriers.remove(&key) {
-                        for id in blocked {
-                            self.release(id, woken);
-                        }
-                    }
-                } else {
-                    self.barriers.entry(key.clone()).or_default().push(client);
-                    let wait = self.waits.entry(client).or_default();
-                    wait.remaining += 1;
-                    wait.keys.push(key);
-                    wait.charged += registration;
+                self.barrier(client, key, world_size, reply, woken)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// COMPARE_SET: replaces the value when it matches `expected` and answers the value that
+    /// holds after.
+    fn compare_set(
+        &mut self,
+        key: &Bytes,
+        expected: Bytes,
+        desired: Bytes,
+        reply: &mut BytesMut,
+        woken: &mut Vec<ClientId>,
+    ) -> Result<(), StateError> {
+        let current = match self.values.get(key) {
+            // The "lie": nothing to compare with, so the expected value is returned and
+            // nothing is created.
+            None if !expected.is_empty() => expected,
+            Some(current) if *current != expected => current.clone(),
+            // Missing and expected empty, or present and equal: replaced.
+            _ => {
+                self.store_value(key, &desired, "COMPARE_SET")?;
+                desired
+            }
+        };
+        put_bytes(reply, &current);
+        // libuv: every COMPARE_SET wakes the key's waiters, even a failed one (classic
+        // wakes none, not even when it creates the key, which strands waiters).
+        self.wake(key, woken);
+        Ok(())
+    }
+
+    /// GET: answers the value of `key`.
+    fn get(&self, key: &Bytes, reply: &mut BytesMut) {
+        // libuv: a missing key reads as empty (classic closes the connection).
+        let value = self.values.get(key).map_or(&[][..], |v| &v[..]);
+        put_bytes(reply, value);
+    }
+
+    /// CHECK: answers whether every key exists.
+    fn check(&self, keys: &[Bytes], reply: &mut BytesMut) {
+        let ready = keys.iter().all(|k| self.exists(k));
+        reply.put_u8(if ready {
+            reply::READY
+        } else {
+            reply::NOT_READY
+        });
+    }
+
+    /// DELETE_KEY: removes `key` and answers whether it was there.
+    fn delete_key(&mut self, key: &Bytes, reply: &mut BytesMut) {
+        // Deleting wakes nobody (both backends).
+        let deleted = self.values.remove_entry(key);
+        if let Some((key, value)) = &deleted {
+            self.bytes -= entry_cost(key, value);
+        }
+        reply.put_i64_le(i64::from(deleted.is_some()));
+    }
+
+    /// APPEND: adds `value` at the end of `key`'s value, creating it when missing.
+    fn append(
+        &mut self,
+        key: &Bytes,
+        value: &Bytes,
+        woken: &mut Vec<ClientId>,
+    ) -> Result<(), StateError> {
+        let more = match self.values.get(key) {
+            Some(_) => value.len(),
+            None => entry_cost(key, value),
+        };
+        self.charge("APPEND", more)?;
+        match self.values.entry(key.clone()) {
+            Entry::Occupied(mut e) => {
+                let mut joined = BytesMut::with_capacity(e.get().len() + value.len());
+                joined.put_slice(e.get());
+                joined.put_slice(value);
+                e.insert(joined.freeze());
+            }
+            Entry::Vacant(e) => {
+                e.insert(own(value));
+            }
+        }
+        self.wake(key, woken);
+        Ok(())
+    }
+
+    /// MULTI_GET: answers every key's value in order (a missing one as empty).
+    fn multi_get(&self, keys: &[Bytes], reply: &mut BytesMut) -> Result<(), StateError> {
+        let len = keys
+            .iter()
+            .map(|key| 8 + self.values.get(key).map_or(0, Bytes::len))
+            .sum();
+        self.check_reply("MULTI_GET", len)?;
+        for key in keys {
+            let value = self.values.get(key).map_or(&[][..], |v| &v[..]);
+            put_bytes(reply, value);
+        }
+        Ok(())
+    }
+
+    /// LIST_KEYS: answers the number of regular keys, then each of them.
+    fn list_keys(&self, reply: &mut BytesMut) -> Result<(), StateError> {
+        let len = 8 + self.values.keys().map(|k| 8 + k.len()).sum::<usize>();
+        self.check_reply("LIST_KEYS", len)?;
+        reply.put_i64_le(self.values.len() as i64);
+        for key in self.values.keys() {
+            put_bytes(reply, key);
+        }
+        Ok(())
+    }
+
+    /// QUEUE_PUSH (libuv): appends `value` to `key`'s queue.
+    fn queue_push(
+        &mut self,
+        key: &Bytes,
+        value: &Bytes,
+        woken: &mut Vec<ClientId>,
+    ) -> Result<(), StateError> {
+        let more = value.len()
+            + ITEM_OVERHEAD
+            + if self.queues.contains_key(key) {
+                0
+            } else {
+                key.len() + ENTRY_OVERHEAD
+            };
+        self.charge("QUEUE_PUSH", more)?;
+        self.queues
+            .entry(own(key))
+            .or_default()
+            .push_back(own(value));
+        // libuv: a push releases one waiter, since one element serves one popper.
+        self.wake_one(key, woken);
+        Ok(())
+    }
+
+    /// QUEUE_POP (libuv): answers the queue's length before the pop, then its first element.
+    fn queue_pop(&mut self, key: &Bytes, reply: &mut BytesMut) {
+        let queue = self.queues.get_mut(key);
+        let len = queue.as_ref().map_or(0, |q| q.len());
+        reply.put_i64_le(len as i64);
+        if let Some(value) = queue.and_then(VecDeque::pop_front) {
+            put_bytes(reply, &value);
+            self.bytes -= value.len() + ITEM_OVERHEAD;
+            if len == 1 {
+                // An empty queue is the same as none to every command (CHECK, WAIT,
+                // QUEUE_LEN, QUEUE_POP); dropping it gives its key's bytes back.
+                self.queues.remove(key);
+                self.bytes -= key.len() + ENTRY_OVERHEAD;
+            }
+        }
+    }
+
+    /// BARRIER: counts `client` in on `key`; the `world_size`-th arrival releases everyone,
+    /// the others block until then.
+    fn barrier(
+        &mut self,
+        client: ClientId,
+        key: Bytes,
+        world_size: i64,
+        reply: &mut BytesMut,
+        woken: &mut Vec<ClientId>,
+    ) -> Result<(), StateError> {
+        let count = self.add(&key, 1, woken)?;
+        let registration = key.len() + ITEM_OVERHEAD;
+        if count < world_size {
+            self.charge("BARRIER", registration)?;
+        }
+        if count >= world_size {
+            reply.put_u8(reply::STOP_WAITING);
+            if let Some(blocked) = self.barriers.remove(&key) {
+                for id in blocked {
+                    self.release(id, woken);
                 }
             }
+        } else {
+            self.barriers.entry(key.clone()).or_default().push(client);
+            let wait = self.waits.entry(client).or_default();
+            wait.remaining += 1;
+            wait.keys.push(key);
+            wait.charged += registration;
         }
         Ok(())
     }
