@@ -7,7 +7,7 @@ use super::error::LaunchError;
 use super::gpu_wait::{gpu_baseline, wait_for_gpus};
 use super::group::{run_group, Attempt, WorkerGroupSpec};
 use super::observe::{Event, Phase, RestartCause};
-use super::outcome::{Failure, GroupOutcome, Outcome};
+use super::outcome::{Failure, GroupOutcome, Outcome, Round};
 use super::rdzv::{AfterGroup, GangRestart, Rendezvous};
 use super::signals::StopRequest;
 use super::{crash_loop, leave, summary, Config, StepSource};
@@ -81,23 +81,16 @@ pub(super) async fn attempts(
                 attempts: restart_count,
             });
         }
-        spec.publisher.phase(Phase::Rendezvous { restart_count });
-        let round = tokio::select! {
-            round = rendezvous.next_round(config, restart_count, stop) => match round {
-                Ok(round) => round,
-                Err(LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::FinishedAsSpare)) => {
-                    // Not a failure: under a Kubernetes Job a spare that ended 203/205 here
-                    // would mark its pod Failed although the job succeeded.
-                    tracing::info!("the job finished while this pod waited as a spare");
-                    return Ok(Outcome {
-                        exit_code: exit_code::SUCCESS,
-                        last: GroupOutcome::Succeeded,
-                        attempts: restart_count,
-                    });
-                }
-                Err(e) => return Err(e),
-            },
-            () = stop.requested() => continue,
+        let round = match join_round(spec, rendezvous, restart_count, stop).await? {
+            Joined::Round(round) => round,
+            Joined::Stopped => continue,
+            Joined::FinishedAsSpare => {
+                return Ok(Outcome {
+                    exit_code: exit_code::SUCCESS,
+                    last: GroupOutcome::Succeeded,
+                    attempts: restart_count,
+                })
+            }
         };
         spec.publisher.event(Event::AttemptStarted {
             assignment: round.assignment.clone(),
@@ -105,30 +98,8 @@ pub(super) async fn attempts(
         let attempt_stop = stop.child();
         let baseline = gpu_baseline(config).await;
         let attempt_started = tokio::time::Instant::now();
-        let attempt = {
-            let group = run_group(spec, &round.assignment, &attempt_stop, round.failure_post);
-            tokio::pin!(group);
-            tokio::select! {
-                outcome = &mut group => outcome,
-                () = rendezvous.watch() => {
-                    attempt_stop.request(Signal::SIGTERM);
-                    group.await
-                }
-                _fault = gpu_fault(gpu_watch) => {
-                    // Reported by `check_gpus` once the workers are down.
-                    attempt_stop.request(Signal::SIGTERM);
-                    group.await
-                }
-                _departure = left(leave) => {
-                    // Reported by `check_leave` once the workers are down.
-                    attempt_stop.request(Signal::SIGTERM);
-                    group.await
-                }
-            }
-        };
-        if let Some(store) = round.store {
-            store.shutdown().await;
-        }
+        let round_restart_count = round.assignment.restart_count;
+        let attempt = run_attempt(spec, rendezvous, round, &attempt_stop, gpu_watch, leave).await;
         let Attempt { outcome, pids } = attempt?;
         check_gpus(gpu_watch)?;
         check_leave(leave)?;
@@ -140,7 +111,7 @@ pub(super) async fn attempts(
         let crash_loop = match &outcome {
             // Judged where a restart would follow; a spent budget ends with the worker's code.
             GroupOutcome::Failed(f)
-                if round.assignment.restart_count < config.max_restarts && !stop.is_requested() =>
+                if round_restart_count < config.max_restarts && !stop.is_requested() =>
             {
                 judge_crash_loop(&guard, progress, f, config, rendezvous)
             }
@@ -153,15 +124,9 @@ pub(super) async fn attempts(
                 // node's, so nodes failing in turn are one crash loop; a membership change
                 // (and a local failure that was its consequence) only moves the baseline.
                 note_crash_loop(&mut guard, progress, why == GangRestart::Failure);
-                let cause = match (&outcome, why) {
-                    (_, GangRestart::Membership) => RestartCause::MembershipChange,
-                    (GroupOutcome::Failed(f), _) if f.hang.is_some() => RestartCause::Hang,
-                    (GroupOutcome::Failed(_), _) => RestartCause::WorkerFailure,
-                    _ => RestartCause::PeerFailure,
-                };
                 spec.publisher.event(Event::Restarting {
                     restart_count,
-                    cause,
+                    cause: gang_restart_cause(&outcome, why),
                 });
                 continue;
             }
@@ -187,27 +152,7 @@ pub(super) async fn attempts(
             {
                 restart_count += 1;
                 note_crash_loop(&mut guard, progress, true);
-                if let Some(hang) = &f.hang {
-                    tracing::warn!(
-                        "{}; restarting the worker group with cause hang (restart {restart_count} of {})",
-                        hang.describe(),
-                        config.max_restarts
-                    );
-                } else {
-                    tracing::warn!(
-                        "{}; restarting the worker group (restart {restart_count} of {})",
-                        summary::restart_reason(f),
-                        config.max_restarts
-                    );
-                }
-                spec.publisher.event(Event::Restarting {
-                    restart_count,
-                    cause: if f.hang.is_some() {
-                        RestartCause::Hang
-                    } else {
-                        RestartCause::WorkerFailure
-                    },
-                });
+                announce_restart(spec, f, restart_count);
             }
             _ => {
                 return Ok(Outcome {
@@ -218,6 +163,109 @@ pub(super) async fn attempts(
             }
         }
     }
+}
+
+/// What waiting for the next rendezvous round came to.
+enum Joined {
+    Round(Round),
+    /// A stop was requested while waiting.
+    Stopped,
+    /// The job finished while this node waited as a spare.
+    FinishedAsSpare,
+}
+
+/// Waits for the round of attempt `restart_count`, or for a stop.
+async fn join_round(
+    spec: &WorkerGroupSpec,
+    rendezvous: &mut dyn Rendezvous,
+    restart_count: u32,
+    stop: &StopRequest,
+) -> Result<Joined, LaunchError> {
+    spec.publisher.phase(Phase::Rendezvous { restart_count });
+    tokio::select! {
+        round = rendezvous.next_round(&spec.config, restart_count, stop) => match round {
+            Ok(round) => Ok(Joined::Round(round)),
+            Err(LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::FinishedAsSpare)) => {
+                // Not a failure: under a Kubernetes Job a spare that ended 203/205 here
+                // would mark its pod Failed although the job succeeded.
+                tracing::info!("the job finished while this pod waited as a spare");
+                Ok(Joined::FinishedAsSpare)
+            }
+            Err(e) => Err(e),
+        },
+        () = stop.requested() => Ok(Joined::Stopped),
+    }
+}
+
+/// Runs the round's worker group to its end; the rendezvous, a fatal GPU fault or a request to
+/// leave stop it early through `attempt_stop`. The store the round hosted is shut down after.
+async fn run_attempt(
+    spec: &WorkerGroupSpec,
+    rendezvous: &mut dyn Rendezvous,
+    round: Round,
+    attempt_stop: &StopRequest,
+    gpu_watch: Option<&crate::gpu::watch::Watch>,
+    leave: Option<&leave::Leave>,
+) -> Result<Attempt, LaunchError> {
+    let attempt = {
+        let group = run_group(spec, &round.assignment, attempt_stop, round.failure_post);
+        tokio::pin!(group);
+        tokio::select! {
+            outcome = &mut group => outcome,
+            () = rendezvous.watch() => {
+                attempt_stop.request(Signal::SIGTERM);
+                group.await
+            }
+            _fault = gpu_fault(gpu_watch) => {
+                // Reported by `check_gpus` once the workers are down.
+                attempt_stop.request(Signal::SIGTERM);
+                group.await
+            }
+            _departure = left(leave) => {
+                // Reported by `check_leave` once the workers are down.
+                attempt_stop.request(Signal::SIGTERM);
+                group.await
+            }
+        }
+    };
+    if let Some(store) = round.store {
+        store.shutdown().await;
+    }
+    attempt
+}
+
+/// Why the gang restarts after this node's attempt ended with `outcome`.
+fn gang_restart_cause(outcome: &GroupOutcome, why: GangRestart) -> RestartCause {
+    match (outcome, why) {
+        (_, GangRestart::Membership) => RestartCause::MembershipChange,
+        (GroupOutcome::Failed(f), _) if f.hang.is_some() => RestartCause::Hang,
+        (GroupOutcome::Failed(_), _) => RestartCause::WorkerFailure,
+        _ => RestartCause::PeerFailure,
+    }
+}
+
+/// Logs and publishes restart `restart_count` of a single node's group after failure `f`.
+fn announce_restart(spec: &WorkerGroupSpec, f: &Failure, restart_count: u32) {
+    let max_restarts = spec.config.max_restarts;
+    if let Some(hang) = &f.hang {
+        tracing::warn!(
+            "{}; restarting the worker group with cause hang (restart {restart_count} of {max_restarts})",
+            hang.describe(),
+        );
+    } else {
+        tracing::warn!(
+            "{}; restarting the worker group (restart {restart_count} of {max_restarts})",
+            summary::restart_reason(f),
+        );
+    }
+    spec.publisher.event(Event::Restarting {
+        restart_count,
+        cause: if f.hang.is_some() {
+            RestartCause::Hang
+        } else {
+            RestartCause::WorkerFailure
+        },
+    });
 }
 
 /// The crash-loop guard's verdict on a failed attempt that a restart would follow: `Some` with

@@ -227,20 +227,7 @@ impl Launch {
             leave,
             steps,
         } = self;
-        let mut rendezvous: Box<dyn Rendezvous> = match rendezvous {
-            Some(r) => r,
-            None if config.nnodes.max > 1 => {
-                return Err(LaunchError::Config(format!(
-                    "--nnodes {} needs the multi-node rendezvous, which this build lacks",
-                    if config.nnodes.min == config.nnodes.max {
-                        config.nnodes.max.to_string()
-                    } else {
-                        format!("{}:{}", config.nnodes.min, config.nnodes.max)
-                    }
-                )))
-            }
-            None => Box::new(LocalRendezvous),
-        };
+        let mut rendezvous = rendezvous_or_local(rendezvous, &config)?;
 
         // Services first, so no signal and no child exit can be missed.
         let reaper = Reaper::start().map_err(|source| LaunchError::Io {
@@ -259,27 +246,10 @@ impl Launch {
             what: "cannot install signal handlers",
             source,
         })?;
-        let (sink, writer) = if let Some(sink) = logs {
-            (sink, None)
-        } else {
-            let writer = crate::logs::start().map_err(|source| LaunchError::Io {
-                what: "cannot start the log writer",
-                source,
-            })?;
-            (writer.sink(), Some(writer))
-        };
+        let (sink, writer) = console(logs)?;
         let run_dir =
             RunDir::create(&config, private_dir).map_err(|e| e.naming_log_dir(&config.logs))?;
-        let asks_files = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
-        match (&run_dir.path, &config.logs.log_dir) {
-            (Some(path), Some(_)) if asks_files => {
-                tracing::info!("worker log files under {}", path.display());
-            }
-            (_, None) if asks_files => tracing::warn!(
-                "--redirects/--tee write per-rank files only with --log-dir: without it every stream stays on the console"
-            ),
-            _ => {}
-        }
+        note_log_files(&run_dir, &config);
 
         let spec = WorkerGroupSpec {
             config: config.clone(),
@@ -305,57 +275,13 @@ impl Launch {
         .await
         .map_err(|e| e.naming_log_dir(&config.logs));
         if let Ok(outcome) = &result {
-            // The gang's root cause, when it is another node's: named first, on every node.
-            let elsewhere = rendezvous
-                .gang_cause()
-                .filter(|c| c.elsewhere() && outcome.exit_code != exit_code::SUCCESS);
-            let text = match (&elsewhere, config.logs.format) {
-                (Some(cause), config::LogFormat::Text) => {
-                    summary::render_gang(cause, outcome.attempts)
-                }
-                (Some(cause), config::LogFormat::Json) => summary::render_gang_json(
-                    cause,
-                    outcome.attempts,
-                    outcome.exit_code,
-                    &spec.hostname,
-                ),
-                (None, _) => String::new(),
-            };
-            // This node's own failure: the root cause, or (after the gang's) its evidence.
-            let text = text
-                + &match &outcome.last {
-                    GroupOutcome::Failed(f) => {
-                        let gpu_events = gpu_watch
-                            .as_ref()
-                            .map(|w| w.summary_lines(f.rank, f.at))
-                            .unwrap_or_default();
-                        // Without --log-dir the run directory is muster's private one, gone at exit.
-                        let removed = run_dir.path.as_deref().filter(|_| !run_dir.is_kept());
-                        match (config.logs.format, elsewhere.is_some()) {
-                            (config::LogFormat::Text, false) => {
-                                summary::render(f, outcome.attempts)
-                                    + &summary::render_flight_recorder(f, removed)
-                                    + &summary::render_gpu_events(&gpu_events)
-                            }
-                            (config::LogFormat::Text, true) => {
-                                summary::render_flight_recorder(f, removed)
-                                    + &summary::render_gpu_events(&gpu_events)
-                            }
-                            (config::LogFormat::Json, false) => {
-                                summary::render_json(
-                                    f,
-                                    outcome.attempts,
-                                    run_dir.is_kept(),
-                                    removed,
-                                ) + &summary::render_gpu_events_json(&f.host, &gpu_events)
-                            }
-                            (config::LogFormat::Json, true) => {
-                                summary::render_gpu_events_json(&f.host, &gpu_events)
-                            }
-                        }
-                    }
-                    _ => String::new(),
-                };
+            let text = final_summary(
+                outcome,
+                rendezvous.gang_cause(),
+                &spec,
+                &run_dir,
+                gpu_watch.as_ref(),
+            );
             if !text.is_empty() {
                 sink.agent_line(Console::Stderr, text.into_bytes());
             }
@@ -368,6 +294,120 @@ impl Launch {
         }
         drop(run_dir);
         result
+    }
+}
+
+/// The caller's rendezvous, else the single-node one; an error when the job needs more nodes.
+fn rendezvous_or_local(
+    rendezvous: Option<Box<dyn Rendezvous>>,
+    config: &Config,
+) -> Result<Box<dyn Rendezvous>, LaunchError> {
+    match rendezvous {
+        Some(r) => Ok(r),
+        None if config.nnodes.max > 1 => Err(LaunchError::Config(format!(
+            "--nnodes {} needs the multi-node rendezvous, which this build lacks",
+            if config.nnodes.min == config.nnodes.max {
+                config.nnodes.max.to_string()
+            } else {
+                format!("{}:{}", config.nnodes.min, config.nnodes.max)
+            }
+        ))),
+        None => Ok(Box::new(LocalRendezvous)),
+    }
+}
+
+/// The console writer the workers' output goes through: the caller's, else one started here
+/// (returned too, for the launch to finish it at the end).
+fn console(
+    logs: Option<LogSink>,
+) -> Result<(LogSink, Option<crate::logs::LogWriter>), LaunchError> {
+    if let Some(sink) = logs {
+        return Ok((sink, None));
+    }
+    let writer = crate::logs::start().map_err(|source| LaunchError::Io {
+        what: "cannot start the log writer",
+        source,
+    })?;
+    Ok((writer.sink(), Some(writer)))
+}
+
+/// Tells where the per-rank log files go, or that `--redirects`/`--tee` write none without
+/// `--log-dir`.
+fn note_log_files(run_dir: &RunDir, config: &Config) {
+    let asks_files = !(config.logs.redirects.is_empty() && config.logs.tee.is_empty());
+    match (&run_dir.path, &config.logs.log_dir) {
+        (Some(path), Some(_)) if asks_files => {
+            tracing::info!("worker log files under {}", path.display());
+        }
+        (_, None) if asks_files => tracing::warn!(
+            "--redirects/--tee write per-rank files only with --log-dir: without it every stream stays on the console"
+        ),
+        _ => {}
+    }
+}
+
+/// The summary printed when a launch ends: the gang's root cause when it is another node's,
+/// then this node's own failure; empty when there is nothing to tell.
+fn final_summary(
+    outcome: &Outcome,
+    gang_cause: Option<gang_cause::GangCause>,
+    spec: &WorkerGroupSpec,
+    run_dir: &RunDir,
+    gpu_watch: Option<&crate::gpu::watch::Watch>,
+) -> String {
+    let format = spec.config.logs.format;
+    // The gang's root cause, when it is another node's: named first, on every node.
+    let elsewhere = gang_cause.filter(|c| c.elsewhere() && outcome.exit_code != exit_code::SUCCESS);
+    let text = match (&elsewhere, format) {
+        (Some(cause), config::LogFormat::Text) => summary::render_gang(cause, outcome.attempts),
+        (Some(cause), config::LogFormat::Json) => {
+            summary::render_gang_json(cause, outcome.attempts, outcome.exit_code, &spec.hostname)
+        }
+        (None, _) => String::new(),
+    };
+    // This node's own failure: the root cause, or (after the gang's) its evidence.
+    text + &match &outcome.last {
+        GroupOutcome::Failed(f) => own_failure_summary(
+            f,
+            outcome.attempts,
+            format,
+            elsewhere.is_some(),
+            run_dir,
+            gpu_watch,
+        ),
+        _ => String::new(),
+    }
+}
+
+/// This node's failure in the final summary: all of it, or only its evidence (flight recorder
+/// dumps, GPU events) when the gang's root cause, another node's, was `named_elsewhere`.
+fn own_failure_summary(
+    f: &Failure,
+    attempts: u32,
+    format: config::LogFormat,
+    named_elsewhere: bool,
+    run_dir: &RunDir,
+    gpu_watch: Option<&crate::gpu::watch::Watch>,
+) -> String {
+    let gpu_events = gpu_watch
+        .map(|w| w.summary_lines(f.rank, f.at))
+        .unwrap_or_default();
+    // Without --log-dir the run directory is muster's private one, gone at exit.
+    let removed = run_dir.path.as_deref().filter(|_| !run_dir.is_kept());
+    match (format, named_elsewhere) {
+        (config::LogFormat::Text, false) => {
+            summary::render(f, attempts)
+                + &summary::render_flight_recorder(f, removed)
+                + &summary::render_gpu_events(&gpu_events)
+        }
+        (config::LogFormat::Text, true) => {
+            summary::render_flight_recorder(f, removed) + &summary::render_gpu_events(&gpu_events)
+        }
+        (config::LogFormat::Json, false) => {
+            summary::render_json(f, attempts, run_dir.is_kept(), removed)
+                + &summary::render_gpu_events_json(&f.host, &gpu_events)
+        }
+        (config::LogFormat::Json, true) => summary::render_gpu_events_json(&f.host, &gpu_events),
     }
 }
 
