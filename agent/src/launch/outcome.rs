@@ -36,7 +36,7 @@ pub struct Round {
     /// The workers' store when this node hosts it; shut down when the attempt ends.
     pub store: Option<HostedStore>,
     /// Where the attempt's first local failure goes the moment it is seen (the gang's failure
-    /// board, [`gang_cause`]); `None` on a single node.
+    /// board, [`super::gang_cause`]); `None` on a single node.
     pub failure_post: Option<FailurePost>,
 }
 
