@@ -56,12 +56,15 @@ pub(super) async fn attempts(
     steps: Option<&StepSource>,
 ) -> Result<Outcome, LaunchError> {
     let config = &spec.config;
-    let mut restart_count = 0;
-    let mut guard = crash_loop::Guard::new(config.max_no_progress_restarts);
+    let mut restarts = Restarts {
+        count: 0,
+        guard: crash_loop::Guard::new(config.max_no_progress_restarts),
+    };
     // The GPU use before the attempt that just ended, and its processes: what the next attempt
     // waits to see released.
     let mut previous: Option<(Vec<crate::gpu::release::GpuUse>, Vec<u32>)> = None;
     loop {
+        let restart_count = restarts.count;
         // A node whose GPU faulted starts no attempt (also when the fault came while the
         // previous one was already failing because of it).
         check_gpus(gpu_watch)?;
@@ -108,60 +111,96 @@ pub(super) async fn attempts(
             max_step: steps.and_then(|s| s(attempt_started)),
             ran_for: attempt_started.elapsed(),
         };
-        let crash_loop = match &outcome {
-            // Judged where a restart would follow; a spent budget ends with the worker's code.
-            GroupOutcome::Failed(f)
-                if round_restart_count < config.max_restarts && !stop.is_requested() =>
-            {
-                judge_crash_loop(&guard, progress, f, config, rendezvous)
-            }
-            _ => None,
+        let ended = Ended {
+            outcome,
+            progress,
+            round_restart_count,
         };
-        match rendezvous.after_group(&outcome, stop).await? {
-            Some(AfterGroup::Restart(why)) => {
-                restart_count += 1;
-                // Every node counts every failure restart of the gang, its own or another
-                // node's, so nodes failing in turn are one crash loop; a membership change
-                // (and a local failure that was its consequence) only moves the baseline.
-                note_crash_loop(&mut guard, progress, why == GangRestart::Failure);
-                spec.publisher.event(Event::Restarting {
-                    restart_count,
-                    cause: gang_restart_cause(&outcome, why),
-                });
-                continue;
-            }
-            Some(AfterGroup::Finish(exit_code)) => {
-                return Ok(Outcome {
-                    exit_code,
-                    last: outcome,
-                    attempts: restart_count + 1,
-                })
-            }
-            None => {}
+        if let Some(outcome) = after_attempt(spec, rendezvous, stop, &mut restarts, ended).await? {
+            return Ok(outcome);
         }
-        if crash_loop.is_some() {
-            return Ok(Outcome {
-                exit_code: exit_code::NO_PROGRESS,
-                last: outcome,
-                attempts: restart_count + 1,
+    }
+}
+
+/// The restarts so far: how many, and the crash-loop guard that watches them.
+struct Restarts {
+    count: u32,
+    guard: crash_loop::Guard,
+}
+
+/// One attempt as it ended.
+struct Ended {
+    outcome: GroupOutcome,
+    progress: crash_loop::AttemptProgress,
+    /// The restart count the round gave the attempt.
+    round_restart_count: u32,
+}
+
+/// Decides what follows an attempt: the gang's verdict, else the crash-loop guard's, else a
+/// restart while the budget lasts. `Some`: the launch ends with it; `None`: a restart was counted.
+async fn after_attempt(
+    spec: &WorkerGroupSpec,
+    rendezvous: &mut dyn Rendezvous,
+    stop: &StopRequest,
+    restarts: &mut Restarts,
+    ended: Ended,
+) -> Result<Option<Outcome>, LaunchError> {
+    let config = &spec.config;
+    let Ended {
+        outcome,
+        progress,
+        round_restart_count,
+    } = ended;
+    let crash_loop = match &outcome {
+        // Judged where a restart would follow; a spent budget ends with the worker's code.
+        GroupOutcome::Failed(f)
+            if round_restart_count < config.max_restarts && !stop.is_requested() =>
+        {
+            judge_crash_loop(&restarts.guard, progress, f, config, rendezvous)
+        }
+        _ => None,
+    };
+    match rendezvous.after_group(&outcome, stop).await? {
+        Some(AfterGroup::Restart(why)) => {
+            restarts.count += 1;
+            // Every node counts every failure restart of the gang, its own or another
+            // node's, so nodes failing in turn are one crash loop; a membership change
+            // (and a local failure that was its consequence) only moves the baseline.
+            note_crash_loop(&mut restarts.guard, progress, why == GangRestart::Failure);
+            spec.publisher.event(Event::Restarting {
+                restart_count: restarts.count,
+                cause: gang_restart_cause(&outcome, why),
             });
+            return Ok(None);
         }
-        match &outcome {
-            GroupOutcome::Failed(f)
-                if restart_count < config.max_restarts && !stop.is_requested() =>
-            {
-                restart_count += 1;
-                note_crash_loop(&mut guard, progress, true);
-                announce_restart(spec, f, restart_count);
-            }
-            _ => {
-                return Ok(Outcome {
-                    exit_code: outcome.exit_code(),
-                    last: outcome,
-                    attempts: restart_count + 1,
-                })
-            }
+        Some(AfterGroup::Finish(exit_code)) => {
+            return Ok(Some(Outcome {
+                exit_code,
+                last: outcome,
+                attempts: restarts.count + 1,
+            }))
         }
+        None => {}
+    }
+    if crash_loop.is_some() {
+        return Ok(Some(Outcome {
+            exit_code: exit_code::NO_PROGRESS,
+            last: outcome,
+            attempts: restarts.count + 1,
+        }));
+    }
+    match &outcome {
+        GroupOutcome::Failed(f) if restarts.count < config.max_restarts && !stop.is_requested() => {
+            restarts.count += 1;
+            note_crash_loop(&mut restarts.guard, progress, true);
+            announce_restart(spec, f, restarts.count);
+            Ok(None)
+        }
+        _ => Ok(Some(Outcome {
+            exit_code: outcome.exit_code(),
+            last: outcome,
+            attempts: restarts.count + 1,
+        })),
     }
 }
 
