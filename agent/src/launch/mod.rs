@@ -27,6 +27,11 @@
 //! [`Phase`] and a `broadcast` of [`Event`]s. The preemption work hooks SIGTERM with
 //! [`Launch::on_terminate`]: the hook runs instead of the immediate stop and calls
 //! [`StopRequest::request`] when the checkpoint barrier is done.
+//!
+//! Where each piece lives: this file holds [`Launch`] and its run; the attempt loop is in
+//! `attempts.rs`, one attempt's workers in `group.rs`, what attempts end with in `outcome.rs`,
+//! the launch's own errors in `error.rs`, the wait for released GPUs in `gpu_wait.rs`, and the
+//! run directory in `run_dir.rs`.
 
 mod attempts;
 pub mod bad_nodes;
