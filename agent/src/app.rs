@@ -29,18 +29,7 @@ pub const LAUNCH_LOG_FILTER: &str = "info,rendezvous=warn,py_spy=warn,remoteproc
 /// the agent.
 pub async fn launch(config: Config) -> anyhow::Result<u8> {
     // Dropped on every way out, which writes what is still queued.
-    let writer = logs::start().context("cannot start the log writer")?;
-    logs::init_tracing(
-        config.logs.format,
-        logs::Diagnostics::Console(writer.sink()),
-        LAUNCH_LOG_FILTER,
-    );
-    for warning in &config.warnings {
-        tracing::warn!("{warning}");
-    }
-    if let Some(summary) = &config.scheduler.summary {
-        tracing::info!("{summary}");
-    }
+    let writer = start_diagnostics(&config)?;
     let shutdown = CancellationToken::new();
     let metrics = Metrics::new();
     metrics.attach_worker_output(writer.sink().stats());
@@ -81,82 +70,19 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     // Node 0 is ready once its rendezvous store accepts connections (the gang rendezvous says
     // so through its events); every other agent once its setup below is done. Never later: see
     // `metrics::Readiness`.
-    let mut hosts_rendezvous = false;
-    let mut gang: Option<Box<dyn Rendezvous>> = None;
-    if multi_node {
-        let mut r = GangRendezvous::new(launch.config(), false)?.with_events(events.clone());
-        hosts_rendezvous = r.hosts_store_first();
-        r.set_gpu_verdict(match gpu.as_ref() {
-            Some(report) if gpu_fatal => {
-                tracing::error!(
-                    "GPU pre-flight failed on {}; joining only to stop the gang",
-                    report.summary().message()
-                );
-                gate::fatal_registration_value(report)
-            }
-            other => gate::registration_value(other),
-        });
-        metrics.attach_host_loss(r.host_loss());
-        gang = Some(Box::new(r));
-    }
-    for (key, value) in gate::device_order_env(gpu_check != GpuCheck::Off, &|k| std::env::var_os(k))
-    {
-        launch = launch.with_worker_env(key, value);
-    }
-    if launch.config().numa_binding {
-        let rank_cpus = gate::numa_binding(launch.config().nproc_per_node)
-            .map_err(|e| Exit::config(format!("--numa-binding: {e}")))?;
-        launch = launch.with_rank_cpus(rank_cpus);
-    }
-    // One private directory per agent (mode 0700, removed at exit) for the helper, the workers'
-    // error files and the stack dumps; `None` where nothing is writable.
-    let private_dir =
-        crate::scratch::ScratchDir::create(launch.config().tmp_dir.as_deref(), "muster-")
-            .map_err(|e| Exit::config(e.to_string()))?
-            .map(std::sync::Arc::new);
-    if let Some(dir) = &private_dir {
-        launch = launch.with_private_dir(dir.clone());
-    }
-    let preemption = Preemption::start(
-        launch.config(),
-        private_dir,
-        launch.observer(),
-        shutdown.clone(),
-        events.clone(),
-    )
-    // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
-    .map_err(|e| Exit::config(format!("cannot set up the checkpoint barrier: {e}")))?;
-    let on_off = |on: bool| if on { "1" } else { "0" };
-    let framework_callbacks = on_off(launch.config().framework_callbacks);
-    let auto_step_reports = on_off(launch.config().auto_step_reports);
-    launch = launch
-        .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
-        .with_worker_env(checkpoint::FRAMEWORK_CALLBACKS_ENV, framework_callbacks)
-        .with_worker_env(checkpoint::local::AUTO_STEP_REPORTS_ENV, auto_step_reports)
-        .on_terminate(preemption.terminate_hook());
+    let (gang, hosts_rendezvous) = if multi_node {
+        let (gang, hosts_rendezvous) =
+            gang_rendezvous(launch.config(), gpu.as_ref(), gpu_fatal, &events, &metrics)?;
+        (Some(gang), hosts_rendezvous)
+    } else {
+        (None, false)
+    };
+    launch = order_and_pin_gpus(launch, gpu_check)?;
+    let (launch, preemption) = plug_in_barrier(launch, &shutdown, &events)?;
     let (mut launch, hang_watch) = watch_hangs(launch, &preemption, &metrics);
     launch = hold_foreign_signals(launch, &preemption);
-    if let Some(dir) = preemption.writable_base().and_then(|base| {
-        crate::scratch::workers_tmpdir(
-            base,
-            std::env::var_os("TMPDIR"),
-            &crate::scratch::is_writable,
-        )
-    }) {
-        tracing::info!(
-            "/tmp is not writable: the workers get TMPDIR={} (PyTorch needs a temporary directory)",
-            dir.display()
-        );
-        launch = launch.with_worker_env("TMPDIR", dir);
-    }
-    let python_path = preemption.python_path();
-    if python_path.is_none() {
-        tracing::warn!(
-            "no writable directory for muster's files (tried {}): `import muster_checkpoint` works only where the script ships the helper (without it SIGTERM is forwarded to the workers) and workers get no TORCHELASTIC_ERROR_FILE; {}",
-            crate::scratch::describe_candidates(launch.config().tmp_dir.as_deref()),
-            crate::scratch::FIX
-        );
-    }
+    launch = give_workers_a_tmpdir(launch, &preemption);
+    let python_path = helper_python_path(&launch, &preemption);
     // The helper's directory holds muster's `sitecustomize` (the zero-code step reports, and the
     // script metrics' hook, which patches nothing without MUSTER_METRICS_PORT).
     let script_metrics = metrics::script::attach(
@@ -173,19 +99,8 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     } else if let Some(path) = python_path {
         launch = launch.with_worker_env("PYTHONPATH", path);
     }
-    // The GPU watch runs whatever `--gpu-check` says: without a GPU device or a driver it ends at
-    // once, and a GPU that was already bad at the start is not a fault of the run.
-    let gpu_watch = (!launch.config().gpu_watch_interval.is_zero()).then(|| {
-        crate::gpu::watch::Watch::start(crate::gpu::watch::Options {
-            interval: launch.config().gpu_watch_interval,
-            library: crate::gpu::nvml::library_override(),
-        })
-    });
-    if let Some(watch) = &gpu_watch {
-        metrics.attach_gpu_watch(watch.clone());
-        launch = launch.with_gpu_watch(watch.clone());
-    }
-    launch = watch_stragglers(
+    let (launch, gpu_watch) = start_gpu_watch(launch, &metrics);
+    let launch = watch_stragglers(
         launch,
         hang_watch,
         &preemption,
@@ -211,6 +126,158 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         script.remove_files();
     }
     Ok(preemption.exit_code(result?.exit_code))
+}
+
+/// Starts the console writer and the agent's own diagnostics through it, and says what the
+/// configuration warned about and how the scheduler was read.
+fn start_diagnostics(config: &Config) -> anyhow::Result<logs::LogWriter> {
+    let writer = logs::start().context("cannot start the log writer")?;
+    logs::init_tracing(
+        config.logs.format,
+        logs::Diagnostics::Console(writer.sink()),
+        LAUNCH_LOG_FILTER,
+    );
+    for warning in &config.warnings {
+        tracing::warn!("{warning}");
+    }
+    if let Some(summary) = &config.scheduler.summary {
+        tracing::info!("{summary}");
+    }
+    Ok(writer)
+}
+
+/// What this node registers with the gang about its GPUs: the pre-flight's report, or the fatal
+/// verdict a fixed-size gang joins with only to stop the job.
+fn gpu_verdict(gpu: Option<&crate::gpu::Report>, gpu_fatal: bool) -> serde_json::Value {
+    match gpu {
+        Some(report) if gpu_fatal => {
+            tracing::error!(
+                "GPU pre-flight failed on {}; joining only to stop the gang",
+                report.summary().message()
+            );
+            gate::fatal_registration_value(report)
+        }
+        other => gate::registration_value(other),
+    }
+}
+
+/// The gang rendezvous for a multi-node job, with this node's GPU verdict, telling its events
+/// and the loss of its store host; and whether this node hosts the rendezvous store.
+fn gang_rendezvous(
+    config: &Config,
+    gpu: Option<&crate::gpu::Report>,
+    gpu_fatal: bool,
+    events: &Events,
+    metrics: &Metrics,
+) -> anyhow::Result<(Box<dyn Rendezvous>, bool)> {
+    let mut r = GangRendezvous::new(config, false)?.with_events(events.clone());
+    let hosts_rendezvous = r.hosts_store_first();
+    r.set_gpu_verdict(gpu_verdict(gpu, gpu_fatal));
+    metrics.attach_host_loss(r.host_loss());
+    Ok((Box::new(r), hosts_rendezvous))
+}
+
+/// The workers' GPU order (`CUDA_DEVICE_ORDER` where the pre-flight runs) and, with
+/// `--numa-binding`, each rank's CPUs.
+fn order_and_pin_gpus(mut launch: Launch, gpu_check: GpuCheck) -> Result<Launch, Exit> {
+    for (key, value) in gate::device_order_env(gpu_check != GpuCheck::Off, &|k| std::env::var_os(k))
+    {
+        launch = launch.with_worker_env(key, value);
+    }
+    if launch.config().numa_binding {
+        let rank_cpus = gate::numa_binding(launch.config().nproc_per_node)
+            .map_err(|e| Exit::config(format!("--numa-binding: {e}")))?;
+        launch = launch.with_rank_cpus(rank_cpus);
+    }
+    Ok(launch)
+}
+
+/// Starts the checkpoint barrier in the agent's private directory and plugs it into `launch`:
+/// its socket and switches in the workers' environment, its hook on SIGTERM.
+fn plug_in_barrier(
+    mut launch: Launch,
+    shutdown: &CancellationToken,
+    events: &Events,
+) -> Result<(Launch, Preemption), Exit> {
+    // One private directory per agent (mode 0700, removed at exit) for the helper, the workers'
+    // error files and the stack dumps; `None` where nothing is writable.
+    let private_dir =
+        crate::scratch::ScratchDir::create(launch.config().tmp_dir.as_deref(), "muster-")
+            .map_err(|e| Exit::config(e.to_string()))?
+            .map(std::sync::Arc::new);
+    if let Some(dir) = &private_dir {
+        launch = launch.with_private_dir(dir.clone());
+    }
+    let preemption = Preemption::start(
+        launch.config(),
+        private_dir,
+        launch.observer(),
+        shutdown.clone(),
+        events.clone(),
+    )
+    // The environment's doing (an unusable --tmp-dir, a socket that cannot be bound).
+    .map_err(|e| Exit::config(format!("cannot set up the checkpoint barrier: {e}")))?;
+    let on_off = |on: bool| if on { "1" } else { "0" };
+    let framework_callbacks = on_off(launch.config().framework_callbacks);
+    let auto_step_reports = on_off(launch.config().auto_step_reports);
+    let launch = launch
+        .with_worker_env(checkpoint::local::SOCKET_ENV, preemption.socket())
+        .with_worker_env(checkpoint::FRAMEWORK_CALLBACKS_ENV, framework_callbacks)
+        .with_worker_env(checkpoint::local::AUTO_STEP_REPORTS_ENV, auto_step_reports)
+        .on_terminate(preemption.terminate_hook());
+    Ok((launch, preemption))
+}
+
+/// Where `/tmp` is not writable, gives the workers a `TMPDIR` under muster's writable place.
+fn give_workers_a_tmpdir(launch: Launch, preemption: &Preemption) -> Launch {
+    let Some(dir) = preemption.writable_base().and_then(|base| {
+        crate::scratch::workers_tmpdir(
+            base,
+            std::env::var_os("TMPDIR"),
+            &crate::scratch::is_writable,
+        )
+    }) else {
+        return launch;
+    };
+    tracing::info!(
+        "/tmp is not writable: the workers get TMPDIR={} (PyTorch needs a temporary directory)",
+        dir.display()
+    );
+    launch.with_worker_env("TMPDIR", dir)
+}
+
+/// The workers' `PYTHONPATH` with the checkpoint helper's directory; `None`, said once, where
+/// muster has no writable directory for it.
+fn helper_python_path(launch: &Launch, preemption: &Preemption) -> Option<std::ffi::OsString> {
+    let python_path = preemption.python_path();
+    if python_path.is_none() {
+        tracing::warn!(
+            "no writable directory for muster's files (tried {}): `import muster_checkpoint` works only where the script ships the helper (without it SIGTERM is forwarded to the workers) and workers get no TORCHELASTIC_ERROR_FILE; {}",
+            crate::scratch::describe_candidates(launch.config().tmp_dir.as_deref()),
+            crate::scratch::FIX
+        );
+    }
+    python_path
+}
+
+/// Starts the GPU watch unless its interval is zero, on the metrics and in `launch`.
+fn start_gpu_watch(
+    mut launch: Launch,
+    metrics: &Metrics,
+) -> (Launch, Option<crate::gpu::watch::Watch>) {
+    // The GPU watch runs whatever `--gpu-check` says: without a GPU device or a driver it ends at
+    // once, and a GPU that was already bad at the start is not a fault of the run.
+    let gpu_watch = (!launch.config().gpu_watch_interval.is_zero()).then(|| {
+        crate::gpu::watch::Watch::start(crate::gpu::watch::Options {
+            interval: launch.config().gpu_watch_interval,
+            library: crate::gpu::nvml::library_override(),
+        })
+    });
+    if let Some(watch) = &gpu_watch {
+        metrics.attach_gpu_watch(watch.clone());
+        launch = launch.with_gpu_watch(watch.clone());
+    }
+    (launch, gpu_watch)
 }
 
 /// The GPU pre-flight as `--gpu-check` says, told to `events`: the report (`None` when off) and

@@ -262,120 +262,233 @@ pub async fn run_group(
         .run_dir
         .as_ref()
         .map(|d| d.join(format!("attempt_{restart_count}")));
-    let (exits_tx, mut exits) = mpsc::unbounded_channel::<ExitReport>();
-    let mut workers: Vec<Worker> = Vec::new();
-    let mut pumps = JoinSet::new();
-    // Cancelled when the pumps must give up on pipes that outlive the workers (see `drain`).
-    let pipes_closed = CancellationToken::new();
-    let agent = nix::unistd::getpid();
-    let mut guard = KillOnDrop {
-        pgids: Vec::new(),
-        tree: tree.clone(),
-        armed: true,
-    };
-
     let attempt_started = tokio::time::Instant::now();
     let attempt_started_at = SystemTime::now();
     // Each rank's collective trace, dumped into the attempt's directory on an NCCL timeout.
     let flight_recorder =
         crate::watch::flight_recorder::decide(attempt_dir.as_deref(), &|k| std::env::var_os(k));
-    // The OOM kills so far: a SIGKILLed rank is the OOM killer's when the count rose.
-    let memory = crate::watch::cgroup::MemoryCgroup::find();
-    let oom_kills_before = memory
-        .as_ref()
-        .and_then(crate::watch::cgroup::MemoryCgroup::oom_kills);
-    for local_rank in 0..config.nproc_per_node {
-        let rank = assignment.base_global_rank + local_rank;
-        let dir = attempt_dir.as_ref().map(|d| d.join(local_rank.to_string()));
-        // All or nothing: when this rank or one of its log pumps cannot start, the ranks
-        // already started must not run without it.
-        let failed: Option<LaunchError> = 'start: {
-            let (mut child, error_file) = match spawn_worker(
+    let oom = OomCount::now();
+    let mut group = Group::start(
+        spec,
+        assignment,
+        attempt_dir.as_deref(),
+        &flight_recorder.env,
+        tree.as_ref(),
+        stop,
+    )
+    .await?;
+    let (exited_tx, hang_watch) = watch_for_hangs(
+        spec,
+        assignment,
+        &group.workers,
+        attempt_started,
+        attempt_dir.clone(),
+    );
+    tokio::pin!(hang_watch);
+    let ended = supervise(
+        spec,
+        &mut group,
+        stop,
+        &mut failure_post,
+        &exited_tx,
+        hang_watch.as_mut(),
+        &oom,
+    )
+    .await;
+    stop_remaining(spec, &mut group, &ended, stop).await;
+    let pids = sweep_attempt(spec, &group, tree.as_ref(), stop).await;
+    group.guard.armed = false;
+    drain(&mut group.pumps, &group.pipes_closed).await;
+    let failure = ended_failure(spec, &group, ended.failure, ended.hung, &mut failure_post);
+    let outcome = judge(
+        spec,
+        &group,
+        failure.map(|mut f| {
+            f.flight_recorder = flight_recorder.dumps(attempt_started_at);
+            f
+        }),
+        ended.stopped,
+        stop,
+    );
+    Ok(Attempt { outcome, pids })
+}
+
+/// The attempt's workers while it runs: their exits, their output pumps, and the guard that
+/// kills them when the attempt is dropped half-way.
+struct Group {
+    // Fields drop in this order: the guard kills before the pumps and the exits go.
+    guard: KillOnDrop,
+    /// Cancelled when the pumps must give up on pipes that outlive the workers (see `drain`).
+    pipes_closed: CancellationToken,
+    pumps: JoinSet<()>,
+    workers: Vec<Worker>,
+    exits: mpsc::UnboundedReceiver<ExitReport>,
+    restart_count: u32,
+}
+
+impl Group {
+    /// Starts every local rank of the attempt with its output pumps, all or nothing: when one
+    /// cannot start, the ranks already started (and what they started) are killed.
+    async fn start(
+        spec: &WorkerGroupSpec,
+        assignment: &RankAssignment,
+        attempt_dir: Option<&std::path::Path>,
+        flight_recorder: &[(&'static str, OsString)],
+        tree: Option<&Scope>,
+        stop: &StopRequest,
+    ) -> Result<Group, LaunchError> {
+        let restart_count = assignment.restart_count;
+        let (exits_tx, exits) = mpsc::unbounded_channel::<ExitReport>();
+        let mut group = Group {
+            guard: KillOnDrop {
+                pgids: Vec::new(),
+                tree: tree.cloned(),
+                armed: true,
+            },
+            pipes_closed: CancellationToken::new(),
+            pumps: JoinSet::new(),
+            workers: Vec::new(),
+            exits,
+            restart_count,
+        };
+        let agent = nix::unistd::getpid();
+        for local_rank in 0..spec.config.nproc_per_node {
+            let rank = assignment.base_global_rank + local_rank;
+            let dir = attempt_dir.map(|d| d.join(local_rank.to_string()));
+            // All or nothing: when this rank or one of its log pumps cannot start, the ranks
+            // already started must not run without it.
+            let started = spawn_worker(
                 spec,
                 assignment,
                 dir.as_deref(),
                 local_rank,
                 agent,
                 &exits_tx,
-                &flight_recorder.env,
-            ) {
-                Ok(spawned) => spawned,
-                Err(err) => break 'start Some(err),
-            };
-            let pid = child.pid;
-            guard.pgids.push(Pid::from_raw(pid as i32));
-            let exception = Arc::new(logs::ExceptionLine::default());
-            workers.push(Worker {
-                local_rank,
-                rank,
-                pid: Pid::from_raw(pid as i32),
-                status: None,
-                seen: None,
-                error_file,
-                exception: Arc::clone(&exception),
-            });
-            let streams = [
-                (
-                    Streams::STDOUT,
-                    child.stdout.take().map(OwnedFd::from),
-                    "stdout.log",
-                ),
-                (
-                    Streams::STDERR,
-                    child.stderr.take().map(OwnedFd::from),
-                    "stderr.log",
-                ),
-            ];
-            for (stream, fd, file_name) in streams {
-                let Some(fd) = fd else { continue };
-                let follow = (stream == Streams::STDERR).then(|| Arc::clone(&exception));
-                match start_pump(
-                    spec,
-                    (local_rank, rank),
-                    stream,
-                    fd,
-                    dir.as_ref().map(|d| d.join(file_name)),
-                    &pipes_closed,
-                    follow,
-                ) {
-                    Ok(pump) => {
-                        pumps.spawn(pump);
-                    }
-                    Err(err) => break 'start Some(err),
-                }
-            }
-            spec.publisher.event(Event::WorkerStarted {
-                restart_count,
-                local_rank,
-                rank,
-                pid,
-            });
-            None
-        };
-        if let Some(err) = failed {
-            stop_workers(
-                &mut workers,
-                &mut exits,
-                Signal::SIGKILL,
-                Duration::ZERO,
-                stop,
+                flight_recorder,
             )
-            .await;
-            if let Some(scope) = &tree {
-                stop_strays(spec, scope, &workers, restart_count, Duration::ZERO, stop).await;
+            .and_then(|(child, error_file)| {
+                group.adopt(spec, child, error_file, (local_rank, rank), dir.as_deref())
+            });
+            if let Err(err) = started {
+                stop_workers(
+                    &mut group.workers,
+                    &mut group.exits,
+                    Signal::SIGKILL,
+                    Duration::ZERO,
+                    stop,
+                )
+                .await;
+                if let Some(scope) = tree {
+                    stop_strays(
+                        spec,
+                        scope,
+                        &group.workers,
+                        restart_count,
+                        Duration::ZERO,
+                        stop,
+                    )
+                    .await;
+                }
+                return Err(err);
             }
-            return Err(err);
         }
+        drop(exits_tx);
+        spec.publisher.phase(Phase::Running { restart_count });
+        tracing::debug!(
+            "started {} worker(s), attempt {restart_count}",
+            group.workers.len()
+        );
+        Ok(group)
     }
-    drop(exits_tx);
-    spec.publisher.phase(Phase::Running { restart_count });
-    tracing::debug!(
-        "started {} worker(s), attempt {restart_count}",
-        workers.len()
-    );
 
-    let mut failure: Option<Failure> = None;
-    let mut stopped = false;
+    /// Takes a just-started rank into the group: its process group under the guard, its output
+    /// pumps (`dir`: its log directory), the event that it started.
+    fn adopt(
+        &mut self,
+        spec: &WorkerGroupSpec,
+        mut child: Spawned,
+        error_file: Option<PathBuf>,
+        (local_rank, rank): (u32, u32),
+        dir: Option<&std::path::Path>,
+    ) -> Result<(), LaunchError> {
+        let pid = child.pid;
+        self.guard.pgids.push(Pid::from_raw(pid as i32));
+        let exception = Arc::new(logs::ExceptionLine::default());
+        self.workers.push(Worker {
+            local_rank,
+            rank,
+            pid: Pid::from_raw(pid as i32),
+            status: None,
+            seen: None,
+            error_file,
+            exception: Arc::clone(&exception),
+        });
+        let streams = [
+            (
+                Streams::STDOUT,
+                child.stdout.take().map(OwnedFd::from),
+                "stdout.log",
+            ),
+            (
+                Streams::STDERR,
+                child.stderr.take().map(OwnedFd::from),
+                "stderr.log",
+            ),
+        ];
+        for (stream, fd, file_name) in streams {
+            let Some(fd) = fd else { continue };
+            let follow = (stream == Streams::STDERR).then(|| Arc::clone(&exception));
+            let pump = start_pump(
+                spec,
+                (local_rank, rank),
+                stream,
+                fd,
+                dir.map(|d| d.join(file_name)),
+                &self.pipes_closed,
+                follow,
+            )?;
+            self.pumps.spawn(pump);
+        }
+        spec.publisher.event(Event::WorkerStarted {
+            restart_count: self.restart_count,
+            local_rank,
+            rank,
+            pid,
+        });
+        Ok(())
+    }
+}
+
+/// The memory cgroup's OOM kills before the attempt: a SIGKILLed rank is the OOM killer's when
+/// the count rose.
+struct OomCount {
+    memory: Option<crate::watch::cgroup::MemoryCgroup>,
+    before: Option<u64>,
+}
+
+impl OomCount {
+    /// The OOM kills so far.
+    fn now() -> Self {
+        let memory = crate::watch::cgroup::MemoryCgroup::find();
+        let before = memory
+            .as_ref()
+            .and_then(crate::watch::cgroup::MemoryCgroup::oom_kills);
+        Self { memory, before }
+    }
+}
+
+/// Hands the started workers to the hang watch, if there is one: the sender of the local ranks
+/// that exited so far, and the watch's verdict (never, without a watch).
+fn watch_for_hangs(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    workers: &[Worker],
+    started: tokio::time::Instant,
+    attempt_dir: Option<PathBuf>,
+) -> (
+    tokio::sync::watch::Sender<Vec<u32>>,
+    impl std::future::Future<Output = crate::watch::Hang>,
+) {
     let (exited_tx, exited) = tokio::sync::watch::channel(Vec::<u32>::new());
     let hang_watch = spec.watchdog.as_ref().map(|watchdog| {
         watchdog.watch(super::WatchedAttempt {
@@ -390,8 +503,8 @@ pub async fn run_group(
                 })
                 .collect(),
             exited,
-            started: attempt_started,
-            attempt_dir: attempt_dir.clone(),
+            started,
+            attempt_dir,
             write: spec.rank_writer(workers.iter().map(|w| (w.local_rank, w.rank)).collect()),
         })
     });
@@ -401,24 +514,54 @@ pub async fn run_group(
             None => std::future::pending().await,
         }
     };
-    tokio::pin!(hang_watch);
-    let mut hung: Option<crate::watch::Hang> = None;
+    (exited_tx, hang_watch)
+}
+
+/// How the supervision of a running attempt ended.
+struct Supervised {
+    /// The root cause, when a worker failed.
+    failure: Option<Failure>,
+    /// A stop was requested.
+    stopped: bool,
+    /// The hang watch found a rank hung.
+    hung: Option<crate::watch::Hang>,
+}
+
+/// Waits until every worker exited, one failed, a stop was requested or the hang watch found a
+/// hung rank. A failure goes to `failure_post` at once.
+async fn supervise(
+    spec: &WorkerGroupSpec,
+    group: &mut Group,
+    stop: &StopRequest,
+    failure_post: &mut Option<super::FailurePost>,
+    exited_tx: &tokio::sync::watch::Sender<Vec<u32>>,
+    mut hang_watch: std::pin::Pin<&mut impl std::future::Future<Output = crate::watch::Hang>>,
+    oom: &OomCount,
+) -> Supervised {
+    let restart_count = group.restart_count;
+    let workers = &mut group.workers;
+    let exits = &mut group.exits;
+    let mut ended = Supervised {
+        failure: None,
+        stopped: false,
+        hung: None,
+    };
     while workers.iter().any(|w| w.status.is_none()) {
         tokio::select! {
             biased;
             report = exits.recv() => {
                 let Some((local_rank, status)) = report else { break };
-                record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                record_exit(workers, local_rank, status, restart_count, &spec.publisher);
                 exited_tx.send_modify(|exited| exited.push(local_rank as u32));
                 if !status.success() {
                     // Exits already reaped together with this one are candidates too: the root
                     // cause is the earliest by the workers' own error-file timestamps.
                     while let Ok((local_rank, status)) = exits.try_recv() {
-                        record_exit(&mut workers, local_rank, status, restart_count, &spec.publisher);
+                        record_exit(workers, local_rank, status, restart_count, &spec.publisher);
                     }
-                    failure = root_cause(&workers, &spec.hostname);
-                    if let Some(f) = failure.as_mut() {
-                        name_oom_kill(f, memory.as_ref(), oom_kills_before, restart_count, &spec.publisher);
+                    ended.failure = root_cause(workers, &spec.hostname);
+                    if let Some(f) = ended.failure.as_mut() {
+                        name_oom_kill(f, oom.memory.as_ref(), oom.before, restart_count, &spec.publisher);
                         // Before stopping the others: the gang orders failures by when they reach
                         // the store, and this node's peers are failing too by now.
                         if let Some(post) = failure_post.take() {
@@ -429,74 +572,121 @@ pub async fn run_group(
                 }
             }
             () = stop.requested() => {
-                stopped = true;
+                ended.stopped = true;
                 break;
             }
             hang = &mut hang_watch => {
-                hung = Some(hang);
+                ended.hung = Some(hang);
                 break;
             }
         }
     }
+    ended
+}
 
-    if workers.iter().any(|w| w.status.is_none()) {
-        spec.publisher.phase(Phase::Stopping { restart_count });
-        let sig = if stopped {
-            stop.signal()
-        } else {
-            Signal::SIGTERM
-        };
-        if let Some(f) = &failure {
-            tracing::info!(
-                "rank {} failed ({}): stopping the other workers with {sig}",
-                f.rank,
-                f.status
-            );
-        }
-        if let Some(hang) = &hung {
-            tracing::info!("rank {} hung: stopping every worker with {sig}", hang.rank);
-        }
-        super::stop_mark::announce(&spec.extra_env);
-        let mut pending = PendingExits {
-            exits: &mut exits,
-            publisher: &spec.publisher,
-            restart_count,
-        };
-        pending
-            .stop(&mut workers, sig, config.shutdown_timeout, stop)
-            .await;
+/// Stops the workers still running once supervision ended: with the requested stop signal, else
+/// SIGTERM; SIGKILL after `--shutdown-timeout`.
+async fn stop_remaining(
+    spec: &WorkerGroupSpec,
+    group: &mut Group,
+    ended: &Supervised,
+    stop: &StopRequest,
+) {
+    if group.workers.iter().all(|w| w.status.is_some()) {
+        return;
     }
-    let mut pids: Vec<u32> = workers
+    let restart_count = group.restart_count;
+    spec.publisher.phase(Phase::Stopping { restart_count });
+    let sig = if ended.stopped {
+        stop.signal()
+    } else {
+        Signal::SIGTERM
+    };
+    if let Some(f) = &ended.failure {
+        tracing::info!(
+            "rank {} failed ({}): stopping the other workers with {sig}",
+            f.rank,
+            f.status
+        );
+    }
+    if let Some(hang) = &ended.hung {
+        tracing::info!("rank {} hung: stopping every worker with {sig}", hang.rank);
+    }
+    super::stop_mark::announce(&spec.extra_env);
+    let mut pending = PendingExits {
+        exits: &mut group.exits,
+        publisher: &spec.publisher,
+        restart_count,
+    };
+    pending
+        .stop(&mut group.workers, sig, spec.config.shutdown_timeout, stop)
+        .await;
+}
+
+/// Stops what is left of the attempt once its workers are gone: its process tree (`tree`),
+/// else the workers' process groups. Returns every process id that belonged to the attempt.
+async fn sweep_attempt(
+    spec: &WorkerGroupSpec,
+    group: &Group,
+    tree: Option<&Scope>,
+    stop: &StopRequest,
+) -> Vec<u32> {
+    let grace = spec.config.shutdown_timeout;
+    let mut pids: Vec<u32> = group
+        .workers
         .iter()
         .filter_map(|w| u32::try_from(w.pid.as_raw()).ok())
         .collect();
-    match &tree {
+    match tree {
         Some(scope) => {
-            let grace = config.shutdown_timeout;
-            let stopped = stop_strays(spec, scope, &workers, restart_count, grace, stop).await;
+            let stopped = stop_strays(
+                spec,
+                scope,
+                &group.workers,
+                group.restart_count,
+                grace,
+                stop,
+            )
+            .await;
             pids.extend(stopped.pids());
         }
-        None => sweep_groups(&workers, config.shutdown_timeout, stop).await,
+        None => sweep_groups(&group.workers, grace, stop).await,
     }
-    guard.armed = false;
-    drain(&mut pumps, &pipes_closed).await;
-    if let Some(hang) = hung {
-        let f = hung_failure(&workers, &spec.hostname, hang);
-        if let Some(post) = failure_post.take() {
-            let _ = post.send(f.clone());
-        }
-        failure = Some(f);
-    }
-    if let Some(f) = failure.as_mut() {
-        f.flight_recorder = flight_recorder.dumps(attempt_started_at);
-    }
+    pids
+}
 
+/// The attempt's failure once its workers are down: the hung rank's when the hang watch ended
+/// it (posted to `failure_post` now), else the failed worker's, if any.
+fn ended_failure(
+    spec: &WorkerGroupSpec,
+    group: &Group,
+    failure: Option<Failure>,
+    hung: Option<crate::watch::Hang>,
+    failure_post: &mut Option<super::FailurePost>,
+) -> Option<Failure> {
+    let Some(hang) = hung else { return failure };
+    let f = hung_failure(&group.workers, &spec.hostname, hang);
+    if let Some(post) = failure_post.take() {
+        let _ = post.send(f.clone());
+    }
+    Some(f)
+}
+
+/// How the attempt ended, published as [`Event::GroupEnded`].
+fn judge(
+    spec: &WorkerGroupSpec,
+    group: &Group,
+    failure: Option<Failure>,
+    stopped: bool,
+    stop: &StopRequest,
+) -> GroupOutcome {
     let outcome = if let Some(f) = failure {
         GroupOutcome::Failed(f)
     } else if stopped {
         GroupOutcome::Stopped {
             signal: stop.received_signal(),
-            all_clean: workers
+            all_clean: group
+                .workers
                 .iter()
                 .all(|w| w.status == Some(ExitStatus::Exited(0))),
         }
@@ -504,14 +694,14 @@ pub async fn run_group(
         GroupOutcome::Succeeded
     };
     spec.publisher.event(Event::GroupEnded {
-        restart_count,
+        restart_count: group.restart_count,
         result: match outcome {
             GroupOutcome::Succeeded => GroupResult::Succeeded,
             GroupOutcome::Failed(_) => GroupResult::Failed,
             GroupOutcome::Stopped { .. } => GroupResult::Stopped,
         },
     });
-    Ok(Attempt { outcome, pids })
+    outcome
 }
 
 /// Stops whatever is left of the attempt's process tree once its workers are gone (their

@@ -408,25 +408,7 @@ impl GangRendezvous {
     /// and the others must form a new round.
     async fn try_round(&mut self) -> Result<Option<Round>, RoundError> {
         if self.rdzv.is_none() {
-            let deadline = match &self.recovering {
-                Some(r) => r.lost_at + self.cfg.join_timeout,
-                None => Instant::now() + self.cfg.join_timeout,
-            };
-            if let Err(e) = self.start(deadline).await {
-                if let Some(r) = &self.recovering {
-                    let (_, reason) = recovery::decide_host_wait(
-                        r.lost_at,
-                        Instant::now(),
-                        &self.endpoint.to_string(),
-                        &self.cfg,
-                    );
-                    self.host_loss.gave_up();
-                    return Err(RoundError::Launch(LaunchError::StoreHostLost(format!(
-                        "{reason}; last: {e}"
-                    ))));
-                }
-                return Err(RoundError::Launch(e));
-            }
+            self.start_or_give_up().await?;
         }
         let advertised = self
             .advertised
@@ -436,52 +418,8 @@ impl GangRendezvous {
                 "rendezvous not started",
             )));
         };
-        let store = if rdzv.is_coordinator() {
-            Some(
-                HostedStore::start(advertised, self.max_store_bytes)
-                    .await
-                    .map_err(|source| LaunchError::Store {
-                        ip: advertised,
-                        source,
-                    })?,
-            )
-        } else {
-            None
-        };
-        let port = store.as_ref().map_or(0, |s| s.addr().port());
-        let joined = match rdzv.next_round(port).await {
-            Ok(j) => j,
-            Err(e) => {
-                if let Some(s) = store {
-                    s.shutdown().await;
-                }
-                return Err(match e {
-                    RdzvError::StoreLost(why) => RoundError::HostLost(why),
-                    e => RoundError::Launch(LaunchError::Rendezvous(e)),
-                });
-            }
-        };
-        let a = joined.assignment;
-        if let Some(r) = self.recovering.take() {
-            let without = r.lost_at.elapsed();
-            info!(
-                "rejoined the gang at generation {} after {:.1}s without a gang (restarts used {})",
-                a.generation,
-                without.as_secs_f64(),
-                a.restart_count
-            );
-            self.host_loss.rejoined(without);
-        }
-        info!(
-            "round {}: node {} is group rank {} of {}, global {} of {} (restarts used {})",
-            a.generation,
-            a.node_rank,
-            a.group_rank,
-            a.group_world_size,
-            rank_range(a.base_global_rank, a.local_world_size),
-            a.world_size,
-            a.restart_count
-        );
+        let (store, a) = Self::join_round(rdzv, advertised, self.max_store_bytes).await?;
+        Self::announce_round(&a, self.recovering.take(), &self.host_loss);
         let watch_kv = match rdzv.kv().reconnect().await {
             Ok(kv) => kv,
             Err(e) => {
@@ -505,21 +443,7 @@ impl GangRendezvous {
             watcher = watcher.with_presence(hosted.stats());
         }
         let task = tokio::spawn(watcher.run(stop.clone(), fired.clone()));
-        let check = crate::netcheck::gang::RoundInfo {
-            run_id: self.cfg.run_id.clone(),
-            generation: a.generation,
-            me: crate::netcheck::verdict::NodeInfo {
-                group_rank: a.group_rank,
-                node_rank: a.node_rank,
-                host: crate::host::name(),
-                addr: advertised.to_string(),
-            },
-            ip: advertised,
-            world: a.group_world_size,
-            min_nodes: self.cfg.min_nodes,
-            max_nodes: self.cfg.max_nodes,
-            settings: self.network.clone(),
-        };
+        let check = Self::check_info(&self.cfg, &self.network, &a, advertised);
         // The check talks to the store on the rendezvous connection, idle until the exit barrier.
         let go = network_check(&check, rdzv.kv_mut(), &self.events).await;
         if !matches!(go, Ok(true)) {
@@ -559,6 +483,118 @@ impl GangRendezvous {
             store,
             failure_post: Some(failure_post),
         }))
+    }
+
+    /// Starts the rendezvous for a round, by the join deadline (the first loss's, while coming
+    /// back from a lost store host); a survivor that cannot reach a replacement gives up with 205.
+    async fn start_or_give_up(&mut self) -> Result<(), RoundError> {
+        let deadline = match &self.recovering {
+            Some(r) => r.lost_at + self.cfg.join_timeout,
+            None => Instant::now() + self.cfg.join_timeout,
+        };
+        let Err(e) = self.start(deadline).await else {
+            return Ok(());
+        };
+        if let Some(r) = &self.recovering {
+            let (_, reason) = recovery::decide_host_wait(
+                r.lost_at,
+                Instant::now(),
+                &self.endpoint.to_string(),
+                &self.cfg,
+            );
+            self.host_loss.gave_up();
+            return Err(RoundError::Launch(LaunchError::StoreHostLost(format!(
+                "{reason}; last: {e}"
+            ))));
+        }
+        Err(RoundError::Launch(e))
+    }
+
+    /// Joins the next round: on the coordinator, with the workers' store started first (its
+    /// port goes into the round), and shut down again when the round is not had.
+    async fn join_round(
+        rdzv: &mut rdzv::Rendezvous<StoreKv>,
+        advertised: IpAddr,
+        max_store_bytes: usize,
+    ) -> Result<(Option<HostedStore>, rdzv::Assignment), RoundError> {
+        let store = if rdzv.is_coordinator() {
+            Some(
+                HostedStore::start(advertised, max_store_bytes)
+                    .await
+                    .map_err(|source| LaunchError::Store {
+                        ip: advertised,
+                        source,
+                    })?,
+            )
+        } else {
+            None
+        };
+        let port = store.as_ref().map_or(0, |s| s.addr().port());
+        match rdzv.next_round(port).await {
+            Ok(joined) => Ok((store, joined.assignment)),
+            Err(e) => {
+                if let Some(s) = store {
+                    s.shutdown().await;
+                }
+                Err(match e {
+                    RdzvError::StoreLost(why) => RoundError::HostLost(why),
+                    e => RoundError::Launch(LaunchError::Rendezvous(e)),
+                })
+            }
+        }
+    }
+
+    /// Logs the round this node joined, and its return to the gang when it comes back from a
+    /// lost store host (`recovering`).
+    fn announce_round(
+        a: &rdzv::Assignment,
+        recovering: Option<Recovery>,
+        host_loss: &HostLossStats,
+    ) {
+        if let Some(r) = recovering {
+            let without = r.lost_at.elapsed();
+            info!(
+                "rejoined the gang at generation {} after {:.1}s without a gang (restarts used {})",
+                a.generation,
+                without.as_secs_f64(),
+                a.restart_count
+            );
+            host_loss.rejoined(without);
+        }
+        info!(
+            "round {}: node {} is group rank {} of {}, global {} of {} (restarts used {})",
+            a.generation,
+            a.node_rank,
+            a.group_rank,
+            a.group_world_size,
+            rank_range(a.base_global_rank, a.local_world_size),
+            a.world_size,
+            a.restart_count
+        );
+    }
+
+    /// What the network check of round `a` needs to know of the round and of this node.
+    fn check_info(
+        cfg: &rdzv::Config,
+        network: &crate::netcheck::Settings,
+        a: &rdzv::Assignment,
+        advertised: IpAddr,
+    ) -> crate::netcheck::gang::RoundInfo {
+        crate::netcheck::gang::RoundInfo {
+            run_id: cfg.run_id.clone(),
+            generation: a.generation,
+            me: crate::netcheck::verdict::NodeInfo {
+                group_rank: a.group_rank,
+                node_rank: a.node_rank,
+                host: crate::host::name(),
+                addr: advertised.to_string(),
+            },
+            ip: advertised,
+            world: a.group_world_size,
+            min_nodes: cfg.min_nodes,
+            max_nodes: cfg.max_nodes,
+            settings: network.clone(),
+        }
     }
 
     async fn after(
