@@ -1,7 +1,7 @@
 """muster's start-up hook for worker processes, installed as `sitecustomize.py`.
 
-muster writes this file as `sitecustomize.py` into a private directory that it puts first on the
-workers' PYTHONPATH, so Python's `site` module runs it when every worker interpreter starts. It
+muster writes this file as `sitecustomize.py` into its archive (muster-python.zip, in a private
+directory) that it puts first on the workers' PYTHONPATH, so Python's `site` module runs it when every worker interpreter starts. It
 does one thing: a training script's `prometheus_client.start_http_server(PORT)` (also spelled
 `start_wsgi_server`) on the port muster itself serves `/metrics` on (MUSTER_METRICS_PORT) becomes
 a no-op with one log line, because muster already serves that process's metrics there, merged
@@ -14,7 +14,7 @@ It costs nothing until the script imports prometheus_client: it installs an impo
 `prometheus_client/__init__.py` copies `start_http_server` out of it), and removes itself.
 
 A `sitecustomize` of the user's own (later on sys.path: in site-packages, the distribution's, or
-another PYTHONPATH entry) still runs: this file looks it up past its own directory and executes
+another PYTHONPATH entry) still runs: this file looks it up past its own archive (or directory) and executes
 it under the name `sitecustomize`, as if muster's were not there.
 
 Under muster's checkpoint barrier (MUSTER_CHECKPOINT_SOCKET set) it also loads, each when the
