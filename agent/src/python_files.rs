@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 struct PythonFile {
     path: &'static str,
     text: &'static str,
+    /// The text's CRC-32, which the archive records: computed by the compiler, not at each start.
+    crc: u32,
     /// Imported by `sitecustomize` at every rank's start (the script metrics' hook needs it).
     startup: bool,
 }
@@ -28,6 +30,7 @@ macro_rules! same_path {
         PythonFile {
             path: $path,
             text: include_str!(concat!("../../python/", $path)),
+            crc: zip::crc32(include_str!(concat!("../../python/", $path)).as_bytes()),
             startup: $startup,
         }
     };
@@ -38,6 +41,7 @@ const FILES: &[PythonFile] = &[
     PythonFile {
         path: "sitecustomize.py",
         text: include_str!("../../python/muster_sitecustomize.py"),
+        crc: zip::crc32(include_str!("../../python/muster_sitecustomize.py").as_bytes()),
         startup: true,
     },
     same_path!("muster_launcher/__init__.py", startup: true),
@@ -90,7 +94,7 @@ pub fn write(dir: &Path, which: Files) -> Result<PathBuf, WriteError> {
     let files = FILES
         .iter()
         .filter(|file| which == Files::Workers || file.startup)
-        .map(|file| (file.path, file.text.as_bytes()));
+        .map(|file| (file.path, file.text.as_bytes(), file.crc));
     std::fs::write(&path, zip::stored(files)).map_err(|source| WriteError {
         path: path.clone(),
         source,
@@ -109,14 +113,13 @@ mod zip {
     /// 1980-01-01 00:00, the format's first day (a zero date is invalid).
     const DOS_DATE: u16 = (1 << 5) | 1;
 
-    /// An archive of `files` (name, contents), stored in that order.
-    pub fn stored<'a>(files: impl Iterator<Item = (&'a str, &'a [u8])>) -> Vec<u8> {
+    /// An archive of `files` (name, contents, the contents' [`crc32`]), stored in that order.
+    pub fn stored<'a>(files: impl Iterator<Item = (&'a str, &'a [u8], u32)>) -> Vec<u8> {
         let mut out = Vec::new();
         let mut central = Vec::new();
         let mut count: u16 = 0;
-        for (name, data) in files {
+        for (name, data, crc) in files {
             let offset = out.len() as u32;
-            let crc = crc32(data);
             let sizes = data.len() as u32;
             put32(&mut out, LOCAL_HEADER);
             put_entry_fields(&mut out, crc, sizes, name);
@@ -171,31 +174,37 @@ mod zip {
         out.extend_from_slice(&value.to_le_bytes());
     }
 
-    /// CRC-32 (IEEE, reflected), as zip and zlib compute it.
-    pub fn crc32(data: &[u8]) -> u32 {
-        const TABLE: [u32; 256] = {
-            let mut table = [0u32; 256];
-            let mut i = 0;
-            while i < 256 {
-                let mut crc = i as u32;
-                let mut bit = 0;
-                while bit < 8 {
-                    crc = if crc & 1 == 1 {
-                        (crc >> 1) ^ 0xEDB8_8320
-                    } else {
-                        crc >> 1
-                    };
-                    bit += 1;
-                }
-                table[i] = crc;
-                i += 1;
-            }
-            table
-        };
-        !data.iter().fold(!0u32, |crc, &byte| {
-            TABLE[((crc ^ u32::from(byte)) & 0xff) as usize] ^ (crc >> 8)
-        })
+    /// CRC-32 (IEEE, reflected), as zip and zlib compute it; `const`, so that the shipped
+    /// files' are computed at build time.
+    pub const fn crc32(data: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        let mut i = 0;
+        while i < data.len() {
+            crc = CRC_TABLE[((crc ^ data[i] as u32) & 0xff) as usize] ^ (crc >> 8);
+            i += 1;
+        }
+        !crc
     }
+
+    const CRC_TABLE: [u32; 256] = {
+        let mut table = [0u32; 256];
+        let mut i = 0;
+        while i < 256 {
+            let mut crc = i as u32;
+            let mut bit = 0;
+            while bit < 8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+                bit += 1;
+            }
+            table[i] = crc;
+            i += 1;
+        }
+        table
+    };
 }
 
 #[cfg(test)]
@@ -229,6 +238,9 @@ mod tests {
     fn crc32_matches_zlib() {
         assert_eq!(zip::crc32(b""), 0);
         assert_eq!(zip::crc32(b"123456789"), 0xCBF4_3926);
+        for file in FILES {
+            assert_eq!(file.crc, zip::crc32(file.text.as_bytes()), "{}", file.path);
+        }
     }
 
     #[test]
