@@ -14,6 +14,18 @@ use super::record::{check_fatal, internal, lost, parse_json};
 use super::{Answer, RdzvError};
 
 impl<K: Kv> Rendezvous<K> {
+    /// Takes the next slot of generation `gen` and writes this node's registration into it
+    /// (ADD, SET): how every node, node 0 too, enters a round. Returns the slot.
+    pub(super) async fn register(&mut self, gen: u64) -> Result<u64, RdzvError> {
+        let slot = self.kv.add(&self.keys.slots(gen), 1).await.map_err(lost)? as u64;
+        let body = serde_json::to_vec(&self.reg).map_err(internal)?;
+        self.kv
+            .set(&self.keys.slot(gen, slot), &body)
+            .await
+            .map_err(lost)?;
+        Ok(slot)
+    }
+
     /// A non-coordinator's join: 5 store operations when nothing goes wrong
     /// (GET gen, ADD slots, SET slot, WAIT answer, GET answer).
     pub(super) async fn join(&mut self) -> Result<Joined, RdzvError> {
@@ -25,12 +37,7 @@ impl<K: Kv> Rendezvous<K> {
             let (raw, rec) = self.current_gen().await?;
             check_fatal(&rec)?;
             let gen = rec.gen;
-            let slot = self.kv.add(&self.keys.slots(gen), 1).await.map_err(lost)? as u64;
-            let body = serde_json::to_vec(&self.reg).map_err(internal)?;
-            self.kv
-                .set(&self.keys.slot(gen, slot), &body)
-                .await
-                .map_err(lost)?;
+            let slot = self.register(gen).await?;
             debug!(gen, slot, "registered");
             let answer_key = self.keys.assign(gen, slot);
             let mut health = StoreHealth::new();

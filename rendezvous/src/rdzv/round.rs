@@ -100,12 +100,7 @@ impl<K: Kv> Rendezvous<K> {
                 self.supersede(old, answered).await?;
             }
         }
-        let slot = self.kv.add(&self.keys.slots(gen), 1).await.map_err(lost)? as u64;
-        let body = serde_json::to_vec(&self.reg).map_err(internal)?;
-        self.kv
-            .set(&self.keys.slot(gen, slot), &body)
-            .await
-            .map_err(lost)?;
+        let slot = self.register(gen).await?;
         Ok(OpenRound { raw, rec, slot })
     }
 
