@@ -278,6 +278,9 @@ async fn wait_for_trigger(
 ) -> Trigger {
     let node = attempt.assignment.node_rank;
     tokio::pin!(notices);
+    // A notice of this node's own (published by an earlier agent of this node rank under the same
+    // run) tells nothing, and the future that gave it is spent: polling it again would panic.
+    let mut notice_spent = false;
     loop {
         let views = rank_views(attempt, &view.ranks());
         let now = Instant::now();
@@ -293,10 +296,11 @@ async fn wait_for_trigger(
         let at = hang::next_check(policy, &views, now, POLL);
         tokio::select! {
             () = tokio::time::sleep_until(at) => {}
-            notice = &mut notices => {
+            notice = &mut notices, if !notice_spent => {
                 if notice.node_rank != node {
                     return Trigger::Remote(notice);
                 }
+                notice_spent = true;
             }
         }
     }
@@ -599,5 +603,60 @@ fn named(
         stacks,
         reported_by,
         working: stall.working,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::local::LocalChannel;
+    use crate::launch::RankAssignment;
+    use crate::watch::hang::HangTimeout;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_notice_of_this_nodes_own_is_ignored_and_never_polled_again() {
+        let shutdown = CancellationToken::new();
+        let channel = LocalChannel::bind(&shutdown).expect("a local channel");
+        let (_exited_tx, exited) = tokio::sync::watch::channel(Vec::new());
+        let attempt = WatchedAttempt {
+            assignment: RankAssignment {
+                node_rank: 1,
+                group_world_size: 2,
+                base_global_rank: 1,
+                world_size: 2,
+                master_addr: "127.0.0.1".to_owned(),
+                master_port: 1,
+                restart_count: 0,
+                run_id: "run".to_owned(),
+            },
+            host: "vm".to_owned(),
+            workers: Vec::new(),
+            exited,
+            started: Instant::now(),
+            attempt_dir: None,
+            write: Arc::new(|_, _| {}),
+        };
+        let policy = Policy {
+            timeout: HangTimeout::Off,
+            section_timeout: Duration::from_secs(60),
+            startup_timeout: None,
+        };
+        let own = async {
+            Notice {
+                node_rank: 1,
+                rank: 1,
+                limit: Duration::from_secs(6),
+                startup: false,
+                what: "an earlier agent's".to_owned(),
+            }
+        };
+        // Nothing to detect and nothing to hear: it waits (several looks), it does not panic.
+        let waited = tokio::time::timeout(
+            POLL * 5,
+            wait_for_trigger(&policy, &channel.view(), &attempt, own),
+        )
+        .await;
+        assert!(waited.is_err(), "an own notice ended the wait");
+        shutdown.cancel();
     }
 }
