@@ -68,9 +68,13 @@ pub struct WorkerGroupSpec {
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
 /// by an embedding caller): without it they would run on until the agent's thread exits.
 struct KillOnDrop {
+    /// The workers' process groups (each worker leads its own: its pid).
     pgids: Vec<Pid>,
     /// The attempt's process tree, when it is to be stopped with the attempt.
     tree: Option<Scope>,
+    /// Tells the other launches' workers in this process (tests, embedders), which the tree
+    /// must leave alone.
+    reaper: Reaper,
     armed: bool,
 }
 
@@ -81,7 +85,13 @@ impl Drop for KillOnDrop {
                 let _ = killpg(*pgid, Signal::SIGKILL);
             }
             if let Some(scope) = &self.tree {
-                strays::kill_tree_now(scope);
+                let own: std::collections::HashSet<i32> =
+                    self.pgids.iter().map(|pgid| pgid.as_raw()).collect();
+                let foreign = || {
+                    let registered = self.reaper.registered().into_iter();
+                    registered.filter(|pid| !own.contains(pid)).collect()
+                };
+                strays::kill_tree_now(scope, &foreign);
             }
         }
     }
@@ -343,6 +353,7 @@ impl Group {
             guard: KillOnDrop {
                 pgids: Vec::new(),
                 tree: tree.cloned(),
+                reaper: spec.reaper.clone(),
                 armed: true,
             },
             pipes_closed: CancellationToken::new(),

@@ -337,9 +337,13 @@ pub async fn stop_tree(
 }
 
 /// SIGKILLs the attempt's tree once, synchronously: for an attempt abandoned half-way.
-pub fn kill_tree_now(scope: &Scope) {
-    if let Some(procs) = candidates(scope) {
-        for p in attempt_tree(&procs, scope) {
+/// `foreign` gives the agent children that are other launches' workers, as for [`stop_tree`]:
+/// without it, a launch abandoned beside others killed their workers started since its own.
+pub fn kill_tree_now(scope: &Scope, foreign: &dyn Fn() -> Vec<i32>) {
+    let mut scope = scope.clone();
+    if let Some(procs) = candidates(&scope) {
+        scope.foreign = foreign().into_iter().collect();
+        for p in attempt_tree(&procs, &scope) {
             signal(&p, Signal::SIGKILL);
         }
     }
