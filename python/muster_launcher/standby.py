@@ -73,12 +73,13 @@ IMPORT_TIME_VARIABLES = (
     "MUSTER_METRICS_PORT",
     "MUSTER_AUTO_STEP_REPORTS",
     "MUSTER_FRAMEWORK_CALLBACKS",
-    # prometheus_client picks its value class when it is imported.
-    "PROMETHEUS_MULTIPROC_DIR",
-    "prometheus_multiproc_dir",
 )
 """Variables read when the interpreter or a library starts: a standby started with other values
 than the rank's cannot take the rank. Every `PYTHON*` variable counts too."""
+
+NOT_PRELOADED = ("prometheus_client",)
+"""Modules the standby leaves to the script: prometheus_client picks its value class from
+PROMETHEUS_MULTIPROC_DIR when it is imported, and muster gives each rank and attempt its own."""
 
 _OWN = ("muster_launcher", "muster_checkpoint", "muster_frameworks", "sitecustomize",
         "usercustomize", "muster_sitecustomize", "__main__")
@@ -382,7 +383,7 @@ def main():
     sock = socket.socket(fileno=fd)
     try:
         with open(os.environ.get(LIST_ENV, "")) as f:
-            names = [n for n in json.load(f) if isinstance(n, str)]
+            names = [n for n in json.load(f) if isinstance(n, str) and n not in NOT_PRELOADED]
     except (OSError, ValueError):
         names = []
     try:
