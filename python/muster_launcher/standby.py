@@ -380,6 +380,7 @@ def main():
     started_env = dict(os.environ)
     started_signals = _fresh_signals()
     fd = int(os.environ[FD_ENV])
+    os.set_inheritable(fd, False)  # never to a process the imports or the script start
     sock = socket.socket(fileno=fd)
     try:
         with open(os.environ.get(LIST_ENV, "")) as f:

@@ -327,7 +327,7 @@ async fn warm_start(
     let wanted = super::standby::Slot::new(
         entrypoint,
         std::env::vars_os().chain(overlay.iter().cloned()),
-        pool.modules(local_rank),
+        pool.recorded(local_rank),
     );
     let taken = pool.take(local_rank, wanted.as_ref())?;
     let env: Vec<(OsString, OsString)> = std::env::vars_os()
@@ -354,7 +354,6 @@ fn start_standbys(
     flight_recorder: &[(&'static str, OsString)],
 ) -> Option<tokio::task::JoinHandle<()>> {
     let pool = spec.standby.as_ref()?;
-    pool.clear_modules(spec.config.nproc_per_node);
     let plans = (0..spec.config.nproc_per_node)
         .map(|local_rank| super::standby::Plan {
             local_rank,
@@ -392,6 +391,9 @@ pub async fn run_group(
         crate::watch::flight_recorder::decide(attempt_dir.as_deref(), &|k| std::env::var_os(k));
     let oom = OomCount::now();
     let mut tree = tree;
+    if let Some(pool) = &spec.standby {
+        pool.begin_attempt(config.nproc_per_node);
+    }
     let mut group = Group::start(
         spec,
         assignment,

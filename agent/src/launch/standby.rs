@@ -308,6 +308,8 @@ pub struct Pool {
 
 struct Inner {
     standbys: HashMap<u32, Standby>,
+    /// The module lists of the previous attempt, by local rank ([`Pool::begin_attempt`]).
+    recorded: HashMap<u32, Vec<u8>>,
     /// Exits of standbys no longer in `standbys` (one being handed over), by local rank.
     late: HashMap<u32, ExitStatus>,
     exits_tx: mpsc::UnboundedSender<ExitReport>,
@@ -351,6 +353,7 @@ impl Pool {
             inner: Mutex::new(Inner {
                 standbys: HashMap::new(),
                 late: HashMap::new(),
+                recorded: HashMap::new(),
                 exits_tx,
                 exits,
             }),
@@ -366,16 +369,33 @@ impl Pool {
         self.dir.join(format!("modules_{local_rank}.json"))
     }
 
-    /// What the rank wrote so far (empty: nothing yet).
-    pub fn modules(&self, local_rank: u32) -> Vec<u8> {
+    /// What the rank wrote so far in the running attempt (empty: nothing yet).
+    fn written(&self, local_rank: u32) -> Vec<u8> {
         std::fs::read(self.modules_file(local_rank)).unwrap_or_default()
     }
 
-    /// Forgets the module files, so the attempt starting now records its own.
-    pub fn clear_modules(&self, local_ranks: u32) {
+    /// At the start of an attempt, before its first rank: keeps what the previous attempt's
+    /// ranks recorded (for [`Pool::recorded`]) and removes the files, so this attempt's ranks
+    /// record their own.
+    pub fn begin_attempt(&self, local_ranks: u32) {
+        let mut inner = self.lock();
+        inner.recorded.clear();
         for local_rank in 0..local_ranks {
-            let _ = std::fs::remove_file(self.modules_file(local_rank));
+            let file = self.modules_file(local_rank);
+            if let Ok(bytes) = std::fs::read(&file) {
+                inner.recorded.insert(local_rank, bytes);
+            }
+            let _ = std::fs::remove_file(file);
         }
+    }
+
+    /// The module list local rank `local_rank` recorded in the previous attempt.
+    pub fn recorded(&self, local_rank: u32) -> Vec<u8> {
+        self.lock()
+            .recorded
+            .get(&local_rank)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// Takes local rank `local_rank`'s standby for a start that needs `wanted`, when [`decide`]
@@ -480,7 +500,7 @@ pub async fn start_after_first_step(pool: std::sync::Arc<Pool>, mut plans: Vec<P
     while !plans.is_empty() {
         tokio::time::sleep(POLL).await;
         plans.retain(|plan| {
-            let modules = pool.modules(plan.local_rank);
+            let modules = pool.written(plan.local_rank);
             if modules.is_empty() {
                 return true;
             }
