@@ -633,7 +633,12 @@ impl Taken {
             Ok(got)
         })
         .await
-        .map_err(|_| Cold::Handover("no answer within 3 s".into()))?
+        .map_err(|_| {
+            Cold::Handover(format!(
+                "no answer within {}",
+                rendezvous::words::duration(HANDOVER_WAIT)
+            ))
+        })?
         .map_err(|e| Cold::Handover(e.to_string()))?;
         let end = answer
             .iter()
