@@ -479,6 +479,22 @@ impl Pool {
         Ok(())
     }
 
+    /// Waits until local rank `local_rank`'s standby said ready (or `limit` passed).
+    #[cfg(test)]
+    async fn wait_ready(&self, local_rank: u32, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while tokio::time::Instant::now() < deadline {
+            if let Some(s) = self.lock().standbys.get_mut(&local_rank) {
+                s.poll_ready();
+                if s.ready.is_some() {
+                    return true;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
     /// Kills every standby.
     pub fn stop_all(&self) {
         for (_, s) in self.lock().standbys.drain() {
@@ -798,6 +814,113 @@ mod tests {
             Cold::Died(ExitStatus::Signaled(Signal::SIGKILL)).to_string(),
             "its standby died (signal SIGKILL (9))"
         );
+    }
+
+    /// The plan of a `python3 -u <script> 7` rank whose `RANK` is `rank`.
+    fn plan(pool: &Pool, script: &Path, rank: &str) -> Plan {
+        let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../python");
+        Plan {
+            local_rank: 0,
+            entrypoint: Entrypoint {
+                program: "python3".into(),
+                args: vec!["-u".into(), script.into(), "7".into()],
+                display: String::new(),
+                python: true,
+            },
+            overlay: vec![
+                ("PYTHONPATH".into(), python.into_os_string()),
+                (MODULES_ENV.into(), pool.modules_file(0).into_os_string()),
+                ("RANK".into(), rank.into()),
+            ],
+            cpus: None,
+        }
+    }
+
+    /// A pool with a ready standby of `python3` for `script` (having imported `json` and
+    /// `decimal`) and the plan of the next attempt's rank.
+    async fn pool_with_standby(name: &str, script: &str) -> (std::sync::Arc<Pool>, Plan, PathBuf) {
+        let dir =
+            std::env::temp_dir().join(format!("muster-standby-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let pool =
+            std::sync::Arc::new(Pool::new(Reaper::start().unwrap(), dir.join("pool")).unwrap());
+        let path = dir.join("s.py");
+        std::fs::write(&path, script).unwrap();
+        std::fs::write(pool.modules_file(0), b"[\"json\", \"decimal\"]").unwrap();
+        let first = vec![plan(&pool, &path, "0")];
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            start_after_first_step(std::sync::Arc::clone(&pool), first),
+        )
+        .await
+        .unwrap();
+        assert!(pool.wait_ready(0, Duration::from_secs(20)).await);
+        pool.begin_attempt(1);
+        let next = plan(&pool, &path, "5");
+        (pool, next, dir)
+    }
+
+    fn full_env(plan: &Plan) -> Vec<(OsString, OsString)> {
+        std::env::vars_os()
+            .chain(plan.overlay.iter().cloned())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_standby_takes_the_start_and_its_exit_is_the_rank_s() {
+        let script = "import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:])\nsys.exit(int(sys.argv[1]))\n";
+        let (pool, plan, dir) = pool_with_standby("takes", script).await;
+        let env = full_env(&plan);
+        let wanted = Slot::new(&plan.entrypoint, env.clone(), pool.recorded(0));
+        let taken = pool.take(0, wanted.as_ref()).unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut child = pool
+            .hand_over(taken, &plan.entrypoint.args, &env, Some(&dir), 3, &tx)
+            .await
+            .unwrap();
+        let report = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+            .await
+            .unwrap();
+        assert_eq!(report, Some((3, ExitStatus::Exited(7))));
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+        assert_eq!(out, "rank 5 ['7']\n");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_killed_standby_or_a_refusal_means_cold() {
+        let (pool, plan, dir) = pool_with_standby("killed", "print('ran')\n").await;
+        let env = full_env(&plan);
+        let wanted = Slot::new(&plan.entrypoint, env.clone(), pool.recorded(0));
+        // A variable read at import time that only the handover brings (as `rank_env` would).
+        let mut changed = env.clone();
+        changed.push(("OMP_NUM_THREADS".into(), "9".into()));
+        let taken = pool.take(0, wanted.as_ref()).unwrap();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        let refused = pool
+            .hand_over(taken, &plan.entrypoint.args, &changed, None, 0, &tx)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            refused,
+            Cold::Refused("OMP_NUM_THREADS differs from the standby's start".into())
+        );
+        // The next attempt: its standby is gone (taken and refused), so cold.
+        assert_eq!(pool.take(0, wanted.as_ref()).err(), Some(Cold::NoStandby));
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let (pool, plan, dir) = pool_with_standby("killed2", "print('ran')\n").await;
+        let env = full_env(&plan);
+        let wanted = Slot::new(&plan.entrypoint, env, pool.recorded(0));
+        let pid = pool.lock().standbys[&0].pid();
+        killpg(pid, Signal::SIGKILL).unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            pool.take(0, wanted.as_ref()).err(),
+            Some(Cold::Died(ExitStatus::Signaled(Signal::SIGKILL)))
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
