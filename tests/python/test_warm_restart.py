@@ -87,17 +87,18 @@ def wait_for_waiting_standbys(proc, count=2, limit=120):
     pytest.fail(f"no {count} waiting standbys within {limit} s: {standbys()}")
 
 
-def start(tmp_path, warm, name="job"):
+def start(tmp_path, warm, name="job", module=False):
     out = tmp_path / name
     out.mkdir()
     script = tmp_path / "train.py"
     if not script.exists():
         script.write_text(SCRIPT)
     env = muster_env({"OUT_DIR": str(out), "KILL_FILE": str(out / "kill")})
+    target = ["-m", "train"] if module else [str(script)]
     proc = subprocess.Popen(
         [muster_bin(), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
          "--warm-restart", "on" if warm else "off", "--metrics-addr", "none",
-         "--gpu-release-timeout", "0", "--shutdown-timeout", "3", str(script), "--flag", "x"],
+         "--gpu-release-timeout", "0", "--shutdown-timeout", "3", *target, "--flag", "x"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     return proc, out, script
 
@@ -178,3 +179,17 @@ def test_a_script_changed_between_attempts_means_a_cold_start(tmp_path):
     assert code == 0, err
     assert "cold start: the script file changed since the standby started" in err, err
     assert "warm start" not in err, err
+
+
+@pytest.mark.timeout(240)
+def test_the_module_form_starts_warm(tmp_path):
+    proc, out, script = start(tmp_path, warm=True, module=True)
+    code, _, err = run_to_end(proc, out, warm=True)
+    assert code == 0, err
+    assert re.search(r"rank 1 \(local rank 1\): warm start in its standby", err), err
+    got = reports(out)
+    for rank in (0, 1):
+        cold, warm = got[(0, rank)], got[(1, rank)]
+        for key in ("argv", "file", "path0", "cwd", "name"):
+            assert warm[key] == cold[key], (key, warm[key], cold[key])
+    assert got[(1, 0)]["argv"] == [str(script), "--flag", "x"]
