@@ -31,6 +31,7 @@ report = {
     "torch_rand": torch.rand(1).item(), "threads": torch.get_num_threads(), "pid": os.getpid(),
     "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "rank_env": os.environ["RANK"], "standby_env": os.environ.get("MUSTER_STANDBY_FD"),
+    "t": time.time(),
 }
 with open(os.path.join(out, "report_%d_%d.json" % (attempt, rank)), "w") as f:
     json.dump(report, f)
@@ -44,6 +45,8 @@ for step in range(100000):
     t = torch.ones(1)
     dist.all_reduce(t)
     if attempt == 0 and rank == 1 and os.path.exists(kill_file):
+        with open(os.path.join(out, "killed_at"), "w") as f:
+            f.write(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
     if attempt > 0 and step >= 5:
         break
@@ -108,6 +111,13 @@ def reports(out):
             for p in out.iterdir() if (m := re.match(r"report_(\d)_(\d)\.json", p.name))}
 
 
+def recovery(out):
+    """Seconds from rank 1's SIGKILL to the last rank of attempt 1 past init_process_group."""
+    killed = float((out / "killed_at").read_text())
+    got = reports(out)
+    return max(got[(1, r)]["t"] for r in (0, 1)) - killed
+
+
 def run_to_end(proc, out, warm, before_kill=None):
     if warm:
         wait_for_waiting_standbys(proc)
@@ -136,6 +146,8 @@ def test_warm_ranks_start_as_cold_ones(tmp_path):
     assert code == 0, cold_err
     assert "warm start" not in cold_err and "cold start" not in cold_err, cold_err
     cold = reports(cold_out)
+    print(f"kill -> every rank past init_process_group: warm {recovery(out):.2f} s, "
+          f"cold {recovery(cold_out):.2f} s")
     for rank in (0, 1):
         w, c = warm[(1, rank)], cold[(1, rank)]
         for key in ("argv", "file", "path0", "cwd", "name", "torch_seed", "threads",
