@@ -326,7 +326,12 @@ fn standby_pool(
     }
     let dir = run_dir?.join("standby");
     match standby::Pool::new(reaper.clone(), dir) {
-        Ok(pool) => Some(Arc::new(pool)),
+        Ok(pool) => {
+            tracing::info!(
+                "--warm-restart on (experimental): one standby interpreter per local rank after each attempt's first step"
+            );
+            Some(Arc::new(pool))
+        }
         Err(err) => {
             tracing::warn!(
                 "--warm-restart: cannot keep the standbys' files ({err}); every start is cold"
