@@ -26,7 +26,8 @@ rank cold) when a variable read at start or import differs (`IMPORT_TIME_VARIABL
 Otherwise it says `accepted`, closes the socket, and makes the process look like a cold
 `python -u`: `os.environ` replaced, `os.chdir`, `sys.argv`, `sys.orig_argv`, `sys.path[0]`,
 signal dispositions as Python starts with them, random state fresh (`random` and numpy from
-os.urandom; torch's CPU generator back to the state a fresh import has), then the script as
+os.urandom; torch's CPU generator as a cold process has it: from fresh entropy where torch
+draws one per process (2.x), else its fixed default seed), then the script as
 `__main__` through runpy. An uncaught exception prints through `sys.excepthook` without the
 standby's frames and exits 1; `SystemExit` behaves as in Python.
 
@@ -283,8 +284,8 @@ def refusal(started_env, handover, threads):
 
 def _reseed():
     """Random state as fresh as a cold process's: Python's and numpy's global generators from
-    os.urandom, as each seeds itself at import; torch's CPU generator as a fresh import leaves it
-    (a fixed default seed, the same in every cold process)."""
+    os.urandom, as each seeds itself at import; torch's CPU generator from fresh entropy where a
+    cold process draws its seed (torch 2.x), else back to torch's fixed default seed."""
     import random
 
     random.seed()
@@ -298,12 +299,19 @@ def _reseed():
     state = _torch_state
     if torch is not None and state is not None:
         try:
-            torch.default_generator.set_state(state)
+            if torch.initial_seed() == _TORCH_FIXED_SEED:
+                # Older torch: every cold process starts from the same fixed seed.
+                torch.default_generator.set_state(state)
+            else:
+                # torch 2.x seeds a cold process's CPU generator from fresh entropy.
+                torch.default_generator.seed()
         except Exception:
             pass
 
 
 _torch_state = None
+# c10's default_rng_seed_val: a cold process's seed in torch versions that do not draw one.
+_TORCH_FIXED_SEED = 67280421310721
 
 
 def _become(handover, started_signals):
