@@ -43,6 +43,24 @@ pub fn isolate_worker(cmd: &mut Command, agent: Pid, cpus: Option<nix::sched::Cp
     }
 }
 
+/// Lets the child started by `cmd` inherit `fd` (open in the agent with close-on-exec, so no
+/// other child gets it): a warm standby's end of its socket to the agent.
+pub fn pass_fd(cmd: &mut Command, fd: std::os::fd::RawFd) {
+    let hook = move || -> std::io::Result<()> {
+        // SAFETY: fcntl on a descriptor number is async-signal-safe and touches no memory.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    };
+    // SAFETY: the hook only calls fcntl (async-signal-safe) and does not allocate; the error it
+    // may return is built from errno.
+    unsafe {
+        cmd.pre_exec(hook);
+    }
+}
+
 /// Asks the kernel to SIGKILL the child started by `cmd` when `parent` (the calling process, whose
 /// calling *thread* must outlive the child: see the module doc) dies.
 pub fn die_with_parent(cmd: &mut Command, parent: Pid) {

@@ -146,6 +146,11 @@ class _Reporter:
                 # have been opened by init_process_group on another thread).
                 self._thread = _thread_ident()
             self._step += 1
+            if self._step == 1:
+                # The rank's imports are done by its first step: the warm standby's list.
+                from . import standby
+
+                standby.record_modules()
             if self._sock is None and not self._start():
                 return
             now = _monotonic()

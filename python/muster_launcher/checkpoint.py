@@ -176,6 +176,11 @@ class Checkpointer:
         if self._sock is None:
             return False
         if step != self._last_step:
+            if self._last_step is None:
+                # The rank's imports are done by its first step: the warm standby's list.
+                from . import standby
+
+                standby.record_modules()
             self._last_step = step
             self._send("step %d" % step)
         self._poll()

@@ -343,6 +343,7 @@ fn entrypoint(
             program: first.clone(),
             args: rest.to_vec(),
             display,
+            python: false,
         });
     }
     let mut args: Vec<OsString> = vec!["-u".into()];
@@ -360,6 +361,7 @@ fn entrypoint(
                     program: found.into_os_string(),
                     args: rest.to_vec(),
                     display,
+                    python: false,
                 });
             }
         }
@@ -371,6 +373,7 @@ fn entrypoint(
         program: python(probe)?,
         args,
         display,
+        python: true,
     })
 }
 
@@ -389,6 +392,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let straggler = straggler(low, shape.nnodes, &mut warnings)?;
     let framework_callbacks = on_off(low, "framework-callbacks")?;
     let auto_step_reports = on_off(low, "auto-step-reports")?;
+    let warm_restart = on_off_default(low, "warm-restart", false)?;
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
     let logs = log_config(low)?;
     let signals = parsed(low, "signals-to-handle", parse_signals)?.unwrap_or_default();
@@ -442,6 +446,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         network_check,
         hang,
         auto_step_reports,
+        warm_restart,
         scheduler: crate::cli::scheduler::Behaviour::default(),
         straggler,
     })
@@ -472,8 +477,13 @@ fn path_flag(low: &LowArgs, flag: &str) -> Option<PathBuf> {
 
 /// A switch that is on unless `--FLAG off` (or its variable) turns it off.
 fn on_off(low: &LowArgs, flag: &str) -> Result<bool, ConfigError> {
+    on_off_default(low, flag, true)
+}
+
+/// An `on|off` flag that is `default` when unset.
+fn on_off_default(low: &LowArgs, flag: &str, default: bool) -> Result<bool, ConfigError> {
     match get(low, flag) {
-        None => Ok(true),
+        None => Ok(default),
         Some(raw) => parse_switch_value(&raw.value)
             .ok_or_else(|| bad(raw, flag, "expected on or off (or 1/0, true/false, yes/no)")),
     }
@@ -1289,6 +1299,18 @@ mod tests {
             let err = build_with(bad, &[PATH], 0).unwrap_err();
             assert!(err.0.contains(bad[0]), "{err}");
         }
+    }
+
+    #[test]
+    fn warm_restart_is_off_unless_switched_on() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(!c.warm_restart);
+        let c = build_with(&["--warm-restart", "on", "train.py"], &[PATH], 0).unwrap();
+        assert!(c.warm_restart);
+        let c = build_with(&["train.py"], &[PATH, ("MUSTER_WARM_RESTART", "1")], 0).unwrap();
+        assert!(c.warm_restart);
+        let err = build_with(&["--warm-restart", "maybe", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--warm-restart"), "{err}");
     }
 
     #[test]

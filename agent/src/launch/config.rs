@@ -111,6 +111,9 @@ pub struct Entrypoint {
     pub args: Vec<OsString>,
     /// The user's entry point (script, module or program), for messages.
     pub display: String,
+    /// Whether `program` is the Python interpreter running `args` (not `--no-python`, not a
+    /// program found on PATH): only then may a warm standby take a rank's start.
+    pub python: bool,
 }
 
 /// A set of standard streams, torchrun's `Std` bitmask (1 = stdout, 2 = stderr).
@@ -303,6 +306,9 @@ pub struct Config {
     /// `--auto-step-reports`: muster's `sitecustomize` reports optimizer steps and liveness of
     /// scripts that do not use the helper (`python/muster_launcher/autoreport.py`).
     pub auto_step_reports: bool,
+    /// `--warm-restart`: a restarted rank starts in a standby interpreter that already imported
+    /// the rank's installed modules ([`super::standby`]); off while experimental.
+    pub warm_restart: bool,
     /// What the scheduler that started this agent does (`cli::scheduler`): whether a
     /// lost node comes back, whether it signals every process, the node's index.
     pub scheduler: SchedulerBehaviour,
@@ -348,6 +354,7 @@ impl Config {
                 display: program.to_string_lossy().into_owned(),
                 program,
                 args,
+                python: false,
             },
             logs: LogConfig::default(),
             master_addr: None,
@@ -371,6 +378,7 @@ impl Config {
             network_check: crate::netcheck::Settings::default_for(1),
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
+            warm_restart: false,
             scheduler: SchedulerBehaviour::default(),
             straggler: crate::watch::straggler::Settings::default(),
         }

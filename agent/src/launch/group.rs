@@ -63,6 +63,8 @@ pub struct WorkerGroupSpec {
     pub rank_env: Option<super::RankEnv>,
     /// Watches each attempt for a hang.
     pub watchdog: Option<Arc<dyn super::Watchdog>>,
+    /// `--warm-restart on`: the local ranks' standby interpreters.
+    pub standby: Option<Arc<super::standby::Pool>>,
 }
 
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
@@ -195,9 +197,9 @@ fn stream_name(stream: Streams) -> &'static str {
 }
 
 /// Starts local rank `local_rank`: its log directory `dir` (if any), its environment, its
-/// process (in its own session, pinned where asked). Returns the child and the path of its error
-/// file (if any).
-fn spawn_worker(
+/// process (in its own session, pinned where asked), or hands its start to its warm standby.
+/// Returns the child, the path of its error file (if any), and whether it was a standby.
+async fn start_rank(
     spec: &WorkerGroupSpec,
     assignment: &RankAssignment,
     dir: Option<&std::path::Path>,
@@ -205,7 +207,7 @@ fn spawn_worker(
     agent: Pid,
     exits_tx: &mpsc::UnboundedSender<ExitReport>,
     flight_recorder: &[(&'static str, OsString)],
-) -> Result<(Spawned, Option<PathBuf>), LaunchError> {
+) -> Result<(Spawned, Option<PathBuf>, bool), LaunchError> {
     let config = &spec.config;
     if let Some(dir) = dir {
         std::fs::create_dir_all(dir).map_err(|source| {
@@ -218,33 +220,55 @@ fn spawn_worker(
         })?;
     }
     let error_file = dir.map(|d| d.join("error.json"));
-    let worker_env = env::worker_env(
-        config,
+    let overlay = rank_overlay(
+        spec,
         assignment,
         local_rank,
         error_file.as_deref(),
-        &|k| std::env::var_os(k),
+        flight_recorder,
     );
-    let mut cmd = Command::new(&config.entrypoint.program);
-    cmd.args(&config.entrypoint.args)
-        .envs(worker_env)
-        .envs(flight_recorder.iter().map(|(k, v)| (k, v)))
-        .envs(spec.extra_env.iter().map(|(k, v)| (k, v)))
-        .envs(spec.rank_env.as_ref().map_or_else(Vec::new, |f| {
+    let rank_vars: Vec<(OsString, OsString)> = spec
+        .rank_env
+        .as_ref()
+        .map_or_else(Vec::new, |f| {
             f(
                 assignment.restart_count,
                 assignment.base_global_rank + local_rank,
                 local_rank,
             )
-        }))
+        })
+        .into_iter()
+        .map(|(k, v)| (OsString::from(k), v))
+        .collect();
+    if let Some(pool) = spec
+        .standby
+        .as_ref()
+        .filter(|_| assignment.restart_count > 0)
+    {
+        let rank = assignment.base_global_rank + local_rank;
+        // Boxed: the handover's future would otherwise grow every attempt's.
+        let warm = Box::pin(warm_start(
+            spec, pool, local_rank, &overlay, &rank_vars, exits_tx,
+        ));
+        match warm.await {
+            Ok(child) => {
+                tracing::info!(
+                    "rank {rank} (local rank {local_rank}): warm start in its standby (pid {})",
+                    child.pid
+                );
+                return Ok((child, error_file, true));
+            }
+            Err(why) => tracing::info!("rank {rank} (local rank {local_rank}): cold start: {why}"),
+        }
+    }
+    let mut cmd = Command::new(&config.entrypoint.program);
+    cmd.args(&config.entrypoint.args)
+        .envs(overlay)
+        .envs(rank_vars)
         .stdin(Stdio::inherit())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let cpus = spec
-        .rank_cpus
-        .get(local_rank as usize)
-        .filter(|cpus| !cpus.is_empty())
-        .map(|cpus| cpu_set(cpus));
+    let cpus = rank_cpus(spec, local_rank);
     crate::sys::isolate_worker(&mut cmd, agent, cpus);
     let child = spec
         .reaper
@@ -253,7 +277,105 @@ fn spawn_worker(
             program: config.entrypoint.program.to_string_lossy().into_owned(),
             source,
         })?;
-    Ok((child, error_file))
+    Ok((child, error_file, false))
+}
+
+/// The CPUs local rank `local_rank` is pinned to (`--numa-binding`), if any.
+fn rank_cpus(spec: &WorkerGroupSpec, local_rank: u32) -> Option<nix::sched::CpuSet> {
+    spec.rank_cpus
+        .get(local_rank as usize)
+        .filter(|cpus| !cpus.is_empty())
+        .map(|cpus| cpu_set(cpus))
+}
+
+/// A rank's variables on top of the agent's, in the order they are set (later wins): torchrun's,
+/// the flight recorder's, muster's for every worker, the warm standby's module file. The
+/// per-rank `rank_env` comes after these.
+fn rank_overlay(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    local_rank: u32,
+    error_file: Option<&std::path::Path>,
+    flight_recorder: &[(&'static str, OsString)],
+) -> Vec<(OsString, OsString)> {
+    let worker_env = env::worker_env(&spec.config, assignment, local_rank, error_file, &|k| {
+        std::env::var_os(k)
+    });
+    let mut overlay: Vec<(OsString, OsString)> = worker_env
+        .into_iter()
+        .map(|(k, v)| (OsString::from(k), v))
+        .chain(
+            flight_recorder
+                .iter()
+                .map(|(k, v)| (OsString::from(k), v.clone())),
+        )
+        .chain(
+            spec.extra_env
+                .iter()
+                .map(|(k, v)| (OsString::from(k), v.clone())),
+        )
+        .collect();
+    if let Some(pool) = &spec.standby {
+        overlay.push((
+            super::standby::MODULES_ENV.into(),
+            pool.modules_file(local_rank).into_os_string(),
+        ));
+    }
+    overlay
+}
+
+/// Hands local rank `local_rank`'s start to its standby, when the pool's decision allows.
+async fn warm_start(
+    spec: &WorkerGroupSpec,
+    pool: &super::standby::Pool,
+    local_rank: u32,
+    overlay: &[(OsString, OsString)],
+    rank_vars: &[(OsString, OsString)],
+    exits_tx: &mpsc::UnboundedSender<ExitReport>,
+) -> Result<Spawned, super::standby::Cold> {
+    let entrypoint = &spec.config.entrypoint;
+    let wanted = super::standby::Slot::new(
+        entrypoint,
+        std::env::vars_os().chain(overlay.iter().cloned()),
+        pool.recorded(local_rank),
+    );
+    let taken = pool.take(local_rank, wanted.as_ref())?;
+    let env: Vec<(OsString, OsString)> = std::env::vars_os()
+        .chain(overlay.iter().cloned())
+        .chain(rank_vars.iter().cloned())
+        .collect();
+    let cwd = std::env::current_dir().ok();
+    pool.hand_over(
+        taken,
+        &entrypoint.args,
+        &env,
+        cwd.as_deref(),
+        local_rank as usize,
+        exits_tx,
+    )
+    .await
+}
+
+/// Starts each local rank's standby once the rank has recorded its modules (the attempt's first
+/// step); the returned task is aborted when the attempt ends.
+fn start_standbys(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    flight_recorder: &[(&'static str, OsString)],
+) -> Option<tokio::task::JoinHandle<()>> {
+    let pool = spec.standby.as_ref()?;
+    let plans = (0..spec.config.nproc_per_node)
+        .map(|local_rank| super::standby::Plan {
+            local_rank,
+            entrypoint: spec.config.entrypoint.clone(),
+            overlay: rank_overlay(spec, assignment, local_rank, None, flight_recorder),
+            cpus: rank_cpus(spec, local_rank),
+        })
+        .collect();
+    Some(tokio::spawn(super::standby::start_after_first_step(
+        Arc::clone(pool),
+        plans,
+    )))
 }
 
 /// Runs one attempt of the local worker group to its end.
@@ -278,6 +400,10 @@ pub async fn run_group(
     let flight_recorder =
         crate::watch::flight_recorder::decide(attempt_dir.as_deref(), &|k| std::env::var_os(k));
     let oom = OomCount::now();
+    let mut tree = tree;
+    if let Some(pool) = &spec.standby {
+        pool.begin_attempt(config.nproc_per_node);
+    }
     let mut group = Group::start(
         spec,
         assignment,
@@ -287,6 +413,12 @@ pub async fn run_group(
         stop,
     )
     .await?;
+    if let Some(scope) = tree.as_mut() {
+        // Warm ranks started before the attempt: their process trees are the attempt's too.
+        scope.adopted.extend(group.adopted.iter().copied());
+        group.guard.tree = Some(scope.clone());
+    }
+    let standbys = start_standbys(spec, assignment, &flight_recorder.env);
     let (exited_tx, hang_watch) = watch_for_hangs(
         spec,
         assignment,
@@ -305,6 +437,9 @@ pub async fn run_group(
         &oom,
     )
     .await;
+    if let Some(task) = standbys {
+        task.abort();
+    }
     stop_remaining(spec, &mut group, &ended, stop).await;
     let pids = sweep_attempt(spec, &group, tree.as_ref(), stop).await;
     group.guard.armed = false;
@@ -334,6 +469,8 @@ struct Group {
     workers: Vec<Worker>,
     exits: mpsc::UnboundedReceiver<ExitReport>,
     restart_count: u32,
+    /// The pids of the ranks started in a warm standby.
+    adopted: Vec<i32>,
 }
 
 impl Group {
@@ -361,6 +498,7 @@ impl Group {
             workers: Vec::new(),
             exits,
             restart_count,
+            adopted: Vec::new(),
         };
         let agent = nix::unistd::getpid();
         for local_rank in 0..spec.config.nproc_per_node {
@@ -368,7 +506,7 @@ impl Group {
             let dir = attempt_dir.map(|d| d.join(local_rank.to_string()));
             // All or nothing: when this rank or one of its log pumps cannot start, the ranks
             // already started must not run without it.
-            let started = spawn_worker(
+            let started = start_rank(
                 spec,
                 assignment,
                 dir.as_deref(),
@@ -377,7 +515,11 @@ impl Group {
                 &exits_tx,
                 flight_recorder,
             )
-            .and_then(|(child, error_file)| {
+            .await
+            .and_then(|(child, error_file, warm)| {
+                if warm {
+                    group.adopted.push(child.pid as i32);
+                }
                 group.adopt(spec, child, error_file, (local_rank, rank), dir.as_deref())
             });
             if let Err(err) = started {

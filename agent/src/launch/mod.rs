@@ -50,6 +50,7 @@ pub mod reaper;
 mod repeat;
 mod run_dir;
 pub mod signals;
+pub mod standby;
 pub mod stop_mark;
 mod store_host;
 pub mod strays;
@@ -261,13 +262,14 @@ impl Launch {
             hostname: crate::host::short_name(),
             run_dir: run_dir.path.clone(),
             files: config.logs.log_dir.is_some(),
-            reaper,
+            reaper: reaper.clone(),
             logs: sink.clone(),
             publisher: publisher.clone(),
             extra_env,
             rank_cpus,
             rank_env,
             watchdog,
+            standby: standby_pool(&config, &reaper, run_dir.path.as_deref()),
         };
         let result = attempts(
             &spec,
@@ -279,6 +281,9 @@ impl Launch {
         )
         .await
         .map_err(|e| e.naming_log_dir(&config.logs));
+        if let Some(pool) = &spec.standby {
+            pool.stop_all();
+        }
         if let Ok(outcome) = &result {
             let text = final_summary(
                 outcome,
@@ -299,6 +304,40 @@ impl Launch {
         }
         drop(run_dir);
         result
+    }
+}
+
+/// The warm standbys' pool under `--warm-restart on`, for a Python script with a run directory
+/// to keep the module lists in; `None` otherwise (every start cold, as before).
+fn standby_pool(
+    config: &Config,
+    reaper: &Reaper,
+    run_dir: Option<&std::path::Path>,
+) -> Option<Arc<standby::Pool>> {
+    if !config.warm_restart {
+        return None;
+    }
+    if !config.entrypoint.python {
+        tracing::info!(
+            "--warm-restart: {} is not a Python script, every start is cold",
+            config.entrypoint.display
+        );
+        return None;
+    }
+    let dir = run_dir?.join("standby");
+    match standby::Pool::new(reaper.clone(), dir) {
+        Ok(pool) => {
+            tracing::info!(
+                "--warm-restart on (experimental): one standby interpreter per local rank after each attempt's first step"
+            );
+            Some(Arc::new(pool))
+        }
+        Err(err) => {
+            tracing::warn!(
+                "--warm-restart: cannot keep the standbys' files ({err}); every start is cold"
+            );
+            None
+        }
     }
 }
 

@@ -163,6 +163,19 @@ impl Reaper {
         })
     }
 
+    /// Sends the exit of `pid` (spawned here) as `(tag, status)` on `exits` from now on: a warm
+    /// standby handed to an attempt becomes one of its workers. False when `pid` was already
+    /// reaped (its exit went to the old channel).
+    pub fn retag(&self, pid: u32, tag: usize, exits: mpsc::UnboundedSender<ExitReport>) -> bool {
+        match self.lock().get_mut(&Pid::from_raw(pid as i32)) {
+            Some(entry) => {
+                *entry = Entry { tag, tx: exits };
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Every child spawned through a reaper of this process and not reaped yet (the workers of
     /// every launch in the process).
     pub fn registered(&self) -> std::collections::HashSet<i32> {

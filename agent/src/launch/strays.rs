@@ -185,6 +185,9 @@ pub struct Scope {
     pub since: u64,
     /// Agent children that are some other launch's workers in this process (tests, embedders).
     pub foreign: HashSet<i32>,
+    /// Agent children that belong to the attempt although they started before it: warm
+    /// standbys it took its ranks from.
+    pub adopted: HashSet<i32>,
 }
 
 impl Scope {
@@ -196,6 +199,7 @@ impl Scope {
             // Two ticks of slack: `/proc/uptime` and the start times are rounded differently.
             since: ticks_now()?.saturating_sub(2),
             foreign: HashSet::new(),
+            adopted: HashSet::new(),
         })
     }
 }
@@ -215,7 +219,7 @@ pub fn attempt_tree(procs: &[ProcStat], scope: &Scope) -> Vec<ProcStat> {
         .copied()
         .filter(|p| {
             p.session != scope.agent_session
-                && p.start_time >= scope.since
+                && (p.start_time >= scope.since || scope.adopted.contains(&p.pid))
                 && !scope.foreign.contains(&p.pid)
         })
         .collect();
@@ -390,6 +394,8 @@ mod tests {
             agent_session: 100,
             since: 500,
             foreign: HashSet::from([300]),
+            // A warm standby the attempt took a rank from, started before it.
+            adopted: HashSet::from([240]),
         };
         let procs = vec![
             p(1, 0, 1, 0),
@@ -405,6 +411,9 @@ mod tests {
             p(220, agent, 100, 700),
             // An orphan from before the attempt (a `kubectl exec` under PID 1).
             p(230, agent, 230, 400),
+            // The adopted standby, now a rank, and its child.
+            p(240, agent, 240, 450),
+            p(241, 240, 240, 460),
             // Another launch's worker in this process.
             p(300, agent, 300, 700),
             p(301, 300, 300, 701),
@@ -413,7 +422,7 @@ mod tests {
         ];
         let mut pids: Vec<i32> = attempt_tree(&procs, &scope).iter().map(|p| p.pid).collect();
         pids.sort_unstable();
-        assert_eq!(pids, vec![200, 201, 202, 210, 211]);
+        assert_eq!(pids, vec![200, 201, 202, 210, 211, 240, 241]);
     }
 
     #[test]
@@ -423,6 +432,7 @@ mod tests {
             agent_session: 100,
             since: 0,
             foreign: HashSet::new(),
+            adopted: HashSet::new(),
         };
         let mut zombie = p(200, 100, 200, 10);
         zombie.zombie = true;

@@ -1,0 +1,426 @@
+"""A warm standby interpreter: a Python that has already imported what a rank imports, waiting to
+run the rank's script when the agent restarts the group (`--warm-restart on`, issue #41).
+
+**Recording.** At a rank's first step (`autoreport` or the `Checkpointer`), `record_modules()`
+writes the top-level *installed* modules the rank imported (standard library and site-packages;
+never the script's own modules, nothing under the script's directory or the working directory,
+nothing of muster's) as one JSON list to the file the agent names in MUSTER_WARM_MODULES. A file,
+not the channel: the agent reads it when it starts the standby, after the step, and the channel's
+line protocol stays as it is.
+
+**Waiting.** The agent starts `python -u -c 'import sys; del sys.path[0]; from muster_launcher.standby
+import main; main()'` (`COMMAND`; the working directory `-c` puts first on sys.path goes first, so a
+file of the user's there never shadows an installed module)
+with the rank slot's environment (less what changes per attempt), the socket's descriptor in
+MUSTER_STANDBY_FD and the module list's path in MUSTER_STANDBY_MODULES. The standby imports the
+listed modules on a helper thread whose nice value is raised (per-thread on Linux: the main
+thread, which later runs the script, keeps the priority a cold rank has, which an unprivileged
+process could not take back), joins it, says `ready` (one JSON line), and blocks on the socket.
+It starts no thread of its own that outlives the imports, makes no CUDA call, opens no store.
+
+**Handover.** The agent sends one JSON line: `args` (the interpreter's arguments, as a cold start
+gets them: `-u script.py ARGS` or `-u -m module ARGS`), `env` (the rank's whole environment) and
+`cwd`. The standby refuses (one JSON line with the reason, then exits 0; the agent starts the
+rank cold) when a variable read at start or import differs (`IMPORT_TIME_VARIABLES`, every
+`PYTHON*`), when the imports left a thread running, or when it cannot parse the arguments.
+Otherwise it says `accepted`, closes the socket, and makes the process look like a cold
+`python -u`: `os.environ` replaced, `os.chdir`, `sys.argv`, `sys.orig_argv`, `sys.path[0]`,
+signal dispositions as Python starts with them, random state fresh (`random` and numpy from
+os.urandom; torch's CPU generator as a cold process has it: from fresh entropy where torch
+draws one per process (2.x), else its fixed default seed), then the script as
+`__main__` through runpy. An uncaught exception prints through `sys.excepthook` without the
+standby's frames and exits 1; `SystemExit` behaves as in Python.
+
+Standard library only at module level.
+"""
+
+import json
+import os
+import sys
+
+COMMAND = "import sys; del sys.path[0]; from muster_launcher.standby import main; main()"
+"""What the agent runs with `python -u -c`."""
+MODULES_ENV = "MUSTER_WARM_MODULES"
+"""Where a rank writes its module list at its first step (set by the agent)."""
+FD_ENV = "MUSTER_STANDBY_FD"
+"""The standby's end of the agent's socket."""
+LIST_ENV = "MUSTER_STANDBY_MODULES"
+"""The module list the standby imports."""
+NICE_ENV = "MUSTER_STANDBY_NICE"
+"""How much the import thread lowers its priority (default 10)."""
+
+IMPORT_TIME_VARIABLES = (
+    # Thread pools sized when their library loads (libgomp, MKL, OpenBLAS).
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "OMP_PROC_BIND",
+    "OMP_PLACES",
+    "KMP_AFFINITY",
+    # Which GPUs the process sees is fixed once the CUDA libraries load.
+    "CUDA_VISIBLE_DEVICES",
+    "HIP_VISIBLE_DEVICES",
+    "ROCR_VISIBLE_DEVICES",
+    "NVIDIA_VISIBLE_DEVICES",
+    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    # The dynamic loader reads these when the process starts.
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    # muster's start-up hook reads these when the interpreter starts.
+    "MUSTER_CHECKPOINT_SOCKET",
+    "MUSTER_METRICS_PORT",
+    "MUSTER_AUTO_STEP_REPORTS",
+    "MUSTER_FRAMEWORK_CALLBACKS",
+)
+"""Variables read when the interpreter or a library starts: a standby started with other values
+than the rank's cannot take the rank. Every `PYTHON*` variable counts too."""
+
+NOT_PRELOADED = ("prometheus_client",)
+"""Modules the standby leaves to the script: prometheus_client picks its value class from
+PROMETHEUS_MULTIPROC_DIR when it is imported, and muster gives each rank and attempt its own."""
+
+_OWN = ("muster_launcher", "muster_checkpoint", "muster_frameworks", "sitecustomize",
+        "usercustomize", "muster_sitecustomize", "__main__")
+
+
+# -- recording, in the rank ----------------------------------------------------------------------
+
+
+def _under(path, folder):
+    if not folder:
+        return False
+    folder = os.path.join(os.path.realpath(folder), "")
+    return os.path.realpath(path).startswith(folder)
+
+
+def _installed_roots():
+    """The folders of the standard library and of site-packages."""
+    import sysconfig
+
+    roots = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        try:
+            roots.add(sysconfig.get_paths()[key])
+        except KeyError:
+            pass
+    try:
+        import site
+
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except Exception:  # a virtualenv's old site module lacks these
+        pass
+    roots.update(p for p in sys.path if p and os.path.basename(p) in ("site-packages",
+                                                                     "dist-packages"))
+    return [r for r in roots if r]
+
+
+def installed_modules(modules=None, script_dir=None, cwd=None, roots=None):
+    """The top-level installed modules among `modules` (default sys.modules), in import order."""
+    modules = sys.modules if modules is None else modules
+    script_dir = script_dir if script_dir is not None else (sys.path[0] if sys.path else "")
+    cwd = cwd if cwd is not None else os.getcwd()
+    roots = _installed_roots() if roots is None else roots
+    found = []
+    for name, module in list(modules.items()):
+        if "." in name or name in _OWN or module is None:
+            continue
+        path = getattr(module, "__file__", None)
+        if not path:
+            paths = list(getattr(module, "__path__", []) or [])
+            path = paths[0] if paths else None
+        if not path or not os.path.isabs(path):
+            continue  # built in, frozen, or namespace without a place: nothing to gain
+        if _under(path, script_dir) or _under(path, cwd):
+            continue
+        if ".zip" + os.sep in path:
+            continue  # muster's archive, or a user's: not an installed package
+        if any(_under(path, root) for root in roots):
+            found.append(name)
+    return found
+
+
+def record_modules():
+    """Writes this rank's installed modules to MUSTER_WARM_MODULES, once; never raises."""
+    global _recorded
+    if _recorded:
+        return
+    target = os.environ.get(MODULES_ENV)
+    if not target:
+        return
+    _recorded = True
+    try:
+        temp = "%s.%d.tmp" % (target, os.getpid())
+        with open(temp, "w") as out:
+            json.dump(installed_modules(), out)
+        os.replace(temp, target)
+    except Exception:
+        pass
+
+
+_recorded = False
+
+
+# -- the standby -----------------------------------------------------------------------------------
+
+
+def _thread_count(wait_s=1.0):
+    """The threads of this process; a joined thread may take a moment to leave the kernel's
+    list, so a count above one is looked at again for up to `wait_s`."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            count = len(os.listdir("/proc/self/task"))
+        except OSError:
+            import threading
+
+            return threading.active_count()
+        if count == 1 or time.monotonic() >= deadline:
+            return count
+        time.sleep(0.005)
+
+
+def import_all(names, nice=10):
+    """Imports `names` on a helper thread at lower priority; returns the names that failed. A
+    module that cannot be imported off the main thread (one that sets a signal handler) is
+    tried again on the main thread."""
+    import threading
+
+    failed = []
+    retry = []
+
+    def work():
+        try:
+            if nice and hasattr(os, "setpriority"):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError):
+            pass
+        for name in names:
+            try:
+                __import__(name)
+            except ValueError:
+                retry.append(name)
+            except BaseException:  # noqa: BLE001 - an import may raise anything
+                failed.append(name)
+
+    thread = threading.Thread(target=work, name="muster-standby-imports")
+    thread.start()
+    thread.join()
+    for name in retry:
+        try:
+            __import__(name)
+        except BaseException:  # noqa: BLE001
+            failed.append(name)
+    return failed
+
+
+def _fresh_signals():
+    """The dispositions this interpreter started with (Python's own: SIGINT raises
+    KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored, the rest default)."""
+    import signal
+
+    saved = {}
+    for sig in signal.valid_signals():
+        try:
+            saved[sig] = signal.getsignal(sig)
+        except (OSError, ValueError):
+            pass
+    return saved
+
+
+def _restore_signals(saved):
+    import signal
+
+    for sig, handler in saved.items():
+        if handler is None:
+            continue
+        try:
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+        except (OSError, ValueError, TypeError):
+            pass
+
+
+def parse_args(args):
+    """`-u script.py ARGS` or `-u -m module ARGS` to ("script"|"module", target, rest); None for
+    any other form (the standby then refuses)."""
+    args = list(args)
+    saw_unbuffered = False
+    while args and args[0].startswith("-") and args[0] != "-":
+        flag = args.pop(0)
+        if flag == "-u":
+            saw_unbuffered = True
+        elif flag == "-m" and args:
+            return ("module", args[0], args[1:]) if saw_unbuffered else None
+        else:
+            return None
+    if not saw_unbuffered or not args:
+        return None
+    return ("script", args[0], args[1:])
+
+
+def refusal(started_env, handover, threads):
+    """Why this standby cannot take the handover, or None when it can."""
+    env = handover.get("env")
+    if not isinstance(env, dict):
+        return "the handover has no environment"
+    if parse_args(handover.get("args") or []) is None:
+        return "cannot run %s like python does" % " ".join(handover.get("args") or [])
+    names = set(IMPORT_TIME_VARIABLES)
+    names.update(k for k in list(started_env) + list(env) if k.startswith("PYTHON"))
+    differ = sorted(k for k in names if started_env.get(k) != env.get(k))
+    if differ:
+        return "%s differ%s from the standby's start" % (
+            ", ".join(differ), "s" if len(differ) == 1 else "")
+    if threads > 1:
+        return "its imports left %d threads running" % (threads - 1)
+    return None
+
+
+def _reseed():
+    """Random state as fresh as a cold process's: Python's and numpy's global generators from
+    os.urandom, as each seeds itself at import; torch's CPU generator from fresh entropy where a
+    cold process draws its seed (torch 2.x), else back to torch's fixed default seed."""
+    import random
+
+    random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        try:
+            numpy_random.seed()
+        except Exception:
+            pass
+    torch = sys.modules.get("torch")
+    state = _torch_state
+    if torch is not None and state is not None:
+        try:
+            if torch.initial_seed() == _TORCH_FIXED_SEED:
+                # Older torch: every cold process starts from the same fixed seed.
+                torch.default_generator.set_state(state)
+            else:
+                # torch 2.x seeds a cold process's CPU generator from fresh entropy.
+                torch.default_generator.seed()
+        except Exception:
+            pass
+
+
+_torch_state = None
+# c10's default_rng_seed_val: a cold process's seed in torch versions that do not draw one.
+_TORCH_FIXED_SEED = 67280421310721
+
+
+def _become(handover, started_signals):
+    """Makes this process what `python -u <args>` would be at its first line, and runs it."""
+    kind, target, rest = parse_args(handover["args"])
+    env = handover["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    cwd = handover.get("cwd")
+    if cwd:
+        os.chdir(cwd)
+    _restore_signals(started_signals)
+    _reseed()
+    for name in (LIST_ENV, FD_ENV):
+        os.environ.pop(name, None)
+    interpreter = sys.executable
+    sys.orig_argv = [interpreter] + list(handover["args"])
+    import runpy
+
+    if kind == "module":
+        sys.argv = ["-m"] + rest  # runpy sets argv[0] to the module's file
+        sys.path[0] = os.getcwd()
+        run = lambda: runpy.run_module(target, run_name="__main__", alter_sys=True)  # noqa: E731
+        script = None
+    else:
+        script = os.path.abspath(target)
+        sys.argv = [target] + rest
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+        run = lambda: runpy.run_path(script, run_name="__main__")  # noqa: E731
+    try:
+        run()
+    except SystemExit:
+        raise
+    except BaseException as err:  # noqa: BLE001 - as the interpreter reports any exception
+        tb = _user_frames(err.__traceback__, script)
+        sys.excepthook(type(err), err.with_traceback(tb), tb)
+        raise SystemExit(1)
+
+
+def _user_frames(tb, script):
+    """The traceback from the script's first frame on (runpy's and the standby's dropped)."""
+    here = os.path.abspath(__file__) if "__file__" in globals() else None
+    first = tb
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if script is not None and os.path.abspath(code.co_filename) == script:
+            return tb
+        if script is None and tb.tb_frame.f_globals.get("__name__") == "__main__" and \
+                code.co_filename != here and "runpy" not in code.co_filename:
+            return tb
+        tb = tb.tb_next
+    return first
+
+
+def _send(sock, message):
+    sock.sendall((json.dumps(message) + "\n").encode())
+
+
+def _read_line(sock):
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def main():
+    """The standby's entry point (run with `-c`)."""
+    global _torch_state
+    import socket
+
+    started_env = dict(os.environ)
+    started_signals = _fresh_signals()
+    fd = int(os.environ[FD_ENV])
+    os.set_inheritable(fd, False)  # never to a process the imports or the script start
+    sock = socket.socket(fileno=fd)
+    try:
+        with open(os.environ.get(LIST_ENV, "")) as f:
+            names = [n for n in json.load(f) if isinstance(n, str) and n not in NOT_PRELOADED]
+    except (OSError, ValueError):
+        names = []
+    try:
+        nice = int(os.environ.get(NICE_ENV, "10"))
+    except ValueError:
+        nice = 10
+    failed = import_all(names, nice)
+    sys.path.insert(0, "")  # the place of sys.path[0], set at the handover
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            _torch_state = torch.default_generator.get_state()
+        except Exception:
+            _torch_state = None
+    threads = _thread_count()
+    _send(sock, {"ready": True, "failed": failed, "threads": threads})
+    line = _read_line(sock)
+    if line is None:
+        os._exit(0)  # the agent let go of us
+    try:
+        handover = json.loads(line)
+    except ValueError:
+        handover = {}
+    why = refusal(started_env, handover, _thread_count())
+    if why is not None:
+        _send(sock, {"refused": why})
+        sock.close()
+        os._exit(0)
+    _send(sock, {"accepted": True})
+    sock.close()
+    _become(handover, started_signals)

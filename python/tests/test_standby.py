@@ -1,0 +1,253 @@
+"""The warm standby (muster_launcher/standby.py) against a fake agent: a real standby interpreter
+started on one end of a socketpair, no torch, no binary."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import support
+
+STANDBY = "import sys; del sys.path[0]; from muster_launcher.standby import main; main()"
+
+
+class Standby:
+    """A standby interpreter and the agent's end of its socket."""
+
+    def __init__(self, test, modules, env=None, cwd=None):
+        self.agent, theirs = socket.socketpair()
+        test.addCleanup(self.agent.close)
+        listing = os.path.join(test.tmp, "modules.json")
+        with open(listing, "w") as f:
+            json.dump(modules, f)
+        self.env = dict(os.environ, PYTHONPATH=support.PYTHON_DIR,
+                        MUSTER_STANDBY_FD=str(theirs.fileno()),
+                        MUSTER_STANDBY_MODULES=listing)
+        self.env.update(env or {})
+        self.proc = subprocess.Popen([sys.executable, "-u", "-c", STANDBY], env=self.env,
+                                     pass_fds=[theirs.fileno()], cwd=cwd or test.tmp,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        theirs.close()
+        test.addCleanup(self.kill)
+        self.file = self.agent.makefile("rb")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+    def read(self):
+        line = self.file.readline()
+        return json.loads(line) if line else None
+
+    def hand_over(self, args, env=None, cwd=None):
+        ready = self.read()
+        assert ready and ready["ready"], ready
+        env = dict(self.env if env is None else env)
+        env.pop("MUSTER_STANDBY_FD", None)
+        env.pop("MUSTER_STANDBY_MODULES", None)
+        message = {"args": args, "env": env, "cwd": cwd}
+        self.agent.sendall((json.dumps(message) + "\n").encode())
+        return ready, self.read()
+
+    def finish(self, timeout=20):
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out.decode(), err.decode()
+
+
+REPORT = textwrap.dedent("""
+    import json, os, random, signal, sys
+    print(json.dumps({
+        "argv": sys.argv, "file": __file__, "path0": sys.path[0], "cwd": os.getcwd(),
+        "name": __name__, "env": os.environ.get("ONLY_AT_HANDOVER"),
+        "standby_env": os.environ.get("MUSTER_STANDBY_FD"),
+        "random": random.random(), "json_loaded": "json" in sys.modules,
+        "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+    }))
+    sys.exit(int(sys.argv[-1]))
+""")
+
+
+class StandbyTest(support.TestCase):
+    def write(self, folder, name, text):
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, name)
+        with open(path, "w") as f:
+            f.write(text)
+        return path
+
+    def test_a_handed_over_script_sees_a_cold_start(self):
+        work = os.path.join(self.tmp, "work")
+        script = self.write(os.path.join(self.tmp, "code"), "train.py", REPORT)
+        standby = Standby(self, ["json", "decimal"])
+        env = dict(standby.env, ONLY_AT_HANDOVER="yes")
+        os.makedirs(work)
+        ready, answer = standby.hand_over(["-u", script, "--x", "3"], env=env, cwd=work)
+        self.assertEqual(ready["failed"], [])
+        self.assertEqual(answer, {"accepted": True})
+        code, out, err = standby.finish()
+        self.assertEqual(code, 3, err)
+        seen = json.loads(out)
+        self.assertEqual(seen["argv"], [script, "--x", "3"])
+        self.assertEqual(seen["file"], script)
+        self.assertEqual(seen["path0"], os.path.dirname(os.path.realpath(script)))
+        self.assertEqual(seen["cwd"], os.path.realpath(work))
+        self.assertEqual(seen["name"], "__main__")
+        self.assertEqual(seen["env"], "yes")
+        self.assertIsNone(seen["standby_env"])
+        self.assertTrue(seen["sigint"] and seen["sigterm"])
+        cold = subprocess.run([sys.executable, "-u", script, "--x", "3"], cwd=work,
+                              capture_output=True, text=True)
+        cold_seen = json.loads(cold.stdout)
+        for key in ("argv", "file", "path0", "cwd", "name"):
+            self.assertEqual(seen[key], cold_seen[key], key)
+        self.assertNotEqual(seen["random"], cold_seen["random"])
+
+    def test_random_state_differs_between_standbys(self):
+        script = self.write(self.tmp, "r.py", REPORT)
+        values = []
+        for _ in range(2):
+            standby = Standby(self, ["random"])
+            standby.hand_over(["-u", script, "0"])
+            code, out, err = standby.finish()
+            self.assertEqual(code, 0, err)
+            values.append(json.loads(out)["random"])
+        self.assertNotEqual(values[0], values[1])
+
+    def test_module_form(self):
+        pkg = os.path.join(self.tmp, "mods", "demo_pkg")
+        self.write(pkg, "__init__.py", "")
+        self.write(pkg, "run.py", REPORT)
+        standby = Standby(self, [])
+        _, answer = standby.hand_over(["-u", "-m", "demo_pkg.run", "5"],
+                                      cwd=os.path.join(self.tmp, "mods"))
+        self.assertEqual(answer, {"accepted": True})
+        code, out, err = standby.finish()
+        self.assertEqual(code, 5, err)
+        seen = json.loads(out)
+        self.assertEqual(seen["argv"], [os.path.join(pkg, "run.py"), "5"])
+        self.assertEqual(seen["path0"], os.path.realpath(os.path.join(self.tmp, "mods")))
+        self.assertEqual(seen["name"], "__main__")
+
+    def test_an_exception_prints_from_the_script_and_exits_1(self):
+        script = self.write(self.tmp, "boom.py", "def f():\n    raise KeyError('x')\nf()\n")
+        standby = Standby(self, [])
+        standby.hand_over(["-u", script])
+        code, _, err = standby.finish()
+        self.assertEqual(code, 1)
+        self.assertIn("KeyError: 'x'", err)
+        self.assertIn('File "%s", line 3, in <module>' % script, err)
+        self.assertNotIn("runpy", err)
+        self.assertNotIn("standby.py", err)
+
+    def test_a_changed_import_time_variable_is_refused(self):
+        script = self.write(self.tmp, "s.py", "print('ran')\n")
+        standby = Standby(self, [], env={"OMP_NUM_THREADS": "4"})
+        env = dict(standby.env, OMP_NUM_THREADS="8")
+        _, answer = standby.hand_over(["-u", script], env=env)
+        self.assertEqual(answer, {"refused": "OMP_NUM_THREADS differs from the standby's start"})
+        code, out, _ = standby.finish()
+        self.assertEqual((code, out), (0, ""))
+
+    def test_an_unknown_interpreter_flag_is_refused(self):
+        standby = Standby(self, [])
+        _, answer = standby.hand_over(["-O", "-u", "x.py"])
+        self.assertIn("refused", answer)
+
+    def test_a_module_that_fails_to_import_is_reported(self):
+        standby = Standby(self, ["json", "no_such_module_here"])
+        ready = standby.read()
+        self.assertEqual(ready["failed"], ["no_such_module_here"])
+        self.assertEqual(ready["threads"], 1)
+
+    def test_the_standby_exits_when_the_agent_lets_go(self):
+        standby = Standby(self, [])
+        standby.read()
+        standby.file.close()
+        standby.agent.close()
+        code, out, _ = standby.finish()
+        self.assertEqual((code, out), (0, ""))
+
+    def test_the_working_directory_never_shadows_an_installed_module(self):
+        # A `json.py` of the user's in the working directory: the standby imports the real one.
+        self.write(self.tmp, "json.py", "raise SystemExit('shadowed')\n")
+        standby = Standby(self, ["json"])
+        ready = standby.read()
+        self.assertEqual(ready["failed"], [])
+
+
+class CommandTest(support.TestCase):
+    def test_the_agent_runs_the_command_the_tests_run(self):
+        from muster_launcher import standby
+
+        self.assertEqual(standby.COMMAND, STANDBY)
+
+
+class RecordTest(support.TestCase):
+    def test_only_installed_modules_outside_the_script_and_cwd(self):
+        from muster_launcher import standby
+
+        class M:
+            def __init__(self, path):
+                self.__file__ = path
+
+        site = os.path.join(self.tmp, "site-packages")
+        modules = {
+            "torch": M(os.path.join(site, "torch", "__init__.py")),
+            "torch.nn": M(os.path.join(site, "torch", "nn", "__init__.py")),
+            "mine": M(os.path.join(self.tmp, "script", "mine.py")),
+            "local": M(os.path.join(self.tmp, "cwd", "local.py")),
+            "muster_launcher": M(os.path.join(site, "muster_launcher", "__init__.py")),
+            "zipped": M(os.path.join(self.tmp, "a.zip", "zipped.py")),
+            "builtin": M(None),
+            "numpy": M(os.path.join(site, "numpy", "__init__.py")),
+        }
+        found = standby.installed_modules(modules, script_dir=os.path.join(self.tmp, "script"),
+                                          cwd=os.path.join(self.tmp, "cwd"), roots=[site])
+        self.assertEqual(found, ["torch", "numpy"])
+
+    def test_site_packages_under_the_working_directory_are_left_out(self):
+        from muster_launcher import standby
+
+        class M:
+            __file__ = os.path.join(self.tmp, "venv", "site-packages", "x", "__init__.py")
+
+        found = standby.installed_modules({"x": M()}, script_dir="/nowhere", cwd=self.tmp,
+                                          roots=[os.path.join(self.tmp, "venv", "site-packages")])
+        self.assertEqual(found, [])
+
+    def test_record_writes_the_file_once(self):
+        from muster_launcher import standby
+
+        target = os.path.join(self.tmp, "mods.json")
+        os.environ["MUSTER_WARM_MODULES"] = target
+        self.addCleanup(os.environ.pop, "MUSTER_WARM_MODULES", None)
+        standby.record_modules()
+        with open(target) as f:
+            names = json.load(f)
+        self.assertIn("json", names)
+        self.assertNotIn("muster_launcher", names)
+        os.remove(target)
+        standby.record_modules()
+        self.assertFalse(os.path.exists(target))
+
+    def test_nothing_without_the_variable(self):
+        from muster_launcher import standby
+
+        standby.record_modules()
+        self.assertEqual(os.listdir(tempfile.mkdtemp(dir=self.tmp)), [])
+
+
+class ParseTest(support.TestCase):
+    def test_forms(self):
+        from muster_launcher.standby import parse_args
+
+        self.assertEqual(parse_args(["-u", "a.py", "-m"]), ("script", "a.py", ["-m"]))
+        self.assertEqual(parse_args(["-u", "-m", "p.q", "x"]), ("module", "p.q", ["x"]))
+        self.assertIsNone(parse_args(["a.py"]))
+        self.assertIsNone(parse_args(["-u", "-X", "dev", "a.py"]))
+        self.assertIsNone(parse_args(["-u"]))
