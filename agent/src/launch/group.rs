@@ -334,14 +334,18 @@ async fn warm_start(
     exits_tx: &mpsc::UnboundedSender<ExitReport>,
 ) -> Result<Spawned, super::standby::Cold> {
     let entrypoint = &spec.config.entrypoint;
+    // The slot's environment (what the standby was started with) and the rank's, which adds the
+    // per-rank variables: the agent's environment read once for both.
+    let slot_env: Vec<(OsString, OsString)> =
+        std::env::vars_os().chain(overlay.iter().cloned()).collect();
     let wanted = super::standby::Slot::new(
         entrypoint,
-        std::env::vars_os().chain(overlay.iter().cloned()),
+        slot_env.iter().cloned(),
         pool.recorded(local_rank),
     );
     let taken = pool.take(local_rank, wanted.as_ref())?;
-    let env: Vec<(OsString, OsString)> = std::env::vars_os()
-        .chain(overlay.iter().cloned())
+    let env: Vec<(OsString, OsString)> = slot_env
+        .into_iter()
         .chain(rank_vars.iter().cloned())
         .collect();
     let cwd = std::env::current_dir().ok();
