@@ -313,6 +313,9 @@ def kill_an_agent_while_it_trains(cluster, tmp_path, name, node_id, *flags):
     os.kill(pid, signal.SIGKILL)
     try:
         rc, out = finish(proc, 120)
+    except AssertionError as err:
+        # srun's own output says little: the tasks' outputs say where the survivor waited.
+        raise AssertionError(f"{err}\n{dump()}") from None
     finally:
         cluster.run(["scancel", job], check=False)
     return rc, out, outputs(tmp_path).get(f"out-{1 - node_id}.txt", "")

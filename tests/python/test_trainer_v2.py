@@ -42,7 +42,9 @@ pytestmark = [
 ]
 
 MANIFEST = REPO / "examples" / "kubernetes" / "trainer-v2.yaml"
-SCRIPT = REPO / "examples" / "train_ddp.py"
+# examples/train_ddp.py, leaving with os._exit once it returns: torch 2.15's gloo teardown at
+# interpreter exit sometimes aborts (SIGABRT), and that teardown is not what these tests check.
+SCRIPT = REPO / "tests" / "python" / "scripts" / "train_ddp_exit.py"
 SEARCH = "default.svc.cluster.local svc.cluster.local"
 TRAINER_PORT = 29500  # kubeflow/trainer constants.ContainerTrainerPort
 

@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import socket
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -112,4 +113,11 @@ if args.hold:
         if time.monotonic() > deadline:
             raise SystemExit(f"rank {rank}: never released")
         time.sleep(0.1)
+dist.barrier()
 dist.destroy_process_group()
+# Not the interpreter's own shutdown: torch 2.15's gloo teardown sometimes aborts there (SIGABRT,
+# "terminate called without an active exception": a gloo worker thread takes the GIL to release a
+# tensor while the interpreter finalizes), and these tests are about the launcher, not that race.
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
