@@ -78,10 +78,21 @@ def test_in_a_gang_nodes_failing_in_turn_are_one_crash_loop_ended_for_every_node
     text = out + err
     assert code == NO_PROGRESS, text
     # Attempt 0 (rank 0 fails) is progress from nothing; attempt 1 (rank 1, on node 1) counts on
-    # every node, so attempt 2's failure (rank 0 again) reaches 2: node 0 ends the job.
+    # every node, so attempt 2's failure (rank 0 again) reaches 2: node 0 ends the job. On a
+    # loaded machine the failing rank can reach step 3 while its peer is still at step 2 (no
+    # collective holds them together here), or the peer's last report is read after the stop:
+    # node 0 then saw attempt 1 end at step 2 and takes attempt 2's step 3 for progress, so
+    # attempt 3's failure (rank 1) reaches 2 and node 1 ends it. Either way one node ends the job
+    # for both, naming its own rank.
     assert "crash loop: 2 restart(s) in a row made no progress" in text, text
-    assert "the repeated failure: rank 0 failed (exit code 1)" in text, text
+    ended = re.search(r"the repeated failure: rank (\d) failed \(exit code 1\)", text)
+    assert ended, text
+    node = int(ended.group(1))  # one rank per node: rank r runs on node r
+    # At most the one extra restart a lagging step report costs.
+    used = [int(n) for n in re.findall(r"restarting the gang \(restart (\d+) of", text)]
+    assert used and max(used) <= 3, text
     assert "agent 0 exited 209, agent 1 exited 209; job exit code 209" in text, text
-    # Node 1 ends because node 0 said so, naming it.
-    assert "[node 1]  WARN the job failed on another node: node 0: crash loop:" in text, text
-    assert "[node 0]  WARN crash-loop guard: no progress" in text, text
+    # The other node ends because that node said so, naming it.
+    assert (f"[node {1 - node}]  WARN the job failed on another node: node {node}: crash loop:"
+            in text), text
+    assert f"[node {node}]  WARN crash-loop guard: no progress" in text, text
