@@ -116,8 +116,8 @@ if args.hold:
 dist.barrier()
 dist.destroy_process_group()
 # Not the interpreter's own shutdown: torch 2.15's gloo teardown sometimes aborts there (SIGABRT,
-# "terminate called without an active exception": a gloo worker thread takes the GIL to release a
-# tensor while the interpreter finalizes), and these tests are about the launcher, not that race.
+# "terminate called without an active exception"; most likely a gloo worker thread taking the GIL
+# to release a tensor while the interpreter finalizes), and these tests are about the launcher.
 sys.stdout.flush()
 sys.stderr.flush()
 os._exit(0)
