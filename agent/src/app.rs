@@ -321,9 +321,14 @@ fn watch_hangs(
     let watch: std::sync::Arc<dyn crate::launch::Watchdog> = std::sync::Arc::new(watch);
     // The same reports tell the crash-loop guard how far each attempt got.
     let view = preemption.progress_view();
+    let marks = preemption.progress_view();
     let mut launch = launch
         .with_watchdog(watch.clone())
-        .with_steps(std::sync::Arc::new(move |since| view.max_step_since(since)));
+        .with_steps(std::sync::Arc::new(move |since| view.max_step_since(since)))
+        // And where a restart's timeline ends: each rank's init_process_group and first step.
+        .with_rank_marks(std::sync::Arc::new(move |since| {
+            marks.rank_marks_since(since)
+        }));
     if let Some(dir) = preemption.helper_dir() {
         launch = launch.with_worker_env(crate::watch::stacks::STACKS_DIR_ENV, dir);
     }

@@ -2,7 +2,7 @@
 run the rank's script when the agent restarts the group (`--warm-restart on`, issue #41).
 
 **Recording.** At a rank's first step (`autoreport` or the `Checkpointer`), `record_modules()`
-writes the top-level *installed* modules the rank imported (standard library and site-packages;
+writes the *installed* modules the rank imported, top-level and submodules (standard library and site-packages;
 never the script's own modules, nothing under the script's directory or the working directory,
 nothing of muster's) as one JSON list to the file the agent names in MUSTER_WARM_MODULES. A file,
 not the channel: the agent reads it when it starts the standby, after the step, and the channel's
@@ -17,12 +17,15 @@ listed modules on a helper thread whose nice value is raised (per-thread on Linu
 thread, which later runs the script, keeps the priority a cold rank has, which an unprivileged
 process could not take back), joins it, says `ready` (one JSON line), and blocks on the socket.
 It starts no thread of its own that outlives the imports, makes no CUDA call, opens no store.
+While it waits its OOM score is 1000 (`/proc/self/oom_score_adj`): under a memory limit the
+kernel kills a standby before any rank; the handover puts back the score a cold rank has.
 
 **Handover.** The agent sends one JSON line: `args` (the interpreter's arguments, as a cold start
 gets them: `-u script.py ARGS` or `-u -m module ARGS`), `env` (the rank's whole environment) and
 `cwd`. The standby refuses (one JSON line with the reason, then exits 0; the agent starts the
 rank cold) when a variable read at start or import differs (`IMPORT_TIME_VARIABLES`, every
-`PYTHON*`), when the imports left a thread running, or when it cannot parse the arguments.
+`PYTHON*`), when the imports left a thread running or initialised CUDA, when it cannot put back
+its OOM score, or when it cannot parse the arguments.
 Otherwise it says `accepted`, closes the socket, and makes the process look like a cold
 `python -u`: `os.environ` replaced, `os.chdir`, `sys.argv`, `sys.orig_argv`, `sys.path[0]`,
 signal dispositions as Python starts with them, random state fresh (`random` and numpy from
@@ -89,11 +92,13 @@ _OWN = ("muster_launcher", "muster_checkpoint", "muster_frameworks", "sitecustom
 # -- recording, in the rank ----------------------------------------------------------------------
 
 
-def _under(path, folder):
-    if not folder:
-        return False
-    folder = os.path.join(os.path.realpath(folder), "")
-    return os.path.realpath(path).startswith(folder)
+def _prefix(folder):
+    """`folder` resolved, with a trailing separator; `None` for no folder."""
+    return os.path.join(os.path.realpath(folder), "") if folder else None
+
+
+def _under(real_path, prefix):
+    return prefix is not None and real_path.startswith(prefix)
 
 
 def _installed_roots():
@@ -119,27 +124,44 @@ def _installed_roots():
 
 
 def installed_modules(modules=None, script_dir=None, cwd=None, roots=None):
-    """The top-level installed modules among `modules` (default sys.modules), in import order."""
+    """The installed modules among `modules` (default sys.modules), in import order: the
+    top-level ones and their submodules. Submodules count: a package that loads lazily
+    (transformers' models, torch's optional parts) spends more on the submodules the rank went on
+    to use than on its own import (transformers 5: ~3 s of each for a tiny GPT-2)."""
     modules = sys.modules if modules is None else modules
     script_dir = script_dir if script_dir is not None else (sys.path[0] if sys.path else "")
     cwd = cwd if cwd is not None else os.getcwd()
     roots = _installed_roots() if roots is None else roots
+    # Resolved once: a rank that imported transformers has thousands of modules.
+    script_dir, cwd = _prefix(script_dir), _prefix(cwd)
+    roots = [_prefix(r) for r in roots]
     found = []
+    tops = set()
+    real_folders = {}
     for name, module in list(modules.items()):
-        if "." in name or name in _OWN or module is None:
+        top = name.split(".", 1)[0]
+        if top in _OWN or module is None:
             continue
+        if "." in name and top not in tops:
+            continue  # a submodule of something not installed (the script's own package)
         path = getattr(module, "__file__", None)
         if not path:
             paths = list(getattr(module, "__path__", []) or [])
             path = paths[0] if paths else None
         if not path or not os.path.isabs(path):
             continue  # built in, frozen, or namespace without a place: nothing to gain
-        if _under(path, script_dir) or _under(path, cwd):
-            continue
         if ".zip" + os.sep in path:
             continue  # muster's archive, or a user's: not an installed package
+        folder = os.path.dirname(path)
+        if folder not in real_folders:
+            real_folders[folder] = os.path.realpath(folder)
+        path = os.path.join(real_folders[folder], os.path.basename(path))
+        if _under(path, script_dir) or _under(path, cwd):
+            continue
         if any(_under(path, root) for root in roots):
             found.append(name)
+            if "." not in name:
+                tops.add(name)
     return found
 
 
@@ -186,9 +208,10 @@ def _thread_count(wait_s=1.0):
 
 
 def import_all(names, nice=10):
-    """Imports `names` on a helper thread at lower priority; returns the names that failed. A
-    module that cannot be imported off the main thread (one that sets a signal handler) is
-    tried again on the main thread."""
+    """Imports `names` on a helper thread at lower priority; returns the top-level names that
+    failed (a submodule that fails alone is left to the script, which imports it again if it
+    needs it: it only loses its head start). A module that cannot be imported off the main
+    thread (one that sets a signal handler) is tried again on the main thread."""
     import threading
 
     failed = []
@@ -206,7 +229,8 @@ def import_all(names, nice=10):
             except ValueError:
                 retry.append(name)
             except BaseException:  # noqa: BLE001 - an import may raise anything
-                failed.append(name)
+                if "." not in name:
+                    failed.append(name)
 
     thread = threading.Thread(target=work, name="muster-standby-imports")
     thread.start()
@@ -215,7 +239,8 @@ def import_all(names, nice=10):
         try:
             __import__(name)
         except BaseException:  # noqa: BLE001
-            failed.append(name)
+            if "." not in name:
+                failed.append(name)
     return failed
 
 
@@ -264,7 +289,7 @@ def parse_args(args):
     return ("script", args[0], args[1:])
 
 
-def refusal(started_env, handover, threads):
+def refusal(started_env, handover, threads, cuda_initialized=False):
     """Why this standby cannot take the handover, or None when it can."""
     env = handover.get("env")
     if not isinstance(env, dict):
@@ -279,6 +304,55 @@ def refusal(started_env, handover, threads):
             ", ".join(differ), "s" if len(differ) == 1 else "")
     if threads > 1:
         return "its imports left %d threads running" % (threads - 1)
+    if cuda_initialized:
+        # A CUDA context made before the handover is one the rank did not choose (its device,
+        # its memory on the GPU while the attempt before it still trains).
+        return "its imports initialised CUDA"
+    return None
+
+
+OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
+WAITING_OOM_SCORE_ADJ = 1000
+"""A waiting standby is the kernel's first OOM victim: under a pod's or a Slurm step's memory
+limit the kernel kills it (the rank then starts cold) before any rank that trains."""
+
+
+def raise_oom_score(path=OOM_SCORE_ADJ):
+    """Raises this process's OOM score to WAITING_OOM_SCORE_ADJ; returns the score it had (what
+    a cold rank, started by the same agent, has), None where there is none or it could not be
+    read. Raising needs no privilege."""
+    try:
+        with open(path) as f:
+            original = int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+    if original < WAITING_OOM_SCORE_ADJ:
+        try:
+            with open(path, "w") as f:
+                f.write(str(WAITING_OOM_SCORE_ADJ))
+        except OSError:
+            pass  # still the original: nothing to restore, no worse than a cold rank
+    return original
+
+
+def restore_oom_score(original, path=OOM_SCORE_ADJ):
+    """Back to `original` before the script runs: None when done, else why not (lowering it
+    below the least value a privileged process set needs CAP_SYS_RESOURCE; the standby then
+    refuses rather than run a rank that the OOM killer would pick first)."""
+    if original is None:
+        return None
+    try:
+        with open(path) as f:
+            if int(f.read().strip()) == original:
+                return None
+        with open(path, "w") as f:
+            f.write(str(original))
+        with open(path) as f:
+            now = int(f.read().strip())
+    except (OSError, ValueError) as err:
+        return "could not restore its OOM score to %d (%s)" % (original, err)
+    if now != original:
+        return "could not restore its OOM score to %d (it reads %d)" % (original, now)
     return None
 
 
@@ -387,12 +461,14 @@ def main():
 
     started_env = dict(os.environ)
     started_signals = _fresh_signals()
+    oom_score = raise_oom_score()
     fd = int(os.environ[FD_ENV])
     os.set_inheritable(fd, False)  # never to a process the imports or the script start
     sock = socket.socket(fileno=fd)
     try:
         with open(os.environ.get(LIST_ENV, "")) as f:
-            names = [n for n in json.load(f) if isinstance(n, str) and n not in NOT_PRELOADED]
+            names = [n for n in json.load(f)
+                     if isinstance(n, str) and n.split(".", 1)[0] not in NOT_PRELOADED]
     except (OSError, ValueError):
         names = []
     try:
@@ -416,7 +492,14 @@ def main():
         handover = json.loads(line)
     except ValueError:
         handover = {}
-    why = refusal(started_env, handover, _thread_count())
+    cuda = sys.modules.get("torch.cuda")
+    try:
+        cuda_initialized = bool(cuda is not None and cuda.is_initialized())
+    except Exception:
+        cuda_initialized = False
+    why = refusal(started_env, handover, _thread_count(), cuda_initialized)
+    if why is None:
+        why = restore_oom_score(oom_score)
     if why is not None:
         _send(sock, {"refused": why})
         sock.close()

@@ -67,6 +67,7 @@ REPORT = textwrap.dedent("""
         "random": random.random(), "json_loaded": "json" in sys.modules,
         "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
         "sigterm": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "oom_score_adj": open("/proc/self/oom_score_adj").read().strip(),
     }))
     sys.exit(int(sys.argv[-1]))
 """)
@@ -103,9 +104,33 @@ class StandbyTest(support.TestCase):
         cold = subprocess.run([sys.executable, "-u", script, "--x", "3"], cwd=work,
                               capture_output=True, text=True)
         cold_seen = json.loads(cold.stdout)
-        for key in ("argv", "file", "path0", "cwd", "name"):
+        for key in ("argv", "file", "path0", "cwd", "name", "oom_score_adj"):
             self.assertEqual(seen[key], cold_seen[key], key)
         self.assertNotEqual(seen["random"], cold_seen["random"])
+
+    def test_a_waiting_standby_is_the_first_oom_victim(self):
+        standby = Standby(self, ["json"])
+        self.assertTrue(standby.read()["ready"])
+        with open("/proc/%d/oom_score_adj" % standby.proc.pid) as f:
+            self.assertEqual(f.read().strip(), "1000")
+
+    def test_an_oom_score_it_cannot_put_back_is_a_refusal(self):
+        from muster_launcher import standby
+
+        score = os.path.join(self.tmp, "oom_score_adj")
+        with open(score, "w") as f:
+            f.write("-500\n")
+        self.assertEqual(standby.raise_oom_score(score), -500)
+        with open(score) as f:
+            self.assertEqual(f.read(), "1000")
+        self.assertIsNone(standby.restore_oom_score(-500, score))
+        with open(score) as f:
+            self.assertEqual(f.read(), "-500")
+        # Nothing to restore where there was no score.
+        self.assertIsNone(standby.restore_oom_score(None, score))
+        # A write that fails (here: a folder; on Linux, below the privileged minimum) refuses.
+        why = standby.restore_oom_score(0, self.tmp)
+        self.assertIn("could not restore its OOM score to 0", why)
 
     def test_random_state_differs_between_standbys(self):
         script = self.write(self.tmp, "r.py", REPORT)
@@ -208,7 +233,40 @@ class RecordTest(support.TestCase):
         }
         found = standby.installed_modules(modules, script_dir=os.path.join(self.tmp, "script"),
                                           cwd=os.path.join(self.tmp, "cwd"), roots=[site])
-        self.assertEqual(found, ["torch", "numpy"])
+        self.assertEqual(found, ["torch", "torch.nn", "numpy"])
+
+    def test_a_submodule_counts_only_under_an_installed_package(self):
+        from muster_launcher import standby
+
+        class M:
+            def __init__(self, path):
+                self.__file__ = path
+
+        site = os.path.join(self.tmp, "site-packages")
+        script = os.path.join(self.tmp, "script")
+        modules = {
+            # The script's own package: neither it nor its submodules, wherever they point.
+            "pkg": M(os.path.join(script, "pkg", "__init__.py")),
+            "pkg.models": M(os.path.join(site, "elsewhere", "models.py")),
+            "transformers": M(os.path.join(site, "transformers", "__init__.py")),
+            "transformers.models.gpt2": M(os.path.join(site, "transformers", "models", "gpt2",
+                                                       "__init__.py")),
+            # A submodule whose file lies in the script's folder (a plugin dropped there).
+            "transformers.plugin": M(os.path.join(script, "plugin.py")),
+            "muster_launcher.standby": M(os.path.join(site, "muster_launcher", "standby.py")),
+        }
+        found = standby.installed_modules(modules, script_dir=script,
+                                          cwd=os.path.join(self.tmp, "cwd"), roots=[site])
+        self.assertEqual(found, ["transformers", "transformers.models.gpt2"])
+
+    def test_a_failing_submodule_is_left_to_the_script(self):
+        from muster_launcher import standby
+
+        # json.tool imports fine, the other two do not exist: only the top-level one is a
+        # failure (the standby is then refused); the submodule only loses its head start.
+        failed = standby.import_all(["json", "json.tool", "json.no_such_part",
+                                     "no_such_top_level_module"], nice=0)
+        self.assertEqual(failed, ["no_such_top_level_module"])
 
     def test_site_packages_under_the_working_directory_are_left_out(self):
         from muster_launcher import standby

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from conftest import muster_bin, torch_python
+from conftest import WARM_RESTART_IN_TESTS, muster_bin, torch_python
 
 CONF = "join_timeout=30,last_call_timeout=1,keep_alive_interval=0.2,heartbeat_timeout=3"
 SUBNET = "10.77.0"
@@ -137,7 +137,7 @@ def run_gang(net, worker, nnodes, mode, timeout=120, scrape=False):
     for i in range(net.n):
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("PET_", "MUSTER_")) and k != "JOB_COMPLETION_INDEX"}
-        env.update(PYTHON_EXEC=torch_python(), GLOO_SOCKET_IFNAME=IFNAME)
+        env.update(PYTHON_EXEC=torch_python(), GLOO_SOCKET_IFNAME=IFNAME, **WARM_RESTART_IN_TESTS)
         metrics_addr = f"127.0.0.1:{METRICS_PORT}" if scrape else "none"
         if scrape:
             env["MNC_SCRAPE"] = f"http://{metrics_addr}/metrics"

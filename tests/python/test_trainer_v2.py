@@ -31,7 +31,7 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, free_port, muster_bin, torch_python
+from conftest import REPO, WARM_RESTART_IN_TESTS, free_port, muster_bin, torch_python
 from dns_responder import DelayedDns
 from test_multinode_dns import can_unshare_mount
 
@@ -118,6 +118,7 @@ def test_a_trainjob_environment_trains_to_the_end(tmp_path):
             env.update(job["env"])
             env.update(trainer_env(name, nodes, index, port=port))
             env["PYTHON_EXEC"] = torch_python()  # the image's python
+            env.update(WARM_RESTART_IN_TESTS)
             # Each pod has port 8000 to itself; here each agent gets its own metrics port.
             env["MUSTER_METRICS_ADDR"] = f"127.0.0.1:{free_port()}"
             if not has_pod_ip():

@@ -1,6 +1,7 @@
-"""Warm restarts (`--warm-restart on`, issue #41): a restarted rank starts in a standby that
-already imported torch, and observes the same start as a cold one; a standby killed while it
-waits, or a script changed between attempts, means a cold start and an unharmed job.
+"""Warm restarts (`--warm-restart on`, the default, issue #41): a restarted rank starts in a
+standby that already imported torch, and observes the same start as a cold one; a standby killed
+while it waits, or a script changed between attempts, means a cold start and an unharmed job; the
+agent times each restart's phases.
 
 1 node x 2 gloo ranks; rank 1 SIGKILLs itself at attempt 0 once the test saw both standbys
 waiting with torch loaded (the test then creates the file the rank looks for)."""
@@ -31,7 +32,7 @@ report = {
     "torch_rand": torch.rand(1).item(), "threads": torch.get_num_threads(), "pid": os.getpid(),
     "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
     "rank_env": os.environ["RANK"], "standby_env": os.environ.get("MUSTER_STANDBY_FD"),
-    "t": time.time(),
+    "oom_score_adj": open("/proc/self/oom_score_adj").read().strip(), "t": time.time(),
 }
 with open(os.path.join(out, "report_%d_%d.json" % (attempt, rank)), "w") as f:
     json.dump(report, f)
@@ -97,16 +98,20 @@ def wait_for_waiting_standbys(proc, count=2, limit=120):
 
 
 def start(tmp_path, warm, name="job", module=False):
+    """`warm` True or False: `--warm-restart on|off`; None: muster's default (no flag, no
+    variable)."""
     out = tmp_path / name
     out.mkdir()
     script = tmp_path / "train.py"
     if not script.exists():
         script.write_text(SCRIPT)
-    env = muster_env({"OUT_DIR": str(out), "KILL_FILE": str(out / "kill")})
+    env = muster_env({"OUT_DIR": str(out), "KILL_FILE": str(out / "kill"),
+                      "MUSTER_WARM_RESTART": ""})
     target = ["-m", "train"] if module else [str(script)]
+    switch = [] if warm is None else ["--warm-restart", "on" if warm else "off"]
     proc = subprocess.Popen(
         [muster_bin(), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-         "--warm-restart", "on" if warm else "off", "--metrics-addr", "none",
+         *switch, "--metrics-addr", "none",
          "--gpu-release-timeout", "0", "--shutdown-timeout", "3", *target, "--flag", "x"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     return proc, out, script
@@ -124,8 +129,25 @@ def recovery(out):
     return max(got[(1, r)]["t"] for r in (0, 1)) - killed
 
 
+# The agent's line once every local rank of the restarted attempt stepped: each phase timed.
+PHASES = ("stop", "decide", "rendezvous", "spawn", "startup", "init_process_group", "first_step")
+
+
+def restart_cost(err, warm_of_two):
+    line = re.search(r"restart 1 \(node 0\): every local rank stepping again ([\d.]+) s after the "
+                     r"attempt ended \(muster's own share ([\d.]+) s\): (.*)", err)
+    assert line, err
+    total, own, phases = float(line.group(1)), float(line.group(2)), line.group(3)
+    took = dict(re.findall(r"(\w+) ([\d.]+) s", phases))
+    assert tuple(took) == PHASES, phases
+    assert f"spawn {took['spawn']} s ({warm_of_two} of 2 warm)" in phases, phases
+    assert abs(sum(float(v) for v in took.values()) - total) < 0.05, phases
+    assert own <= total, phases
+    return total, own
+
+
 def run_to_end(proc, out, warm, before_kill=None):
-    if warm:
+    if warm or warm is None:
         wait_for_waiting_standbys(proc)
         if before_kill:
             before_kill()
@@ -145,19 +167,25 @@ def test_warm_ranks_start_as_cold_ones(tmp_path):
     assert code == 0, err
     for rank in (0, 1):
         assert re.search(rf"rank {rank} \(local rank {rank}\): warm start in its standby", err), err
+        # What each standby costs, said once it is ready.
+        assert re.search(rf"local rank {rank}: standby ready \(pid \d+\): \d+ MiB resident, "
+                         r"[\d.]+ s of CPU for its start and imports", err), err
     warm = reports(out)
     assert sorted(warm) == [(0, 0), (0, 1), (1, 0), (1, 1)], warm
+    warm_cost = restart_cost(err, 2)
     proc, cold_out, _ = start(tmp_path, warm=False, name="cold")
     code, _, cold_err = run_to_end(proc, cold_out, warm=False)
     assert code == 0, cold_err
     assert "warm start" not in cold_err and "cold start" not in cold_err, cold_err
+    cold_cost = restart_cost(cold_err, 0)
     cold = reports(cold_out)
     print(f"kill -> every rank past init_process_group: warm {recovery(out):.2f} s, "
-          f"cold {recovery(cold_out):.2f} s")
+          f"cold {recovery(cold_out):.2f} s; restart lines (total, muster's own): warm "
+          f"{warm_cost}, cold {cold_cost}")
     for rank in (0, 1):
         w, c = warm[(1, rank)], cold[(1, rank)]
         for key in ("argv", "file", "path0", "cwd", "name", "threads",
-                    "sigterm_default", "rank_env", "standby_env"):
+                    "sigterm_default", "rank_env", "standby_env", "oom_score_adj"):
             assert w[key] == c[key], (key, w[key], c[key])
         assert w["argv"] == [str(script), "--flag", "x"]
         # The warm rank is the standby: started before the attempt.
@@ -205,8 +233,9 @@ def test_a_script_changed_between_attempts_means_a_cold_start(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_the_module_form_starts_warm(tmp_path):
-    proc, out, script = start(tmp_path, warm=True, module=True)
+def test_the_module_form_starts_warm_by_default(tmp_path):
+    # No --warm-restart and no variable: the default is on for a job that can restart.
+    proc, out, script = start(tmp_path, warm=None, module=True)
     code, _, err = run_to_end(proc, out, warm=True)
     assert code == 0, err
     assert re.search(r"rank 1 \(local rank 1\): warm start in its standby", err), err

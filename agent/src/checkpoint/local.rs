@@ -332,6 +332,23 @@ impl ProgressView {
         live.chain(gone).max()
     }
 
+    /// The `init_process_group` and first-step marks of every rank whose reports began at or
+    /// after `since` (one attempt's ranks), by local rank.
+    pub fn rank_marks_since(
+        &self,
+        since: Instant,
+    ) -> Vec<crate::launch::restart_timeline::RankMarks> {
+        self.ranks()
+            .into_iter()
+            .filter(|r| r.connected_at >= since)
+            .map(|r| crate::launch::restart_timeline::RankMarks {
+                init_entered: r.init_entered,
+                init_returned: r.init_returned,
+                first_step: r.first_step,
+            })
+            .collect()
+    }
+
     /// Every connected rank's reports, by local rank: the helper's where a rank has one, else
     /// the zero-code reporter's.
     pub fn ranks(&self) -> Vec<RankWatch> {

@@ -392,7 +392,7 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let straggler = straggler(low, shape.nnodes, &mut warnings)?;
     let framework_callbacks = on_off(low, "framework-callbacks")?;
     let auto_step_reports = on_off(low, "auto-step-reports")?;
-    let warm_restart = on_off_default(low, "warm-restart", false)?;
+    let warm_restart = on_off_default(low, "warm-restart", true)?;
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
     let logs = log_config(low)?;
     let signals = parsed(low, "signals-to-handle", parse_signals)?.unwrap_or_default();
@@ -1302,13 +1302,15 @@ mod tests {
     }
 
     #[test]
-    fn warm_restart_is_off_unless_switched_on() {
+    fn warm_restart_is_on_unless_switched_off() {
         let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert!(c.warm_restart);
+        let c = build_with(&["--warm-restart", "off", "train.py"], &[PATH], 0).unwrap();
         assert!(!c.warm_restart);
-        let c = build_with(&["--warm-restart", "on", "train.py"], &[PATH], 0).unwrap();
-        assert!(c.warm_restart);
-        let c = build_with(&["train.py"], &[PATH, ("MUSTER_WARM_RESTART", "1")], 0).unwrap();
-        assert!(c.warm_restart);
+        let c = build_with(&["train.py"], &[PATH, ("MUSTER_WARM_RESTART", "0")], 0).unwrap();
+        assert!(!c.warm_restart);
+        let c = build_with(&["train.py"], &[PATH, ("PET_WARM_RESTART", "off")], 0).unwrap();
+        assert!(!c.warm_restart);
         let err = build_with(&["--warm-restart", "maybe", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--warm-restart"), "{err}");
     }

@@ -2,6 +2,7 @@
 //! launch ends; with the crash-loop guard and the checks for a GPU fault or a request to leave.
 
 use nix::sys::signal::Signal;
+use tokio::time::Instant;
 
 use super::error::LaunchError;
 use super::gpu_wait::{gpu_baseline, wait_for_gpus};
@@ -10,7 +11,7 @@ use super::observe::{Event, Phase, RestartCause};
 use super::outcome::{Failure, GroupOutcome, Outcome, Round};
 use super::rdzv::{AfterGroup, GangRestart, Rendezvous};
 use super::signals::StopRequest;
-use super::{crash_loop, leave, summary, Config, StepSource};
+use super::{crash_loop, leave, restart_timeline, summary, Config, StepSource};
 use crate::exit_code;
 
 /// Resolves with the watch's fatal GPU fault; never without a watch.
@@ -63,6 +64,9 @@ pub(super) async fn attempts(
     // The GPU use before the attempt that just ended, and its processes: what the next attempt
     // waits to see released.
     let mut previous: Option<(Vec<crate::gpu::release::GpuUse>, Vec<u32>)> = None;
+    // The last attempt's end, its workers down and the restart decided: the start of the next
+    // attempt's restart timeline.
+    let mut restarting: Option<(Instant, Instant, Instant)> = None;
     loop {
         let restart_count = restarts.count;
         // A node whose GPU faulted starts no attempt (also when the fault came while the
@@ -95,15 +99,39 @@ pub(super) async fn attempts(
                 })
             }
         };
+        let formed = Instant::now();
         spec.publisher.event(Event::AttemptStarted {
             assignment: round.assignment.clone(),
         });
         let attempt_stop = stop.child();
         let baseline = gpu_baseline(config).await;
-        let attempt_started = tokio::time::Instant::now();
+        let attempt_started = Instant::now();
         let round_restart_count = round.assignment.restart_count;
-        let attempt = run_attempt(spec, rendezvous, round, &attempt_stop, gpu_watch, leave).await;
-        let Attempt { outcome, pids } = attempt?;
+        let restarted =
+            restarting
+                .take()
+                .map(|(ended, down, decided)| restart_timeline::Restarted {
+                    ended,
+                    down,
+                    decided,
+                    formed,
+                });
+        let attempt = run_attempt(
+            spec,
+            rendezvous,
+            round,
+            &attempt_stop,
+            gpu_watch,
+            leave,
+            restarted,
+        )
+        .await;
+        let down = Instant::now();
+        let Attempt {
+            outcome,
+            pids,
+            ended: supervision_ended,
+        } = attempt?;
         check_gpus(gpu_watch)?;
         check_leave(leave)?;
         previous = baseline.map(|b| (b, pids));
@@ -119,6 +147,7 @@ pub(super) async fn attempts(
         if let Some(outcome) = after_attempt(spec, rendezvous, stop, &mut restarts, ended).await? {
             return Ok(outcome);
         }
+        restarting = Some((supervision_ended, down, Instant::now()));
     }
 }
 
@@ -245,9 +274,16 @@ async fn run_attempt(
     attempt_stop: &StopRequest,
     gpu_watch: Option<&crate::gpu::watch::Watch>,
     leave: Option<&leave::Leave>,
+    restarted: Option<restart_timeline::Restarted>,
 ) -> Result<Attempt, LaunchError> {
     let attempt = {
-        let group = run_group(spec, &round.assignment, attempt_stop, round.failure_post);
+        let group = run_group(
+            spec,
+            &round.assignment,
+            attempt_stop,
+            round.failure_post,
+            restarted,
+        );
         tokio::pin!(group);
         tokio::select! {
             outcome = &mut group => outcome,

@@ -307,7 +307,8 @@ pub struct Config {
     /// scripts that do not use the helper (`python/muster_launcher/autoreport.py`).
     pub auto_step_reports: bool,
     /// `--warm-restart`: a restarted rank starts in a standby interpreter that already imported
-    /// the rank's installed modules ([`super::standby`]); off while experimental.
+    /// the rank's installed modules ([`super::standby`]); on by default, for a job that can
+    /// restart at all ([`Config::can_restart`]).
     pub warm_restart: bool,
     /// What the scheduler that started this agent does (`cli::scheduler`): whether a
     /// lost node comes back, whether it signals every process, the node's index.
@@ -317,6 +318,13 @@ pub struct Config {
 }
 
 impl Config {
+    /// Whether an attempt of this job can be followed by another: a restart budget, or a gang
+    /// that re-forms when a member is lost. A single node with `--max-restarts 0` (torchrun's
+    /// default) ends with its first attempt: a standby there would only hold memory.
+    pub fn can_restart(&self) -> bool {
+        self.max_restarts > 0 || self.nnodes.max > 1
+    }
+
     /// The rendezvous endpoint as given: `--rdzv-endpoint`, else the static form's
     /// `--master-addr`/`--master-port` (torchrun's defaults 127.0.0.1:29500).
     pub fn rdzv_endpoint_text(&self) -> String {
@@ -378,7 +386,7 @@ impl Config {
             network_check: crate::netcheck::Settings::default_for(1),
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
-            warm_restart: false,
+            warm_restart: true,
             scheduler: SchedulerBehaviour::default(),
             straggler: crate::watch::straggler::Settings::default(),
         }

@@ -65,6 +65,9 @@ pub struct WorkerGroupSpec {
     pub watchdog: Option<Arc<dyn super::Watchdog>>,
     /// `--warm-restart on`: the local ranks' standby interpreters.
     pub standby: Option<Arc<super::standby::Pool>>,
+    /// The local ranks' own marks of an attempt (`init_process_group`, first step): the end of
+    /// a restart's timeline ([`super::restart_timeline`]).
+    pub rank_marks: Option<super::RankMarksSource>,
 }
 
 /// SIGKILLs the workers' process groups if the attempt is abandoned half-way (its future dropped
@@ -105,6 +108,9 @@ impl Drop for KillOnDrop {
 pub struct Attempt {
     pub outcome: GroupOutcome,
     pub pids: Vec<u32>,
+    /// When its supervision ended (a rank failed or hung, a stop came, or every rank exited):
+    /// where a restart's timeline starts.
+    pub ended: tokio::time::Instant,
 }
 
 struct Worker {
@@ -388,6 +394,7 @@ pub async fn run_group(
     assignment: &RankAssignment,
     stop: &StopRequest,
     mut failure_post: Option<super::FailurePost>,
+    restarted: Option<super::restart_timeline::Restarted>,
 ) -> Result<Attempt, LaunchError> {
     let config = &spec.config;
     let restart_count = assignment.restart_count;
@@ -423,6 +430,8 @@ pub async fn run_group(
         group.guard.tree = Some(scope.clone());
     }
     let standbys = start_standbys(spec, assignment, &flight_recorder.env);
+    let timeline = restarted
+        .and_then(|restarted| time_restart(spec, assignment, restarted, &group, attempt_started));
     let (exited_tx, hang_watch) = watch_for_hangs(
         spec,
         assignment,
@@ -441,7 +450,11 @@ pub async fn run_group(
         &oom,
     )
     .await;
+    let ended_at = tokio::time::Instant::now();
     if let Some(task) = standbys {
+        task.abort();
+    }
+    if let Some(task) = timeline {
         task.abort();
     }
     stop_remaining(spec, &mut group, &ended, stop).await;
@@ -459,7 +472,50 @@ pub async fn run_group(
         ended.stopped,
         stop,
     );
-    Ok(Attempt { outcome, pids })
+    Ok(Attempt {
+        outcome,
+        pids,
+        ended: ended_at,
+    })
+}
+
+/// How often a restarted attempt's rank marks are read until every local rank stepped.
+const MARKS_POLL: Duration = Duration::from_millis(50);
+
+/// Watches a restarted attempt until every local rank reported its first step, then logs the
+/// restart's phases and publishes them ([`Event::RestartTimed`]); `None` without rank marks.
+fn time_restart(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    restarted: super::restart_timeline::Restarted,
+    group: &Group,
+    attempt_started: tokio::time::Instant,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let marks = spec.rank_marks.clone()?;
+    let agent = restarted.spawned(tokio::time::Instant::now());
+    let ranks = group.workers.len();
+    let warm = group.adopted.len();
+    let publisher = spec.publisher.clone();
+    let restart_count = assignment.restart_count;
+    let node_rank = assignment.node_rank;
+    Some(tokio::spawn(async move {
+        loop {
+            let seen = marks(attempt_started);
+            if let Some(phases) = super::restart_timeline::phases(&agent, &seen, ranks) {
+                let cost = super::restart_timeline::RestartCost {
+                    restart_count,
+                    node_rank,
+                    phases,
+                    warm,
+                    ranks,
+                };
+                tracing::info!("{cost}");
+                publisher.event(Event::RestartTimed(cost));
+                return;
+            }
+            tokio::time::sleep(MARKS_POLL).await;
+        }
+    }))
 }
 
 /// The attempt's workers while it runs: their exits, their output pumps, and the guard that

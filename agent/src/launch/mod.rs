@@ -48,6 +48,7 @@ mod outcome;
 pub mod rdzv;
 pub mod reaper;
 mod repeat;
+pub mod restart_timeline;
 mod run_dir;
 pub mod signals;
 pub mod standby;
@@ -93,11 +94,17 @@ pub struct Launch {
     private_dir: Option<Arc<crate::scratch::ScratchDir>>,
     leave: Option<leave::Leave>,
     steps: Option<StepSource>,
+    rank_marks: Option<RankMarksSource>,
 }
 
 /// The highest step any local rank reported since the given instant (ranks that connected
 /// before it belong to an earlier attempt); `None` when none did. Read by the crash-loop guard.
 pub type StepSource = Arc<dyn Fn(tokio::time::Instant) -> Option<u64> + Send + Sync>;
+
+/// The marks of every local rank that reported since the given instant (an attempt's start):
+/// the end of a restart's timeline ([`restart_timeline`]).
+pub type RankMarksSource =
+    Arc<dyn Fn(tokio::time::Instant) -> Vec<restart_timeline::RankMarks> + Send + Sync>;
 
 /// Variables for one rank of one attempt, computed just before it starts:
 /// `(restart_count, rank, local_rank)` to `(name, value)` pairs, set after every other variable.
@@ -119,6 +126,7 @@ impl Launch {
             private_dir: None,
             leave: None,
             steps: None,
+            rank_marks: None,
         }
     }
 
@@ -186,6 +194,14 @@ impl Launch {
         self
     }
 
+    /// Where each attempt's local ranks' own marks come from (`init_process_group`, the first
+    /// step): a restart's timeline ends with them.
+    #[must_use]
+    pub fn with_rank_marks(mut self, marks: RankMarksSource) -> Self {
+        self.rank_marks = Some(marks);
+        self
+    }
+
     /// Replaces the single-node [`LocalRendezvous`].
     #[must_use]
     pub fn with_rendezvous(mut self, rendezvous: Box<dyn Rendezvous>) -> Self {
@@ -232,6 +248,7 @@ impl Launch {
             private_dir,
             leave,
             steps,
+            rank_marks,
         } = self;
         let mut rendezvous = rendezvous_or_local(rendezvous, &config)?;
 
@@ -270,6 +287,7 @@ impl Launch {
             rank_env,
             watchdog,
             standby: standby_pool(&config, &reaper, run_dir.path.as_deref()),
+            rank_marks,
         };
         let result = attempts(
             &spec,
@@ -317,6 +335,10 @@ fn standby_pool(
     if !config.warm_restart {
         return None;
     }
+    if !config.can_restart() {
+        tracing::debug!("--warm-restart: one node and --max-restarts 0, no restart can come");
+        return None;
+    }
     if !config.entrypoint.python {
         tracing::info!(
             "--warm-restart: {} is not a Python script, every start is cold",
@@ -328,7 +350,7 @@ fn standby_pool(
     match standby::Pool::new(reaper.clone(), dir) {
         Ok(pool) => {
             tracing::info!(
-                "--warm-restart on (experimental): one standby interpreter per local rank after each attempt's first step"
+                "--warm-restart on: one standby interpreter per local rank after each attempt's first step (turn it off with --warm-restart off on a memory-tight pod)"
             );
             Some(Arc::new(pool))
         }

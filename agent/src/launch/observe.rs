@@ -91,6 +91,8 @@ pub enum Event {
         local_rank: u32,
         rank: u32,
     },
+    /// Every local rank of a restarted attempt stepped: what the restart cost, phase by phase.
+    RestartTimed(super::restart_timeline::RestartCost),
     /// Before attempt `restart_count` started, the agent waited `waited` for the previous
     /// attempt's GPU processes and memory to be released (`released`: false when it gave up).
     GpuReleaseWaited {

@@ -49,9 +49,33 @@ pub const MODULES_ENV: &str = "MUSTER_WARM_MODULES";
 /// The standby's end of its socket to the agent.
 const FD_ENV: &str = "MUSTER_STANDBY_FD";
 /// The module list the standby imports.
-const LIST_ENV: &str = "MUSTER_STANDBY_MODULES";
+pub const LIST_ENV: &str = "MUSTER_STANDBY_MODULES";
 /// How long a ready standby may take to accept or refuse a handover (it looks at its threads
 /// for up to a second).
+/// Where the agent writes the environment it handed to the standby `pid` (`KEY=VALUE`, each
+/// ended by NUL, as `/proc/PID/environ` has it), next to its module list: `/proc` still shows
+/// the standby's start environment, and the dry run's fault injection finds a rank by its
+/// `RANK` ([`crate::cmd::dry_run::fault::procs`]).
+pub fn handed_env_path(dir: &Path, pid: u32) -> PathBuf {
+    dir.join(format!("rank_env_{pid}"))
+}
+
+/// Writes `env` to [`handed_env_path`] whole or not at all.
+fn write_handed_env(dir: &Path, pid: u32, env: &[(OsString, OsString)]) -> std::io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let mut bytes = Vec::new();
+    for (k, v) in env {
+        bytes.extend_from_slice(k.as_bytes());
+        bytes.push(b'=');
+        bytes.extend_from_slice(v.as_bytes());
+        bytes.push(0);
+    }
+    let path = handed_env_path(dir, pid);
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, &path)
+}
+
 const HANDOVER_WAIT: Duration = Duration::from_secs(3);
 /// How often a running attempt's module files are looked for.
 const POLL: Duration = Duration::from_millis(200);
@@ -259,12 +283,32 @@ pub fn decide(standby: Option<Seen<'_>>, wanted: Option<&Slot>) -> Result<(), Co
 /// One standby interpreter.
 struct Standby {
     spawned: Spawned,
+    /// Its exit's tag on the pool's channel (see `Inner::next_tag`).
+    tag: usize,
     socket: UnixStream,
     made_for: Slot,
     /// What it sent so far (the ready line).
     inbox: Vec<u8>,
     ready: Option<Ready>,
     exited: Option<ExitStatus>,
+    /// Its cost was logged once it said ready ([`Pool::announce_ready`]).
+    announced: bool,
+}
+
+/// What a ready standby costs: its resident memory and the CPU its start and imports took, from
+/// `/proc/PID/status` and `/proc/PID/stat`; `None` where `/proc` cannot tell.
+pub fn standby_cost(pid: u32) -> Option<(u64, Duration)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let rss_kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let cpu = crate::watch::straggler::stat_cpu_ns(&stat)?;
+    Some((rss_kib.checked_mul(1024)?, Duration::from_nanos(cpu)))
 }
 
 impl Standby {
@@ -310,8 +354,14 @@ struct Inner {
     standbys: HashMap<u32, Standby>,
     /// The module lists of the previous attempt, by local rank ([`Pool::begin_attempt`]).
     recorded: HashMap<u32, Vec<u8>>,
-    /// Exits of standbys no longer in `standbys` (one being handed over), by local rank.
-    late: HashMap<u32, ExitStatus>,
+    /// Exits of standbys being handed over (no longer in `standbys`), by their tag.
+    late: HashMap<usize, ExitStatus>,
+    /// The tags of the standbys being handed over now: only their exits are kept in `late`.
+    handing: std::collections::HashSet<usize>,
+    /// The reaper's tag of the next standby. Each standby has its own, never its local rank:
+    /// a standby killed when refused reports its exit after the next one for the same rank
+    /// started, and that exit must not read as the new one's death.
+    next_tag: usize,
     exits_tx: mpsc::UnboundedSender<ExitReport>,
     exits: mpsc::UnboundedReceiver<ExitReport>,
 }
@@ -320,16 +370,48 @@ impl Inner {
     /// Marks the standbys whose exits the reaper reported.
     fn collect_exits(&mut self) {
         while let Ok((tag, status)) = self.exits.try_recv() {
-            let local_rank = u32::try_from(tag).unwrap_or(u32::MAX);
-            match self.standbys.get_mut(&local_rank) {
-                Some(s) => {
-                    s.exited.get_or_insert(status);
-                }
-                None => {
-                    self.late.insert(local_rank, status);
-                }
+            if let Some(s) = self.standbys.values_mut().find(|s| s.tag == tag) {
+                s.exited.get_or_insert(status);
+            } else if self.handing.contains(&tag) {
+                self.late.insert(tag, status);
+            }
+            // Else a standby killed when it was not taken: nobody waits for its exit.
+        }
+    }
+}
+
+impl Pool {
+    /// Logs each standby that said ready since the last call, once, with what it costs (issue
+    /// #41: an operator who pays for the pod's memory sees it); false once none is left
+    /// importing.
+    fn announce_ready(&self) -> bool {
+        let mut inner = self.lock();
+        inner.collect_exits();
+        let mut importing = false;
+        for (local_rank, standby) in &mut inner.standbys {
+            if standby.announced || standby.exited.is_some() {
+                continue;
+            }
+            standby.poll_ready();
+            if standby.ready.is_none() {
+                importing = true;
+                continue;
+            }
+            standby.announced = true;
+            let pid = standby.spawned.pid;
+            if let Some((rss, cpu)) = standby_cost(pid) {
+                tracing::info!(
+                    "local rank {local_rank}: standby ready (pid {pid}): {} MiB resident, {:.1} s of CPU for its start and imports; a restart of this rank starts in it",
+                    rss >> 20,
+                    cpu.as_secs_f64()
+                );
+            } else {
+                tracing::info!(
+                    "local rank {local_rank}: standby ready (pid {pid}); a restart of this rank starts in it"
+                );
             }
         }
+        importing
     }
 }
 
@@ -353,6 +435,8 @@ impl Pool {
             inner: Mutex::new(Inner {
                 standbys: HashMap::new(),
                 late: HashMap::new(),
+                handing: std::collections::HashSet::new(),
+                next_tag: 0,
                 recorded: HashMap::new(),
                 exits_tx,
                 exits,
@@ -403,7 +487,6 @@ impl Pool {
     pub fn take(&self, local_rank: u32, wanted: Option<&Slot>) -> Result<Taken, Cold> {
         let mut inner = self.lock();
         inner.collect_exits();
-        inner.late.remove(&local_rank);
         let mut standby = inner.standbys.remove(&local_rank);
         if let Some(s) = standby.as_mut() {
             s.poll_ready();
@@ -414,10 +497,14 @@ impl Pool {
             ready: s.ready.as_ref(),
         });
         match decide(seen, wanted) {
-            Ok(()) => Ok(Taken {
-                standby: standby.expect("decide needs a standby"),
-                local_rank,
-            }),
+            Ok(()) => {
+                let standby = standby.expect("decide needs a standby");
+                inner.handing.insert(standby.tag);
+                Ok(Taken {
+                    standby,
+                    local_rank,
+                })
+            }
             Err(why) => {
                 if let Some(s) = standby {
                     s.kill();
@@ -452,10 +539,12 @@ impl Pool {
         crate::sys::isolate_worker(&mut cmd, agent, plan.cpus);
         crate::sys::pass_fd(&mut cmd, theirs.as_raw_fd());
         let mut inner = self.lock();
-        let spawned =
-            self.reaper
-                .spawn(&mut cmd, plan.local_rank as usize, inner.exits_tx.clone())?;
+        let tag = inner.next_tag;
+        inner.next_tag += 1;
+        let spawned = self.reaper.spawn(&mut cmd, tag, inner.exits_tx.clone())?;
         drop(theirs);
+        // A rank that once had this pid left its file: this standby has handed nothing yet.
+        let _ = std::fs::remove_file(handed_env_path(&self.dir, spawned.pid));
         ours.set_nonblocking(true)?;
         tracing::debug!(
             "local rank {}: standby started (pid {})",
@@ -466,11 +555,13 @@ impl Pool {
             plan.local_rank,
             Standby {
                 spawned,
+                tag,
                 socket: ours,
                 made_for,
                 inbox: Vec::new(),
                 ready: None,
                 exited: None,
+                announced: false,
             },
         );
         if let Some(old) = old {
@@ -510,10 +601,11 @@ impl Drop for Pool {
 }
 
 /// Starts each rank's standby once the rank recorded its modules (its first step), at most one
-/// per rank, until every plan has one; the caller aborts it when the attempt ends.
+/// per rank, until every plan has one, then logs each one's cost as it becomes ready; the
+/// caller aborts it when the attempt ends.
 pub async fn start_after_first_step(pool: std::sync::Arc<Pool>, mut plans: Vec<Plan>) {
     let agent = nix::unistd::getpid();
-    while !plans.is_empty() {
+    while !plans.is_empty() || pool.announce_ready() {
         tokio::time::sleep(POLL).await;
         plans.retain(|plan| {
             let modules = pool.written(plan.local_rank);
@@ -583,16 +675,25 @@ impl Pool {
         } = taken;
         if let Err(why) = Taken::exchange(&standby, args, env, cwd).await {
             standby.kill();
+            self.lock().handing.remove(&standby.tag);
             return Err(why);
         }
-        if !self.reaper.retag(standby.spawned.pid, tag, exits.clone()) {
+        if let Err(err) = write_handed_env(&self.dir, standby.spawned.pid, env) {
+            tracing::debug!(
+                "local rank {local_rank}: cannot record the environment handed to its standby: {err}"
+            );
+        }
+        let retagged = self.reaper.retag(standby.spawned.pid, tag, exits.clone());
+        let mut inner = self.lock();
+        if !retagged {
             // It ended already (a script that returned at once): its exit went to the pool.
-            let mut inner = self.lock();
             inner.collect_exits();
-            if let Some(status) = inner.late.remove(&local_rank) {
+            if let Some(status) = inner.late.remove(&standby.tag) {
                 let _ = exits.send((tag, status));
             }
         }
+        inner.handing.remove(&standby.tag);
+        drop(inner);
         Ok(standby.spawned)
     }
 }
@@ -710,6 +811,14 @@ mod tests {
             exited: None,
             ready,
         }
+    }
+
+    #[test]
+    fn a_standbys_cost_is_its_resident_memory_and_cpu_time() {
+        let (rss, cpu) = standby_cost(std::process::id()).expect("this process in /proc");
+        assert!(rss > 1 << 20, "{rss}");
+        assert!(cpu < Duration::from_secs(24 * 3600), "{cpu:?}");
+        assert_eq!(standby_cost(u32::MAX), None);
     }
 
     #[test]
@@ -848,8 +957,9 @@ mod tests {
         std::fs::write(&path, script).unwrap();
         std::fs::write(pool.modules_file(0), b"[\"json\", \"decimal\"]").unwrap();
         let first = vec![plan(&pool, &path, "0")];
+        // It returns once the standby is started and said ready (its cost logged).
         tokio::time::timeout(
-            Duration::from_secs(5),
+            Duration::from_secs(60),
             start_after_first_step(std::sync::Arc::clone(&pool), first),
         )
         .await
@@ -920,6 +1030,42 @@ mod tests {
             pool.take(0, wanted.as_ref()).err(),
             Some(Cold::Died(ExitStatus::Signaled(Signal::SIGKILL)))
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_refused_standbys_exit_is_never_taken_for_the_next_ones() {
+        let (pool, slot_plan, dir) = pool_with_standby("stale", "print('ran')\n").await;
+        let env = full_env(&slot_plan);
+        let wanted = Slot::new(&slot_plan.entrypoint, env.clone(), pool.recorded(0));
+        let mut changed = env.clone();
+        changed.push(("OMP_NUM_THREADS".into(), "9".into()));
+        let taken = pool.take(0, wanted.as_ref()).unwrap();
+        let (tx, _rx) = mpsc::unbounded_channel();
+        assert!(pool
+            .hand_over(taken, &slot_plan.entrypoint.args, &changed, None, 0, &tx)
+            .await
+            .is_err());
+        // The refused standby is killed; the next attempt's standby for the same local rank
+        // starts before that SIGKILL's exit is read.
+        std::fs::write(pool.modules_file(0), b"[\"json\"]").unwrap();
+        let script = dir.join("s.py");
+        tokio::time::timeout(
+            Duration::from_secs(60),
+            start_after_first_step(
+                std::sync::Arc::clone(&pool),
+                vec![plan(&pool, &script, "5")],
+            ),
+        )
+        .await
+        .unwrap();
+        assert!(pool.wait_ready(0, Duration::from_secs(20)).await);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        pool.begin_attempt(1);
+        let next = plan(&pool, &script, "5");
+        let wanted = Slot::new(&next.entrypoint, full_env(&next), pool.recorded(0));
+        // Was: "its standby died (signal SIGKILL)", the refused one's death read as this one's.
+        assert!(pool.take(0, wanted.as_ref()).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -274,6 +274,7 @@ impl ObserverState {
             Event::StraysStopped { .. }
             | Event::WorkerOomKilled { .. }
             | Event::GpuReleaseWaited { .. } => metrics.cleanup().observe(event),
+            Event::RestartTimed(cost) => metrics.restarts().timed(cost),
             Event::SignalReceived { .. } => {
                 metrics.signals().observe(event, &mut self.countdown, grace);
                 metrics.checkpoints().observe(event);

@@ -8,7 +8,7 @@
 //! intention-revealing methods (`rendezvous_round_finished`, `worker_exited`, ...); each one is a
 //! handful of atomic operations or a lock held for a few instructions, so recording never slows
 //! supervision. The metrics come in families, one file per area ([`job`], [`dns`], [`rdzv`],
-//! [`workers`], [`signals`], [`checkpoints`], [`preflight`], [`network`], [`cleanup`],
+//! [`workers`], [`signals`], [`checkpoints`], [`preflight`], [`network`], [`cleanup`], [`restarts`],
 //! [`traffic`], [`probes`]): each defines its collectors, the methods that record them, and the
 //! `observe` that the observer's dispatch hands that area's events to. A new metric is a field
 //! of its family, a method that records it, and the arm of the family's `observe` that calls
@@ -52,6 +52,7 @@ mod output;
 mod preflight;
 mod probes;
 mod rdzv;
+mod restarts;
 pub mod script;
 mod signals;
 mod stacks;
@@ -190,6 +191,7 @@ struct Inner {
     preflight: preflight::Preflight,
     network: network::Network,
     cleanup: cleanup::Cleanup,
+    restarts: restarts::Restarts,
     traffic: traffic::Traffic,
     probes: probes::Probes,
 }
@@ -285,6 +287,7 @@ impl Metrics {
             preflight: preflight::Preflight::register(&mut defs),
             network: network::Network::register(&mut defs),
             cleanup: cleanup::Cleanup::register(&mut defs),
+            restarts: restarts::Restarts::register(&mut defs),
             traffic: traffic::Traffic::register(&mut defs),
             probes: probes::Probes::register(&mut defs),
             live,
@@ -348,6 +351,11 @@ impl Metrics {
     /// What finished attempts left behind ([`cleanup`]).
     fn cleanup(&self) -> &cleanup::Cleanup {
         &self.inner.cleanup
+    }
+
+    /// What each restart cost ([`restarts`]).
+    fn restarts(&self) -> &restarts::Restarts {
+        &self.inner.restarts
     }
 
     /// The endpoint's own requests and refusals ([`traffic`]).

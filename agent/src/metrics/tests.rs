@@ -166,6 +166,54 @@ fn a_fresh_registry_exports_well_formed_text_with_the_known_label_sets_at_zero()
     assert!(samples.iter().all(|s| !s.name.starts_with("muster_store_")));
 }
 
+#[test]
+fn a_timed_restart_observes_each_phase_and_every_phase_starts_at_zero() {
+    use crate::launch::restart_timeline::{RestartCost, RestartPhase};
+    let metrics = Metrics::new();
+    for phase in RestartPhase::ALL {
+        assert_eq!(
+            value(
+                &scrape(&metrics),
+                "muster_restart_phase_seconds_count",
+                &[("phase", phase.as_str())]
+            ),
+            Some(0.0),
+            "{phase:?}"
+        );
+    }
+    let cost = RestartCost {
+        restart_count: 1,
+        node_rank: 0,
+        phases: vec![
+            (RestartPhase::Stop, Duration::from_millis(20)),
+            (RestartPhase::Spawn, Duration::from_millis(3)),
+            (RestartPhase::FirstStep, Duration::from_millis(700)),
+        ],
+        warm: 2,
+        ranks: 2,
+    };
+    metrics.restarts().timed(&cost);
+    let samples = scrape(&metrics);
+    let count = |phase: &str| {
+        value(
+            &samples,
+            "muster_restart_phase_seconds_count",
+            &[("phase", phase)],
+        )
+    };
+    assert_eq!(count("stop"), Some(1.0));
+    assert_eq!(count("first_step"), Some(1.0));
+    // A rank without init_process_group has no such phase: nothing observed for it.
+    assert_eq!(count("init_process_group"), Some(0.0));
+    let sum = value(
+        &samples,
+        "muster_restart_phase_seconds_sum",
+        &[("phase", "first_step")],
+    )
+    .unwrap();
+    assert!((sum - 0.7).abs() < 1e-9, "{sum}");
+}
+
 /// The GPU watch as the metrics see it on an 8-GPU node: every GPU read, GPU 3 throttled and
 /// with NVLink replays, XIDs on GPU 1.
 pub(super) fn gpu_watch_of_eight() -> crate::gpu::watch::Watch {

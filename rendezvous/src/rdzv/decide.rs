@@ -30,6 +30,11 @@ pub struct RoundState {
     pub arrivals: Vec<Arrival>,
     /// Node rank → "host (addr)" from earlier rounds, to name who did not come back.
     pub known_hosts: BTreeMap<u32, String>,
+    /// A round opened by a failure (a restart, no member lost): the node ranks of the round
+    /// before. Once they are all back the round is complete, with no last call: nobody left,
+    /// nobody is expected (issue #41: an elastic gang's restart otherwise waited the whole
+    /// last call, 30 s by default). `None` for any other round.
+    pub restarting: Option<std::collections::BTreeSet<u32>>,
 }
 
 /// Who is in, who waits, who is turned away. Indices point into `RoundState::arrivals`.
@@ -165,6 +170,19 @@ pub fn decide_round(now: Instant, state: &RoundState, cfg: &Config) -> (RoundDec
     if n >= cfg.max_nodes && stand_ins == 0 {
         let reason = format!("round {} complete: all {n} nodes joined", state.gen);
         return (RoundDecision::Complete(membership), reason);
+    }
+    if n >= cfg.min_nodes && stand_ins == 0 {
+        if let Some(before) = &state.restarting {
+            let back: std::collections::BTreeSet<u32> =
+                membership.members.iter().map(|&(rank, _)| rank).collect();
+            if !before.is_empty() && back == *before {
+                let reason = format!(
+                    "round {} complete: all {n} nodes of the round before are back (a restart)",
+                    state.gen
+                );
+                return (RoundDecision::Complete(membership), reason);
+            }
+        }
     }
     if n >= cfg.min_nodes {
         let mut arrived: Vec<Instant> = membership
@@ -904,6 +922,7 @@ mod tests {
 
     fn state(t0: Instant, regs: &[(Option<u32>, &str, u64)]) -> RoundState {
         RoundState {
+            restarting: None,
             gen: 4,
             started: t0,
             arrivals: regs
@@ -1108,6 +1127,33 @@ mod tests {
             why.contains("last call") && why.contains("missing node rank 2"),
             "{why}"
         );
+    }
+
+    #[test]
+    fn a_restart_whose_members_are_all_back_needs_no_last_call() {
+        let t0 = Instant::now();
+        let c = cfg(2, 3);
+        let mut s = state(t0, &[(Some(0), "a", 0), (Some(1), "b", 10)]);
+        s.restarting = Some([0, 1].into());
+        let (d, why) = decide_round(t0 + Duration::from_millis(20), &s, &c);
+        assert!(matches!(d, RoundDecision::Complete(ref m) if m.members.len() == 2));
+        assert!(
+            why.contains("all 2 nodes of the round before are back"),
+            "{why}"
+        );
+        // One member of the round before is not back yet: wait for it as for any round.
+        s.restarting = Some([0, 1, 2].into());
+        let (d, _) = decide_round(t0 + Duration::from_millis(20), &s, &c);
+        assert_eq!(d, RoundDecision::Wait);
+        // A newcomer with them: the membership changes, the last call stands.
+        let mut s = state(
+            t0,
+            &[(Some(0), "a", 0), (Some(1), "b", 5), (None, "new", 10)],
+        );
+        s.restarting = Some([0, 1].into());
+        let c4 = cfg(2, 4);
+        let (d, why) = decide_round(t0 + Duration::from_millis(20), &s, &c4);
+        assert_eq!(d, RoundDecision::Wait, "{why}");
     }
 
     #[test]

@@ -43,6 +43,9 @@ pub struct Rendezvous<K: Kv> {
     /// The generation of the last completed round, and how many of its slots got an answer
     /// (the coordinator supersedes the others when a new round opens).
     pub(super) last_round: Option<(u64, u64)>,
+    /// Node 0: the node ranks of the last round it formed; a restart after a failure whose
+    /// members are all back needs no last call ([`super::decide::RoundState::restarting`]).
+    pub(super) last_members: std::collections::BTreeSet<u32>,
     /// Raw bytes of `gen` when the last round completed; a bump is a COMPARE_SET from these.
     pub(super) gen_raw: Vec<u8>,
     pub(super) record: GenRecord,
@@ -70,6 +73,7 @@ impl<K: Kv> Rendezvous<K> {
             reg,
             known_hosts: BTreeMap::new(),
             last_round: None,
+            last_members: std::collections::BTreeSet::new(),
             gen_raw: Vec::new(),
             record: GenRecord::first(),
             memory: None,

@@ -45,6 +45,7 @@ impl<K: Kv> Rendezvous<K> {
             started: Instant::now(),
             arrivals: Vec::new(),
             known_hosts: self.known_hosts.clone(),
+            restarting: (open.rec.kind == BumpKind::Failure).then(|| self.last_members.clone()),
         };
         let mut seen: u64 = 0;
         let mut last_reason = String::new();
@@ -212,6 +213,7 @@ impl<K: Kv> Rendezvous<K> {
             self.known_hosts
                 .insert(rank, format!("{}, {}", r.host, r.addr));
         }
+        self.last_members = m.members.iter().map(|&(rank, _)| rank).collect();
         let Some(mut assignment) = mine else {
             let why = m
                 .rejected

@@ -61,9 +61,38 @@ impl<K: Kv> Rendezvous<K> {
             group_size: a.group_world_size,
             answered: self.last_round.map_or(0, |(_, n)| n),
             presence: None,
+            bump: None,
             spares: self.spares.clone(),
             held_ranks: self.held_ranks.clone(),
         }
+    }
+}
+
+/// How long one WAIT for the generation's end lasts before it is cancelled and sent again (the
+/// store cancels a WAIT cleanly; a long one only saves requests).
+const BUMP_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// A WAIT, on a connection of its own, for the key every bump of the watched generation sets
+/// ([`Keys::over`]): the bump reaches this node as soon as it happens, not at its next
+/// keep-alive tick (issue #41: with the default 5 s interval a rank killed on one node left the
+/// others training into gloo's error for 2.7 s, and the restart waited for them).
+struct BumpWait {
+    task: tokio::task::JoinHandle<()>,
+    ended: Arc<tokio::sync::Notify>,
+}
+
+impl Drop for BumpWait {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Resolves once `bump` saw the generation end; never without one (or after its connection
+/// failed: the ticks still read the generation).
+async fn generation_ended(bump: Option<&BumpWait>) {
+    match bump {
+        Some(b) => b.ended.notified().await,
+        None => std::future::pending().await,
     }
 }
 
@@ -82,6 +111,7 @@ pub struct Watcher<K: Kv> {
     answered: u64,
     /// Node 0's view of the members' connections (it hosts the store); `None` elsewhere.
     presence: Option<Arc<dyn Presence>>,
+    bump: Option<BumpWait>,
     spares: SpareHosts,
     held_ranks: Vec<u32>,
 }
@@ -123,6 +153,33 @@ impl<K: Kv> Watcher<K> {
     #[must_use]
     pub fn with_presence(mut self, presence: Arc<dyn Presence>) -> Self {
         self.presence = Some(presence);
+        self
+    }
+
+    /// Learns of a bump of the watched generation at once, through a WAIT on `kv`, a store
+    /// connection of its own (a WAIT holds its connection until the key appears).
+    #[must_use]
+    pub fn with_bump_wait<W: Kv + 'static>(mut self, mut kv: W) -> Self {
+        let over = self.keys.over(self.gen);
+        let ended = Arc::new(tokio::sync::Notify::new());
+        let notify = Arc::clone(&ended);
+        let task = tokio::spawn(async move {
+            loop {
+                match kv.wait(std::slice::from_ref(&over), BUMP_WAIT).await {
+                    Ok(()) => {
+                        // A permit, should the watcher be between two selects.
+                        notify.notify_one();
+                        return;
+                    }
+                    Err(KvError::WaitTimeout) => {}
+                    Err(e) => {
+                        debug!("the wait for the generation's end failed ({e}); ticks only");
+                        return;
+                    }
+                }
+            }
+        });
+        self.bump = Some(BumpWait { task, ended });
         self
     }
 
@@ -203,6 +260,9 @@ impl<K: Kv> Watcher<K> {
             tokio::select! {
                 () = stop.cancelled() => return Event::Stopped,
                 () = sleep(next) => {}
+                () = generation_ended(self.bump.as_ref()) => {
+                    debug!("the generation ended; reading it at once");
+                }
                 // A dead store host closes our idle connection: look now, not at the next tick.
                 () = self.kv.closed() => debug!("the store connection closed; checking at once"),
                 // Node 0: a member's agent that died closed its connection; judge it now.
@@ -529,6 +589,43 @@ mod tests {
             matches!(err, RdzvError::Fatal { exit_code: 3, .. }),
             "{err:?}"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_bump_reaches_a_watcher_with_the_bump_wait_at_once_and_one_without_at_its_tick() {
+        let kv = MemKv::default();
+        let mut c = cfg(3, 3);
+        // Long ticks (the production default is 5 s): only the WAIT can be this quick.
+        c.keep_alive_interval = Duration::from_secs(5);
+        c.heartbeat_timeout = Duration::from_secs(60);
+        let mut formed = form_nodes(&kv, &c, 3).await;
+        let (r2, j2) = formed.pop().expect("node 2");
+        // Node 1 fails; it runs no watcher (node 0 would judge its silence only after 60 s).
+        let (mut r1, _) = formed.pop().expect("node 1");
+        let (r0, j0) = formed.pop().expect("node 0");
+        let stop = CancellationToken::new();
+        let with = tokio::spawn(
+            r2.watcher(kv.connect(), &j2.assignment)
+                .with_bump_wait(kv.connect())
+                .run(stop.clone(), CancellationToken::new()),
+        );
+        let without = spawn_watcher(&r0, &kv, &j0, &stop);
+        // Past the first ticks: both watchers sleep until their next one.
+        sleep(Duration::from_millis(1200)).await;
+        let bumped_at = Instant::now();
+        let rec = r1
+            .report_failure(1, "local rank 0 failed")
+            .await
+            .expect("bump");
+        let ev = with.await.expect("task");
+        let with_took = Instant::now() - bumped_at;
+        assert_eq!(ev, Event::Generation(rec.clone()));
+        assert!(with_took < Duration::from_millis(100), "{with_took:?}");
+        let ev = without.await.expect("task");
+        let without_took = Instant::now() - bumped_at;
+        assert_eq!(ev, Event::Generation(rec));
+        assert!(without_took >= Duration::from_secs(3), "{without_took:?}");
+        stop.cancel();
     }
 
     #[tokio::test(start_paused = true)]

@@ -28,6 +28,7 @@ use tokio::time::Instant;
 use crate::cmd::dry_run::fault::procs::Worker;
 use crate::cmd::dry_run::fault::Fault;
 use crate::launch::config::LogFormat;
+use crate::launch::restart_timeline;
 
 /// What an agent's line tells the timeline.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,6 +52,9 @@ pub enum Said {
     /// `slow rank: WHAT`, `slow GPU: WHAT`, `straggler node: WHAT`: the straggler watch named what
     /// holds the gang back (or a node leaving because of it).
     Slow { what: String },
+    /// `restart R (node N): every local rank stepping again ...`: what one restart cost on one
+    /// node, phase by phase ([`crate::launch::restart_timeline`]).
+    RestartCost { what: String },
 }
 
 /// The agent's message in one of its output lines (`None` for a worker's line): the `msg` of a
@@ -131,6 +135,11 @@ pub fn classify(msg: &str) -> Option<Said> {
             });
         }
     }
+    if msg.starts_with(restart_timeline::LINE_PREFIX) && msg.contains(restart_timeline::LINE_MARK) {
+        return Some(Said::RestartCost {
+            what: msg.to_owned(),
+        });
+    }
     msg.strip_prefix("checkpoint aborted: ")
         .map(|reason| Said::Aborted {
             reason: reason.to_owned(),
@@ -201,6 +210,10 @@ pub enum Entry {
     Slow {
         what: String,
     },
+    /// A node's agent timed a restart: its phases, up to every local rank's first step.
+    RestartCost {
+        what: String,
+    },
     AgentExited {
         node: u32,
         code: u8,
@@ -238,6 +251,7 @@ impl Entry {
             Entry::RootCause { .. } => "root_cause",
             Entry::Hung { .. } => "hang",
             Entry::Slow { .. } => "straggler",
+            Entry::RestartCost { .. } => "restart_cost",
             Entry::AgentExited { .. } => "agent_exited",
             Entry::JobEnded { .. } => "job_ended",
         }
@@ -309,6 +323,7 @@ impl fmt::Display for Entry {
             }
             Entry::Hung { what } => write!(f, "hang: {what}"),
             Entry::Slow { what } => write!(f, "straggler: {what}"),
+            Entry::RestartCost { what } => write!(f, "{what}"),
             Entry::AgentExited { node, code } => {
                 write!(f, "node {node}'s agent exited with {code}")
             }
@@ -511,6 +526,7 @@ impl Timeline {
             }
             Said::Hung { what } => self.record(at, Entry::Hung { what }),
             Said::Slow { what } => self.record(at, Entry::Slow { what }),
+            Said::RestartCost { what } => self.record(at, Entry::RestartCost { what }),
         }
     }
 
@@ -812,6 +828,20 @@ mod tests {
         );
         assert!(render(entries[0].0, entries[0].1)
             .ends_with(&format!(" s  root cause of attempt 0: {cause}")));
+    }
+
+    #[test]
+    fn a_restarts_cost_is_an_entry_and_a_round_line_is_not_one() {
+        let msg = "restart 1 (node 0): every local rank stepping again 0.42 s after the attempt ended (muster's own share 0.12 s): stop 0.01 s, decide 0.00 s, rendezvous 0.10 s, spawn 0.01 s (2 of 2 warm), startup 0.05 s, init_process_group 0.10 s, first_step 0.15 s";
+        assert_eq!(classify(msg), Some(Said::RestartCost { what: msg.into() }));
+        // Other agent lines that start the same way are not a restart's cost.
+        assert_eq!(classify("restart budget spent: 3 of 3"), None);
+        let mut t = Timeline::new(Instant::now());
+        t.observe_line(Instant::now(), &format!(" INFO {msg}"), LogFormat::Text);
+        let entries = t.entries();
+        assert_eq!(entries.len(), 1, "{entries:?}");
+        assert_eq!(entries[0].1.kind(), "restart_cost");
+        assert_eq!(entries[0].1.to_string(), msg);
     }
 
     #[test]

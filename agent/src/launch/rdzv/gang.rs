@@ -27,7 +27,7 @@ use rendezvous::store::server::{self, ServerThread};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::discovery;
 use crate::events::{Event, Events};
@@ -48,7 +48,7 @@ struct Running {
 }
 
 /// How long after a local rank's failure that reads like a lost peer (gloo's "Connection reset by
-/// peer", a rank aborted by a signal) the node waits for the gang to re-form for a lost member
+/// peer", a rank aborted or crashed: SIGABRT, SIGSEGV…) the node waits for the gang to re-form for a lost member
 /// before it counts the failure as its own. A member whose agent died is lost
 /// [`rdzv::decide::CLOSED_GRACE`] after its connection closed, and the survivors' ranks fail
 /// within about a second of the death (gloo reads the dead peer's reset at once), so the loss
@@ -437,6 +437,12 @@ impl GangRendezvous {
         let stop = CancellationToken::new();
         let fired = CancellationToken::new();
         let mut watcher = rdzv.watcher(watch_kv, &a);
+        // A bump (another node's failure, a lost member) reaches this node at once; without
+        // this connection, at the next keep-alive tick.
+        match rdzv.kv().reconnect().await {
+            Ok(kv) => watcher = watcher.with_bump_wait(kv),
+            Err(e) => debug!("no connection to wait for the generation's end on ({e}); ticks only"),
+        }
         if let Some(hosted) = &self.hosted {
             // Node 0 hosts the store: a silent member whose connection is still open is late,
             // not lost; one whose connection closed is lost at once.
@@ -731,7 +737,7 @@ async fn loss_followed(
     node_rank: u32,
 ) -> Option<rdzv::GenRecord> {
     let symptom = PostedFailure::from_failure(failure, node_rank).looks_like_consequence()
-        || matches!(failure.status, crate::launch::ExitStatus::Signaled(_));
+        || matches!(failure.status, crate::launch::ExitStatus::Signaled(s) if !sent_from_outside(s));
     if !symptom {
         return None;
     }
@@ -747,6 +753,18 @@ async fn loss_followed(
         }
         tokio::time::sleep(CONSEQUENCE_POLL).await;
     }
+}
+
+/// Signals that reach a rank from outside it — the kernel's OOM killer, an operator, a chaos
+/// tool — never from a peer's loss: a lost peer makes a rank fail on its own (an error, an
+/// abort, a crash). Such a death is this node's failure at once, without the consequence
+/// window's wait (issue #41: 2 s of every killed rank's restart).
+fn sent_from_outside(signal: nix::sys::signal::Signal) -> bool {
+    use nix::sys::signal::Signal;
+    matches!(
+        signal,
+        Signal::SIGKILL | Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP
+    )
 }
 
 /// A fixed-size gang's node whose GPU pre-flight failed joins only to end the job (its

@@ -10,6 +10,7 @@ use std::collections::HashSet;
 
 use nix::unistd::Pid;
 
+use crate::launch::standby;
 use crate::launch::strays::parse_stat;
 
 /// One running worker.
@@ -119,6 +120,16 @@ pub fn parse_environ(environ: &[u8]) -> Env {
     found
 }
 
+/// The module list's path in a warm standby's environment (`None`: not a standby).
+fn standby_list(environ: &[u8]) -> Option<std::ffi::OsString> {
+    use std::os::unix::ffi::OsStrExt;
+    let key = format!("{}=", standby::LIST_ENV);
+    environ
+        .split(|b| *b == 0)
+        .find_map(|entry| entry.strip_prefix(key.as_bytes()))
+        .map(|path| std::ffi::OsStr::from_bytes(path).to_owned())
+}
+
 /// The live (not zombie) children of `agents` (`(node, agent pid)`); empty without `/proc`.
 /// With `sockets`, also whether each has joined its process group.
 pub fn workers(agents: &[(u32, Pid)], sockets: bool) -> Vec<Worker> {
@@ -138,7 +149,16 @@ pub fn workers(agents: &[(u32, Pid)], sockets: bool) -> Vec<Worker> {
                 .map(|(node, _)| *node)?;
             // A worker that exits between the two reads has no environment: skip it.
             let environ = std::fs::read(format!("/proc/{}/environ", stat.pid)).ok()?;
-            let env = parse_environ(&environ);
+            let env = match standby_list(&environ) {
+                // A warm standby: a rank once handed over (its start environment lacks what
+                // the rank got), none while it waits.
+                Some(list) => {
+                    let dir = std::path::Path::new(&list).parent()?;
+                    let pid = u32::try_from(stat.pid).ok()?;
+                    parse_environ(&std::fs::read(standby::handed_env_path(dir, pid)).ok()?)
+                }
+                None => parse_environ(&environ),
+            };
             Some((
                 Worker {
                     pid: stat.pid,
@@ -235,5 +255,52 @@ mod tests {
             (2, Some(4), Some(6), None, false)
         );
         assert!(workers(&[(0, Pid::from_raw(i32::MAX))], false).is_empty());
+    }
+
+    #[test]
+    fn a_standby_counts_only_once_handed_over_and_with_the_rank_it_became() {
+        let dir = std::env::temp_dir().join(format!("muster-procs-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let list = dir.join("standby_1.json");
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env(standby::LIST_ENV, &list)
+            .env("LOCAL_RANK", "1")
+            .spawn()
+            .unwrap();
+        let me = nix::unistd::getpid();
+        let pid = child.id() as i32;
+        let find = || {
+            // As above: other tests' children come and go; look a few times.
+            let mut found = None;
+            for _ in 0..25 {
+                found = workers(&[(1, me)], false)
+                    .into_iter()
+                    .find(|w| w.pid == pid);
+                if found.is_some() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            found
+        };
+        // Waiting: not a worker at all (its environment has no RANK, it belongs to no world).
+        assert_eq!(find(), None);
+        std::fs::write(
+            standby::handed_env_path(&dir, child.id()),
+            b"RANK=3\0WORLD_SIZE=4\0TORCHELASTIC_RESTART_COUNT=2\0",
+        )
+        .unwrap();
+        let w = find();
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_dir_all(&dir);
+        let w = w.expect("the handed-over standby is a worker");
+        assert_eq!(
+            (w.node, w.rank, w.world_size, w.restart_count),
+            (1, Some(3), Some(4), Some(2))
+        );
     }
 }
