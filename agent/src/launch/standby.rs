@@ -50,8 +50,6 @@ pub const MODULES_ENV: &str = "MUSTER_WARM_MODULES";
 const FD_ENV: &str = "MUSTER_STANDBY_FD";
 /// The module list the standby imports.
 pub const LIST_ENV: &str = "MUSTER_STANDBY_MODULES";
-/// How long a ready standby may take to accept or refuse a handover (it looks at its threads
-/// for up to a second).
 /// Where the agent writes the environment it handed to the standby `pid` (`KEY=VALUE`, each
 /// ended by NUL, as `/proc/PID/environ` has it), next to its module list: `/proc` still shows
 /// the standby's start environment, and the dry run's fault injection finds a rank by its
@@ -76,6 +74,8 @@ fn write_handed_env(dir: &Path, pid: u32, env: &[(OsString, OsString)]) -> std::
     std::fs::rename(&tmp, &path)
 }
 
+/// How long a ready standby may take to accept or refuse a handover (it looks at its threads
+/// for up to a second).
 const HANDOVER_WAIT: Duration = Duration::from_secs(3);
 /// How often a running attempt's module files are looked for.
 const POLL: Duration = Duration::from_millis(200);
@@ -998,13 +998,13 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
-    #[tokio::test]
-    async fn a_killed_standby_or_a_refusal_means_cold() {
-        let (pool, plan, dir) = pool_with_standby("killed", "print('ran')\n").await;
-        let env = full_env(&plan);
+    /// Takes local rank 0's standby for `plan` and hands it an environment it must refuse: a
+    /// variable read at import time that only the handover brings (as `rank_env` would).
+    /// Returns what the start wanted, and the refusal.
+    async fn refused_handover(pool: &Pool, plan: &Plan) -> (Option<Slot>, Cold) {
+        let env = full_env(plan);
         let wanted = Slot::new(&plan.entrypoint, env.clone(), pool.recorded(0));
-        // A variable read at import time that only the handover brings (as `rank_env` would).
-        let mut changed = env.clone();
+        let mut changed = env;
         changed.push(("OMP_NUM_THREADS".into(), "9".into()));
         let taken = pool.take(0, wanted.as_ref()).unwrap();
         let (tx, _rx) = mpsc::unbounded_channel();
@@ -1012,6 +1012,13 @@ mod tests {
             .hand_over(taken, &plan.entrypoint.args, &changed, None, 0, &tx)
             .await
             .unwrap_err();
+        (wanted, refused)
+    }
+
+    #[tokio::test]
+    async fn a_killed_standby_or_a_refusal_means_cold() {
+        let (pool, plan, dir) = pool_with_standby("killed", "print('ran')\n").await;
+        let (wanted, refused) = refused_handover(&pool, &plan).await;
         assert_eq!(
             refused,
             Cold::Refused("OMP_NUM_THREADS differs from the standby's start".into())
@@ -1036,16 +1043,8 @@ mod tests {
     #[tokio::test]
     async fn a_refused_standbys_exit_is_never_taken_for_the_next_ones() {
         let (pool, slot_plan, dir) = pool_with_standby("stale", "print('ran')\n").await;
-        let env = full_env(&slot_plan);
-        let wanted = Slot::new(&slot_plan.entrypoint, env.clone(), pool.recorded(0));
-        let mut changed = env.clone();
-        changed.push(("OMP_NUM_THREADS".into(), "9".into()));
-        let taken = pool.take(0, wanted.as_ref()).unwrap();
-        let (tx, _rx) = mpsc::unbounded_channel();
-        assert!(pool
-            .hand_over(taken, &slot_plan.entrypoint.args, &changed, None, 0, &tx)
-            .await
-            .is_err());
+        let (_, refused) = refused_handover(&pool, &slot_plan).await;
+        assert!(matches!(refused, Cold::Refused(_)), "{refused:?}");
         // The refused standby is killed; the next attempt's standby for the same local rank
         // starts before that SIGKILL's exit is read.
         std::fs::write(pool.modules_file(0), b"[\"json\"]").unwrap();

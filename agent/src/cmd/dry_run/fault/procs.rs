@@ -102,11 +102,8 @@ fn mark_joined(workers: &mut [Worker], ports: &[(i32, u16)]) {
 /// `/proc/PID/environ`: `RANK`, `WORLD_SIZE`, `TORCHELASTIC_RESTART_COUNT` and `MASTER_PORT`.
 pub fn parse_environ(environ: &[u8]) -> Env {
     let mut found = Env::default();
-    for entry in environ.split(|b| *b == 0) {
-        let Some((key, value)) = std::str::from_utf8(entry)
-            .ok()
-            .and_then(|e| e.split_once('='))
-        else {
+    for (key, value) in environ_entries(environ) {
+        let (Ok(key), Ok(value)) = (std::str::from_utf8(key), std::str::from_utf8(value)) else {
             continue;
         };
         match key {
@@ -120,14 +117,20 @@ pub fn parse_environ(environ: &[u8]) -> Env {
     found
 }
 
+/// The `KEY=VALUE` entries of NUL-separated environment bytes, split at the first `=`.
+fn environ_entries(environ: &[u8]) -> impl Iterator<Item = (&[u8], &[u8])> {
+    environ.split(|b| *b == 0).filter_map(|entry| {
+        let eq = entry.iter().position(|b| *b == b'=')?;
+        Some((&entry[..eq], &entry[eq + 1..]))
+    })
+}
+
 /// The module list's path in a warm standby's environment (`None`: not a standby).
 fn standby_list(environ: &[u8]) -> Option<std::ffi::OsString> {
     use std::os::unix::ffi::OsStrExt;
-    let key = format!("{}=", standby::LIST_ENV);
-    environ
-        .split(|b| *b == 0)
-        .find_map(|entry| entry.strip_prefix(key.as_bytes()))
-        .map(|path| std::ffi::OsStr::from_bytes(path).to_owned())
+    environ_entries(environ)
+        .find(|(key, _)| *key == standby::LIST_ENV.as_bytes())
+        .map(|(_, path)| std::ffi::OsStr::from_bytes(path).to_owned())
 }
 
 /// The live (not zombie) children of `agents` (`(node, agent pid)`); empty without `/proc`.
