@@ -120,7 +120,7 @@ class Pod:
     """An Indexed Job's pod on loopback: JOB_COMPLETION_INDEX and no --node-rank; its output
     goes to files the test can read while it runs."""
 
-    def __init__(self, tmp_path, index, port, script):
+    def __init__(self, tmp_path, index, port, script, env=None):
         self.out = tmp_path / f"pod{index}.{time.monotonic_ns()}.out"
         self.err = self.out.with_suffix(".err")
         with open(self.out, "w") as out, open(self.err, "w") as err:
@@ -130,7 +130,8 @@ class Pod:
                  "--rdzv-id", "indexed", "--metrics-addr", "none",
                  "--rdzv-conf", "join_timeout=60,keep_alive_interval=1,heartbeat_timeout=3",
                  str(script), str(tmp_path)],
-                stdout=out, stderr=err, env=muster_env({"JOB_COMPLETION_INDEX": str(index)}))
+                stdout=out, stderr=err,
+                env=muster_env({"JOB_COMPLETION_INDEX": str(index), **(env or {})}))
 
     def log(self):
         return self.out.read_text() + self.err.read_text()
@@ -209,3 +210,66 @@ def test_the_dry_run_starts_spares_and_one_takes_a_lost_nodes_place(tmp_path):
     assert any("waiting as a spare" in line for line in spare), log
     assert any(re.search(r"round \d+: node 1 is group rank 1 of 2", line) for line in spare), log
     assert re.search(r"gang resumed: all 2 workers joined again", log), log
+
+
+WARM = """\
+import os, pathlib, sys, time
+import torch
+import torch.distributed as dist
+
+d = pathlib.Path(sys.argv[1])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+(d / ("rank%d.%d" % (rank, os.getppid()))).touch()
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+deadline = time.monotonic() + 120
+while not (d / "done").exists() and time.monotonic() < deadline:
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    # When the peer's pod is killed this raises gloo's "Connection reset by peer": the agent
+    # reads it as the loss's consequence and restarts this rank with the re-formed gang.
+    dist.all_reduce(torch.ones(1))
+    time.sleep(0.05)
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_spares_ranks_start_warm_in_a_lost_members_place(tmp_path):
+    """Issue #41, warm spares: while it waits, the spare keeps a standby that imported what the
+    gang's ranks recorded (read from the agents' store); when index 1's pod is killed, the rank
+    the spare runs in its place starts in that standby, not cold."""
+    script = tmp_path / "warm.py"
+    script.write_text(WARM)
+    port = free_port()
+    # The suite keeps standbys off (2 CPUs); this test is about them. One thread per rank: with
+    # torch's default pool numpy's OpenBLAS threads make a standby refuse (a known gap).
+    env = {"MUSTER_WARM_RESTART": "on", "OMP_NUM_THREADS": "1"}
+    pods = [Pod(tmp_path, i, port, script, env) for i in (0, 1, 2)]
+    try:
+        wait_for("the gang of indexes 0 and 1 never started",
+                 lambda: list(tmp_path.glob("rank1.*")), pods, limit=120)
+        wait_for("the spare never kept a standby",
+                 lambda: "local rank 0: standby ready" in pods[2].log(), pods, limit=120)
+        spare_log = pods[2].log()
+        assert "waiting as a spare: 1 standby interpreter(s) importing" in spare_log, spare_log
+        killed = next(p for p in pods if f".{p.p.pid}" == next(tmp_path.glob("rank1.*")).suffix)
+        killed.p.kill()
+        assert killed.p.wait(10) == -9
+        rest = [p for p in pods if p is not killed]
+        spare = pods[2] if killed is not pods[2] else None
+        assert spare is not None, "index 2 is the spare; it ran no rank before the kill"
+        wait_for("the spare never ran node rank 1",
+                 lambda: (tmp_path / f"rank1.{spare.p.pid}").exists(), rest, limit=120)
+        (tmp_path / "done").touch()
+        codes = [p.p.wait(60) for p in rest]
+    finally:
+        for p in pods:
+            stop_process(p.p, 5)
+    assert codes == [0, 0], [p.log() for p in rest]
+    log = spare.log()
+    assert re.search(r"rank 1 \(local rank 0\): warm start in its standby \(pid \d+\)", log), log
+    assert "cold start" not in log, log

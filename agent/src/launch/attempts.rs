@@ -250,18 +250,45 @@ async fn join_round(
     stop: &StopRequest,
 ) -> Result<Joined, LaunchError> {
     spec.publisher.phase(Phase::Rendezvous { restart_count });
-    tokio::select! {
-        round = rendezvous.next_round(&spec.config, restart_count, stop) => match round {
-            Ok(round) => Ok(Joined::Round(round)),
-            Err(LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::FinishedAsSpare)) => {
-                // Not a failure: under a Kubernetes Job a spare that ended 203/205 here
-                // would mark its pod Failed although the job succeeded.
-                tracing::info!("the job finished while this pod waited as a spare");
-                Ok(Joined::FinishedAsSpare)
+    let round = rendezvous.next_round(&spec.config, restart_count, stop);
+    tokio::pin!(round);
+    // A spare keeps standbys for the ranks it would run, from the gang's module lists: started
+    // here, in the task that later begins the attempt, so they exist before its first rank.
+    let share = spec.standby.as_ref().map(|pool| pool.share());
+    let mut spare_started = false;
+    let mut spare_importing = false;
+    let mut spare_lists = std::pin::pin!(async {
+        match &share {
+            Some(share) => share.gang().await,
+            None => std::future::pending().await,
+        }
+    });
+    loop {
+        tokio::select! {
+            round = &mut round => return match round {
+                Ok(round) => Ok(Joined::Round(round)),
+                Err(LaunchError::Rendezvous(rendezvous::rdzv::RdzvError::FinishedAsSpare)) => {
+                    // Not a failure: under a Kubernetes Job a spare that ended 203/205 here
+                    // would mark its pod Failed although the job succeeded.
+                    tracing::info!("the job finished while this pod waited as a spare");
+                    Ok(Joined::FinishedAsSpare)
+                }
+                Err(e) => Err(e),
+            },
+            () = stop.requested() => return Ok(Joined::Stopped),
+            lists = &mut spare_lists, if !spare_started => {
+                spare_started = true;
+                if let (Some(pool), Some(share)) = (&spec.standby, &share) {
+                    share.take_gang();
+                    pool.start_for_spare(&super::group::spare_plans(spec), &lists);
+                    spare_importing = true;
+                }
             }
-            Err(e) => Err(e),
-        },
-        () = stop.requested() => Ok(Joined::Stopped),
+            // Each of the spare's standbys says once what it costs when ready, as a member's do.
+            () = tokio::time::sleep(super::standby::POLL), if spare_importing => {
+                spare_importing = spec.standby.as_ref().is_some_and(|pool| pool.announce_ready());
+            }
+        }
     }
 }
 

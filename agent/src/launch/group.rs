@@ -246,10 +246,11 @@ async fn start_rank(
         .into_iter()
         .map(|(k, v)| (OsString::from(k), v))
         .collect();
+    // A first attempt has no standby, except a spare's that takes a place in it.
     if let Some(pool) = spec
         .standby
         .as_ref()
-        .filter(|_| assignment.restart_count > 0)
+        .filter(|pool| assignment.restart_count > 0 || pool.holds(local_rank))
     {
         let rank = assignment.base_global_rank + local_rank;
         // Boxed: the handover's future would otherwise grow every attempt's.
@@ -374,18 +375,50 @@ fn start_standbys(
     flight_recorder: &[(&'static str, OsString)],
 ) -> Option<tokio::task::JoinHandle<()>> {
     let pool = spec.standby.as_ref()?;
-    let plans = (0..spec.config.nproc_per_node)
+    let plans = standby_plans(spec, assignment, flight_recorder);
+    Some(tokio::spawn(super::standby::start_after_first_step(
+        Arc::clone(pool),
+        plans,
+    )))
+}
+
+/// The standbys of a node waiting as a spare: the rank slots it would run, with an assignment
+/// of its own making. Only what differs per attempt depends on the assignment ([`PER_ATTEMPT`]:
+/// none of it is in a standby's environment; the handover brings the real values), and the
+/// flight recorder's file is per attempt too.
+///
+/// [`PER_ATTEMPT`]: super::standby::PER_ATTEMPT
+pub(super) fn spare_plans(spec: &WorkerGroupSpec) -> Vec<super::standby::Plan> {
+    let unassigned = RankAssignment {
+        node_rank: 0,
+        group_world_size: 1,
+        base_global_rank: 0,
+        world_size: spec.config.nproc_per_node,
+        master_addr: String::new(),
+        master_port: 0,
+        restart_count: 0,
+        run_id: String::new(),
+    };
+    let attempt_dir = spec.run_dir.as_ref().map(|d| d.join("attempt_0"));
+    let flight_recorder =
+        crate::watch::flight_recorder::decide(attempt_dir.as_deref(), &|k| std::env::var_os(k));
+    standby_plans(spec, &unassigned, &flight_recorder.env)
+}
+
+/// One standby plan per local rank of `assignment`.
+fn standby_plans(
+    spec: &WorkerGroupSpec,
+    assignment: &RankAssignment,
+    flight_recorder: &[(&'static str, OsString)],
+) -> Vec<super::standby::Plan> {
+    (0..spec.config.nproc_per_node)
         .map(|local_rank| super::standby::Plan {
             local_rank,
             entrypoint: spec.config.entrypoint.clone(),
             overlay: rank_overlay(spec, assignment, local_rank, None, flight_recorder),
             cpus: rank_cpus(spec, local_rank),
         })
-        .collect();
-    Some(tokio::spawn(super::standby::start_after_first_step(
-        Arc::clone(pool),
-        plans,
-    )))
+        .collect()
 }
 
 /// Runs one attempt of the local worker group to its end.

@@ -56,6 +56,7 @@ pub mod stop_mark;
 mod store_host;
 pub mod strays;
 pub mod summary;
+pub mod warm_share;
 pub mod watchdog;
 
 use std::ffi::OsString;
@@ -286,9 +287,12 @@ impl Launch {
             rank_cpus,
             rank_env,
             watchdog,
-            standby: standby_pool(&config, &reaper, run_dir.path.as_deref()),
+            standby: standby_pool(&config, &reaper, run_dir.path.as_deref(), &publisher),
             rank_marks,
         };
+        if let Some(pool) = &spec.standby {
+            rendezvous.share_warm_modules(pool.share());
+        }
         let result = attempts(
             &spec,
             rendezvous.as_mut(),
@@ -331,6 +335,7 @@ fn standby_pool(
     config: &Config,
     reaper: &Reaper,
     run_dir: Option<&std::path::Path>,
+    publisher: &Publisher,
 ) -> Option<Arc<standby::Pool>> {
     if !config.warm_restart {
         return None;
@@ -349,6 +354,7 @@ fn standby_pool(
     let dir = run_dir?.join("standby");
     match standby::Pool::new(reaper.clone(), dir) {
         Ok(pool) => {
+            let pool = pool.with_publisher(publisher.clone());
             tracing::info!(
                 "--warm-restart on: one standby interpreter per local rank after each attempt's first step (turn it off with --warm-restart off on a memory-tight pod)"
             );

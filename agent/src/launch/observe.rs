@@ -93,6 +93,8 @@ pub enum Event {
     },
     /// Every local rank of a restarted attempt stepped: what the restart cost, phase by phase.
     RestartTimed(super::restart_timeline::RestartCost),
+    /// This node's warm standbys changed: how many there are and what they cost.
+    Standbys(super::standby::Standbys),
     /// Before attempt `restart_count` started, the agent waited `waited` for the previous
     /// attempt's GPU processes and memory to be released (`released`: false when it gave up).
     GpuReleaseWaited {

@@ -78,7 +78,7 @@ fn write_handed_env(dir: &Path, pid: u32, env: &[(OsString, OsString)]) -> std::
 /// for up to a second).
 const HANDOVER_WAIT: Duration = Duration::from_secs(3);
 /// How often a running attempt's module files are looked for.
-const POLL: Duration = Duration::from_millis(200);
+pub const POLL: Duration = Duration::from_millis(200);
 
 /// The variables that change from one attempt to the next (torchrun's assignment, the attempt's
 /// files): a standby starts without them, and they do not count when its environment is
@@ -280,6 +280,20 @@ pub fn decide(standby: Option<Seen<'_>>, wanted: Option<&Slot>) -> Result<(), Co
     Ok(())
 }
 
+/// What this node's standbys cost now, for metrics and `/gangz`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Standbys {
+    /// Started, imports not done yet.
+    pub importing: u32,
+    /// Imports done, waiting for a restart.
+    pub ready: u32,
+    /// The ready ones' resident memory, as measured when each said ready.
+    pub resident_bytes: u64,
+    /// The CPU every standby that became ready since the agent started spent on its start and
+    /// imports.
+    pub cpu: Duration,
+}
+
 /// One standby interpreter.
 struct Standby {
     spawned: Spawned,
@@ -293,6 +307,8 @@ struct Standby {
     exited: Option<ExitStatus>,
     /// Its cost was logged once it said ready ([`Pool::announce_ready`]).
     announced: bool,
+    /// Its resident bytes when it said ready (0: `/proc` could not tell).
+    resident_bytes: u64,
 }
 
 /// What a ready standby costs: its resident memory and the CPU its start and imports took, from
@@ -348,6 +364,10 @@ pub struct Pool {
     /// Where the ranks' module files and the standbys' lists go.
     dir: PathBuf,
     inner: Mutex<Inner>,
+    /// The ranks' lists for the gang's spares, and the gang's for this node as a spare.
+    share: super::warm_share::WarmShare,
+    /// Where what the standbys cost goes ([`Standbys`]).
+    publisher: Option<super::Publisher>,
 }
 
 struct Inner {
@@ -364,9 +384,29 @@ struct Inner {
     next_tag: usize,
     exits_tx: mpsc::UnboundedSender<ExitReport>,
     exits: mpsc::UnboundedReceiver<ExitReport>,
+    /// The CPU of every standby that said ready so far.
+    cpu_spent: Duration,
+    /// What was last published ([`Pool::publish`]).
+    published: Standbys,
 }
 
 impl Inner {
+    fn summary(&self) -> Standbys {
+        let mut summary = Standbys {
+            cpu: self.cpu_spent,
+            ..Standbys::default()
+        };
+        for s in self.standbys.values().filter(|s| s.exited.is_none()) {
+            if s.announced {
+                summary.ready += 1;
+                summary.resident_bytes += s.resident_bytes;
+            } else {
+                summary.importing += 1;
+            }
+        }
+        summary
+    }
+
     /// Marks the standbys whose exits the reaper reported.
     fn collect_exits(&mut self) {
         while let Ok((tag, status)) = self.exits.try_recv() {
@@ -384,10 +424,12 @@ impl Pool {
     /// Logs each standby that said ready since the last call, once, with what it costs (issue
     /// #41: an operator who pays for the pod's memory sees it); false once none is left
     /// importing.
-    fn announce_ready(&self) -> bool {
-        let mut inner = self.lock();
+    pub fn announce_ready(&self) -> bool {
+        let mut guard = self.lock();
+        let inner = &mut *guard;
         inner.collect_exits();
         let mut importing = false;
+        let cpu_spent = &mut inner.cpu_spent;
         for (local_rank, standby) in &mut inner.standbys {
             if standby.announced || standby.exited.is_some() {
                 continue;
@@ -400,6 +442,8 @@ impl Pool {
             standby.announced = true;
             let pid = standby.spawned.pid;
             if let Some((rss, cpu)) = standby_cost(pid) {
+                standby.resident_bytes = rss;
+                *cpu_spent += cpu;
                 tracing::info!(
                     "local rank {local_rank}: standby ready (pid {pid}): {} MiB resident, {:.1} s of CPU for its start and imports; a restart of this rank starts in it",
                     rss >> 20,
@@ -411,7 +455,19 @@ impl Pool {
                 );
             }
         }
+        self.publish(inner);
         importing
+    }
+
+    /// Tells the metrics what the standbys cost now, when it changed.
+    fn publish(&self, inner: &mut Inner) {
+        let now = inner.summary();
+        if now != inner.published {
+            inner.published = now;
+            if let Some(publisher) = &self.publisher {
+                publisher.event(super::Event::Standbys(now));
+            }
+        }
     }
 }
 
@@ -432,6 +488,8 @@ impl Pool {
         Ok(Pool {
             reaper,
             dir,
+            share: super::warm_share::WarmShare::new(),
+            publisher: None,
             inner: Mutex::new(Inner {
                 standbys: HashMap::new(),
                 late: HashMap::new(),
@@ -440,12 +498,62 @@ impl Pool {
                 recorded: HashMap::new(),
                 exits_tx,
                 exits,
+                cpu_spent: Duration::ZERO,
+                published: Standbys::default(),
             }),
         })
     }
 
+    /// Reports what the standbys cost to `publisher` ([`super::Event::Standbys`]).
+    #[must_use]
+    pub fn with_publisher(mut self, publisher: super::Publisher) -> Pool {
+        self.publisher = Some(publisher);
+        self
+    }
+
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What this pool shares with the gang rendezvous ([`super::warm_share`]).
+    pub fn share(&self) -> super::warm_share::WarmShare {
+        self.share.clone()
+    }
+
+    /// Whether local rank `local_rank` has a standby (a spare's, before its first attempt).
+    pub fn holds(&self, local_rank: u32) -> bool {
+        self.lock().standbys.contains_key(&local_rank)
+    }
+
+    /// A spare's standbys, from the gang's `lists` (what its members' ranks recorded): each is
+    /// also written as the rank's module file, so that the attempt the spare joins records it
+    /// as the previous attempt's ([`Pool::begin_attempt`]) and [`decide`] finds them equal.
+    /// Local ranks that have a standby keep it.
+    pub fn start_for_spare(&self, plans: &[Plan], lists: &super::warm_share::ModuleLists) {
+        let agent = nix::unistd::getpid();
+        let mut started = 0;
+        for plan in plans {
+            let Some(modules) = lists.get(&plan.local_rank) else {
+                continue;
+            };
+            if modules.is_empty() || self.holds(plan.local_rank) {
+                continue;
+            }
+            let result = std::fs::write(self.modules_file(plan.local_rank), modules)
+                .and_then(|()| self.start(plan, modules.clone(), agent));
+            match result {
+                Ok(()) => started += 1,
+                Err(err) => tracing::warn!(
+                    "local rank {}: cannot start a warm standby while waiting as a spare ({err}); its start will be cold",
+                    plan.local_rank
+                ),
+            }
+        }
+        if started > 0 {
+            tracing::info!(
+                "waiting as a spare: {started} standby interpreter(s) importing what the gang's ranks imported, so that taking a lost node's place starts its ranks warm"
+            );
+        }
     }
 
     /// The file local rank `local_rank` writes its modules to (its `MUSTER_WARM_MODULES`).
@@ -496,22 +604,26 @@ impl Pool {
             exited: s.exited,
             ready: s.ready.as_ref(),
         });
-        match decide(seen, wanted) {
-            Ok(()) => {
-                let standby = standby.expect("decide needs a standby");
-                inner.handing.insert(standby.tag);
-                Ok(Taken {
-                    standby,
-                    local_rank,
-                })
-            }
+        let taken = match decide(seen, wanted) {
+            Ok(()) => match standby {
+                Some(standby) => {
+                    inner.handing.insert(standby.tag);
+                    Ok(Taken {
+                        standby,
+                        local_rank,
+                    })
+                }
+                None => Err(Cold::NoStandby),
+            },
             Err(why) => {
                 if let Some(s) = standby {
                     s.kill();
                 }
                 Err(why)
             }
-        }
+        };
+        self.publish(&mut inner);
+        taken
     }
 
     /// Starts the standby of `plan`'s rank from the modules it recorded (`modules`).
@@ -562,11 +674,13 @@ impl Pool {
                 ready: None,
                 exited: None,
                 announced: false,
+                resident_bytes: 0,
             },
         );
         if let Some(old) = old {
             old.kill();
         }
+        self.publish(&mut inner);
         Ok(())
     }
 
@@ -588,9 +702,11 @@ impl Pool {
 
     /// Kills every standby.
     pub fn stop_all(&self) {
-        for (_, s) in self.lock().standbys.drain() {
+        let mut inner = self.lock();
+        for (_, s) in inner.standbys.drain() {
             s.kill();
         }
+        self.publish(&mut inner);
     }
 }
 
@@ -605,6 +721,8 @@ impl Drop for Pool {
 /// caller aborts it when the attempt ends.
 pub async fn start_after_first_step(pool: std::sync::Arc<Pool>, mut plans: Vec<Plan>) {
     let agent = nix::unistd::getpid();
+    let mut recorded = super::warm_share::ModuleLists::new();
+    let mut shared = false;
     while !plans.is_empty() || pool.announce_ready() {
         tokio::time::sleep(POLL).await;
         plans.retain(|plan| {
@@ -612,6 +730,7 @@ pub async fn start_after_first_step(pool: std::sync::Arc<Pool>, mut plans: Vec<P
             if modules.is_empty() {
                 return true;
             }
+            recorded.insert(plan.local_rank, modules.clone());
             if let Err(err) = pool.start(plan, modules, agent) {
                 tracing::warn!(
                     "local rank {}: cannot start a warm standby ({err}); a restart starts it cold",
@@ -620,6 +739,10 @@ pub async fn start_after_first_step(pool: std::sync::Arc<Pool>, mut plans: Vec<P
             }
             false
         });
+        if plans.is_empty() && !shared {
+            shared = true;
+            pool.share.recorded(std::mem::take(&mut recorded));
+        }
     }
 }
 
@@ -1064,6 +1187,45 @@ mod tests {
         let next = plan(&pool, &script, "5");
         let wanted = Slot::new(&next.entrypoint, full_env(&next), pool.recorded(0));
         // Was: "its standby died (signal SIGKILL)", the refused one's death read as this one's.
+        assert!(pool.take(0, wanted.as_ref()).is_ok());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[tokio::test]
+    async fn a_spares_standby_comes_from_the_gangs_list_and_takes_its_first_start() {
+        let dir = std::env::temp_dir().join(format!("muster-standby-spare-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let publisher = super::super::Publisher::new();
+        let mut events = publisher.subscribe().events;
+        let pool = Pool::new(Reaper::start().unwrap(), dir.join("pool"))
+            .unwrap()
+            .with_publisher(publisher);
+        let script = dir.join("s.py");
+        std::fs::write(&script, "print('ran')\n").unwrap();
+        let lists: super::super::warm_share::ModuleLists =
+            [(0, b"[\"json\"]".to_vec()), (7, b"[\"decimal\"]".to_vec())]
+                .into_iter()
+                .collect();
+        let waiting = plan(&pool, &script, "0");
+        // Local rank 7 is not this node's: only rank 0's plan exists, only it is started.
+        pool.start_for_spare(std::slice::from_ref(&waiting), &lists);
+        assert!(pool.holds(0));
+        assert!(pool.wait_ready(0, Duration::from_secs(20)).await);
+        while pool.announce_ready() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let mut last = None;
+        while let Ok(super::super::Event::Standbys(now)) = events.try_recv() {
+            last = Some(now);
+        }
+        let last = last.expect("the standbys' cost published");
+        assert_eq!((last.ready, last.importing), (1, 0), "{last:?}");
+        assert!(last.resident_bytes > 0, "{last:?}");
+        // The attempt the spare joins records the gang's list as its own previous one.
+        pool.begin_attempt(1);
+        assert_eq!(pool.recorded(0), b"[\"json\"]");
+        let next = plan(&pool, &script, "3");
+        let wanted = Slot::new(&next.entrypoint, full_env(&next), pool.recorded(0));
         assert!(pool.take(0, wanted.as_ref()).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -275,6 +275,7 @@ impl ObserverState {
             | Event::WorkerOomKilled { .. }
             | Event::GpuReleaseWaited { .. } => metrics.cleanup().observe(event),
             Event::RestartTimed(cost) => metrics.restarts().timed(cost),
+            Event::Standbys(now) => metrics.restarts().standbys(now),
             Event::SignalReceived { .. } => {
                 metrics.signals().observe(event, &mut self.countdown, grace);
                 metrics.checkpoints().observe(event);
@@ -446,6 +447,10 @@ impl Rendezvous for Metered {
 
     fn spare_hosts(&self) -> Option<rendezvous::rdzv::driver::SpareHosts> {
         self.inner.spare_hosts()
+    }
+
+    fn share_warm_modules(&mut self, share: crate::launch::warm_share::WarmShare) {
+        self.inner.share_warm_modules(share);
     }
 
     fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {

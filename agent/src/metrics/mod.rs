@@ -415,6 +415,11 @@ impl Metrics {
         self.inner.probes.spare_hosts()
     }
 
+    /// `/gangz`'s line about this node's warm standbys, if it has any.
+    pub fn standby_line(&self) -> Option<String> {
+        self.inner.restarts.standby_line()
+    }
+
     // ---- worker output ------------------------------------------------------------------------
 
     /// Exports what each rank wrote (`muster_worker_output_*`), read from the log pumps'

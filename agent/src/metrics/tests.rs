@@ -1791,3 +1791,68 @@ async fn gangz_and_a_gauge_show_the_spares_node_0_answered() {
     );
     shutdown.cancel();
 }
+
+#[tokio::test]
+async fn gangz_and_gauges_show_what_the_standbys_cost() {
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let get = |path: &'static str| async move {
+        send(
+            addr,
+            format!("GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+    };
+    metrics.set_phase(Phase::Running);
+    metrics.workers().workers_started(2);
+    let text = scrape(&metrics);
+    for state in ["importing", "ready"] {
+        assert_eq!(
+            value(&text, "muster_standbys", &[("state", state)]),
+            Some(0.0),
+            "{state} at 0 from the start"
+        );
+    }
+    assert_eq!(get("/gangz").await.body, "gang running\n");
+
+    metrics
+        .restarts()
+        .standbys(&crate::launch::standby::Standbys {
+            importing: 1,
+            ready: 1,
+            resident_bytes: 700 << 20,
+            cpu: Duration::from_millis(3_500),
+        });
+    let text = scrape(&metrics);
+    assert_eq!(
+        value(&text, "muster_standbys", &[("state", "ready")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&text, "muster_standbys", &[("state", "importing")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        value(&text, "muster_standby_resident_bytes", &[]),
+        Some((700u64 << 20) as f64)
+    );
+    assert_eq!(value(&text, "muster_standby_cpu_seconds", &[]), Some(3.5));
+    assert_eq!(
+        get("/gangz").await.body,
+        "gang running\n1 warm standby(s) ready (700 MiB resident), 1 importing\n"
+    );
+
+    // Taken at the restart: the line goes, the CPU they cost stays counted.
+    metrics
+        .restarts()
+        .standbys(&crate::launch::standby::Standbys {
+            cpu: Duration::from_millis(3_500),
+            ..Default::default()
+        });
+    assert_eq!(get("/gangz").await.body, "gang running\n");
+    assert_eq!(
+        value(&scrape(&metrics), "muster_standby_cpu_seconds", &[]),
+        Some(3.5)
+    );
+    shutdown.cancel();
+}

@@ -56,6 +56,8 @@ pub struct Rendezvous<K: Kv> {
     /// Node 0: the running generation's ranks whose member does not hold them as its own
     /// identity (given by arrival, or a spare in a lost member's place).
     pub(super) held_ranks: Vec<u32>,
+    /// True while this node waits as a spare ([`Rendezvous::waiting_as_spare`]).
+    pub(super) spare: tokio::sync::watch::Sender<bool>,
 }
 
 /// The hosts of the nodes node 0 answered "spare" in the running generation (replaced when a
@@ -79,7 +81,14 @@ impl<K: Kv> Rendezvous<K> {
             memory: None,
             spares: SpareHosts::default(),
             held_ranks: Vec::new(),
+            spare: tokio::sync::watch::Sender::new(false),
         }
+    }
+
+    /// True while this node waits as a spare (node 0 answered it "spare"), false once it joined
+    /// a round: what a spare's agent prepares for while it waits (warm standbys) starts then.
+    pub fn waiting_as_spare(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.spare.subscribe()
     }
 
     /// Keeps the spare list in `spares` (shared with the caller, which outlives this value).

@@ -79,6 +79,7 @@ impl<K: Kv> Rendezvous<K> {
                 let value = self.kv.get(&answer_key).await.map_err(lost)?;
                 match parse_json::<Answer>(&answer_key, &value)? {
                     Answer::Member(assignment) => {
+                        self.spare.send_replace(false);
                         self.remember_round(gen, 0, raw, rec.clone(), &assignment);
                         return Ok(Joined {
                             assignment,
@@ -93,6 +94,7 @@ impl<K: Kv> Rendezvous<K> {
                             target: "muster::spare",
                             "waiting as a spare: the gang is full (generation {gen}); this node takes a place at the next round"
                         );
+                        self.spare.send_replace(true);
                         self.wait_for_new_generation(gen).await?;
                         // A spare waits as long as the gang runs; the round it is called to
                         // gets the whole join timeout, like a first one.

@@ -16,6 +16,7 @@
 //! | `memory` | JSON [`super::recovery::GangMemory`] | SET by a replacement node 0 that adopted the survivors' memory |
 //! | `g<G>/failures` | ADD counter: failures posted | ADD by a node whose worker failed ([`super::board`]) |
 //! | `g<G>/failure/<i>` | opaque JSON (the agent's failure record) | SET by the poster of failure i (1-based, in the store host's receive order) |
+//! | `warm_modules` | opaque JSON (the agent's: the ranks' installed modules by local rank) | COMPARE_SET from missing by the first member whose ranks recorded theirs; read by spares |
 
 /// Builds the wire keys of one run.
 #[derive(Debug, Clone)]
@@ -28,6 +29,12 @@ impl Keys {
         Self {
             prefix: format!("muster/{run_id}/"),
         }
+    }
+
+    /// The installed modules the gang's ranks imported, by local rank (opaque JSON, the agent's):
+    /// what a spare's warm standbys import while it waits.
+    pub fn warm_modules(&self) -> Vec<u8> {
+        format!("{}warm_modules", self.prefix).into_bytes()
     }
 
     pub fn gen(&self) -> Vec<u8> {
@@ -95,5 +102,6 @@ mod tests {
         assert_ne!(a.slot(3, 7), a.slot(4, 7));
         assert_ne!(a.gen(), b.gen());
         assert_eq!(a.heartbeat("x1"), b"muster/job/hb/x1");
+        assert_ne!(a.warm_modules(), b.warm_modules());
     }
 }

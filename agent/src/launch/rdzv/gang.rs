@@ -107,6 +107,8 @@ pub struct GangRendezvous {
     /// Set by the crash-loop guard: this node's failed attempt ends the job for everyone with
     /// this code and message instead of a counted restart.
     give_up: Option<(u8, String)>,
+    /// The standby pool's module lists (warm spares, [`super::warm`]); `None` without standbys.
+    warm: Option<crate::launch::warm_share::WarmShare>,
 }
 
 /// A survivor between the loss of the store host and its next round.
@@ -198,6 +200,7 @@ impl GangRendezvous {
             spare_hosts: rendezvous::rdzv::driver::SpareHosts::default(),
             loopback_endpoint: false,
             give_up: None,
+            warm: None,
         })
     }
 
@@ -418,7 +421,35 @@ impl GangRendezvous {
                 "rendezvous not started",
             )));
         };
-        let (store, a) = Self::join_round(rdzv, advertised, self.max_store_bytes).await?;
+        let warm_key = rdzv::keys::Keys::new(&self.cfg.run_id).warm_modules();
+        let op_timeout = self.cfg.heartbeat_timeout;
+        let store_addr = rdzv.kv().addr();
+        let spare_fetch = {
+            let share = self.warm.clone();
+            let spare = rdzv.waiting_as_spare();
+            let key = warm_key.clone();
+            let local_ranks = self.local_world_size;
+            async move {
+                match share {
+                    Some(share) => {
+                        super::warm::fetch_while_spare(
+                            share,
+                            spare,
+                            store_addr,
+                            op_timeout,
+                            key,
+                            local_ranks,
+                        )
+                        .await
+                    }
+                    None => std::future::pending::<std::convert::Infallible>().await,
+                }
+            }
+        };
+        let (store, a) = tokio::select! {
+            joined = Self::join_round(rdzv, advertised, self.max_store_bytes) => joined?,
+            never = spare_fetch => match never {},
+        };
         Self::announce_round(&a, self.recovering.take(), &self.host_loss);
         let watch_kv = match rdzv.kv().reconnect().await {
             Ok(kv) => kv,
@@ -470,6 +501,20 @@ impl GangRendezvous {
             restart_count: a.restart_count,
             run_id: self.cfg.run_id.clone(),
         };
+        if let Some(share) = self
+            .warm
+            .clone()
+            .filter(|_| a.group_rank < super::warm::PUBLISHERS)
+        {
+            let publish = super::warm::publish(share, store_addr, op_timeout, warm_key);
+            let until = stop.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = publish => {}
+                    () = until.cancelled() => {}
+                }
+            });
+        }
         let (failure_post, failure) = tokio::sync::oneshot::channel();
         let poster = tokio::spawn(post_failure(
             failure,
@@ -938,6 +983,10 @@ impl super::Rendezvous for GangRendezvous {
 
     fn spare_hosts(&self) -> Option<rendezvous::rdzv::driver::SpareHosts> {
         Some(self.spare_hosts.clone())
+    }
+
+    fn share_warm_modules(&mut self, share: crate::launch::warm_share::WarmShare) {
+        self.warm = Some(share);
     }
 
     fn end_on_failure(&mut self, exit_code: u8, why: String) -> bool {

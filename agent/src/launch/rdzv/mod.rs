@@ -5,6 +5,7 @@
 
 pub mod gang;
 mod local;
+mod warm;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -32,6 +33,11 @@ pub trait Rendezvous: Send {
         restart_count: u32,
         stop: &'a StopRequest,
     ) -> BoxFuture<'a, Result<Round, LaunchError>>;
+
+    /// Where the standby pool and the rendezvous meet (warm spares, [`super::warm_share`]): the
+    /// gang rendezvous publishes this node's module lists and, while it waits as a spare,
+    /// fetches the gang's; one node's has no spares.
+    fn share_warm_modules(&mut self, _share: super::warm_share::WarmShare) {}
 
     /// Node 0's list of the nodes waiting as spares (the gang rendezvous only).
     fn spare_hosts(&self) -> Option<rendezvous::rdzv::driver::SpareHosts> {

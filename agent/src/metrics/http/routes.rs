@@ -292,6 +292,11 @@ fn gangz(metrics: &Metrics) -> Reply {
         .iter()
         .flat_map(|f| [f.as_str(), "\n"])
         .collect();
+    // What the warm standbys cost the pod, next to what they are for.
+    let findings = match metrics.standby_line() {
+        Some(line) => format!("{line}\n{findings}"),
+        None => findings,
+    };
     let spares = metrics.spare_hosts();
     if metrics.is_gang_running() {
         let head = if spares.is_empty() {
