@@ -58,16 +58,7 @@ impl WarmShare {
 
     /// Waits until this node's ranks recorded their lists ([`WarmShare::recorded`]).
     pub async fn ours(&self) -> ModuleLists {
-        let mut rx = self.inner.ours.subscribe();
-        loop {
-            if let Some(lists) = rx.borrow_and_update().clone() {
-                return lists;
-            }
-            if rx.changed().await.is_err() {
-                // The sender lives in `inner`, which `self` holds: never closed.
-                std::future::pending::<()>().await;
-            }
-        }
+        once_set(&self.inner.ours).await
     }
 
     /// A spare read the gang's lists.
@@ -77,21 +68,25 @@ impl WarmShare {
 
     /// Resolves with the gang's lists once a spare read them (at once when it already did).
     pub async fn gang(&self) -> ModuleLists {
-        let mut rx = self.inner.gang.subscribe();
-        loop {
-            if let Some(lists) = rx.borrow_and_update().clone() {
-                return lists;
-            }
-            if rx.changed().await.is_err() {
-                std::future::pending::<()>().await;
-            }
-        }
+        once_set(&self.inner.gang).await
     }
 
     /// Forgets what a spare read (its lists were used).
     pub fn take_gang(&self) -> Option<ModuleLists> {
         self.inner.gang.send_replace(None)
     }
+}
+
+/// The value `lists` holds once it is set (at once when it already is).
+async fn once_set(lists: &watch::Sender<Option<ModuleLists>>) -> ModuleLists {
+    let mut rx = lists.subscribe();
+    if let Ok(set) = rx.wait_for(Option::is_some).await {
+        if let Some(lists) = set.clone() {
+            return lists;
+        }
+    }
+    // The sender lives in the share the caller holds: never closed.
+    std::future::pending().await
 }
 
 /// The store value for `lists`: a JSON object from local rank to the list's text.
