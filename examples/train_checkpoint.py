@@ -12,6 +12,11 @@ Checkpoint layout (a shared directory for multi-node jobs):
     <ckpt-dir>/LATEST                 "T", written by rank 0 only after muster committed step T
 
 A step directory without LATEST pointing at it is an aborted checkpoint and is never loaded.
+
+With `muster --snapshot-every N`, every N steps each rank also hands its state to its agent's
+memory (`muster_launcher.snapshot`), and a restart within the job resumes from the newest such
+step when it is newer than LATEST: a crash then costs at most N steps, not the steps since the
+last save to storage.
 """
 
 import argparse
@@ -23,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import muster_checkpoint  # put on PYTHONPATH by muster; or vendor python/muster_launcher/ with it
+from muster_launcher import snapshot
 
 
 def parse_args():
@@ -71,6 +77,13 @@ def main():
         opt.load_state_dict(state["opt"])
         start = resumed + 1
         print(f"resumed from committed step {resumed}", flush=True)
+    restored = snapshot.restore()  # None unless muster holds a newer in-memory snapshot
+    if restored is not None and restored[0] + 1 > start:
+        step, state = restored
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        start = step + 1
+        print(f"resumed from snapshot step {step}", flush=True)
 
     ckpt = muster_checkpoint.Checkpointer()
     for step in range(start, args.steps):
@@ -82,6 +95,7 @@ def main():
         time.sleep(args.step_seconds)
         if step % args.log_every == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+        snapshot.save(step, lambda: {"model": model.state_dict(), "opt": opt.state_dict()})
 
         if args.save_every and step > start and step % args.save_every == 0:
             # A periodic save, without muster's barrier: every rank saves, the collective

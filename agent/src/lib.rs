@@ -56,6 +56,7 @@ pub mod netcheck;
 pub mod python_files;
 pub mod scratch;
 pub mod slurm;
+pub mod snapshot;
 pub mod straggler_watch;
 pub mod sys;
 pub mod watch;

@@ -50,6 +50,7 @@ const FILES: &[PythonFile] = &[
     same_path!("muster_launcher/checkpoint.py", startup: false),
     same_path!("muster_launcher/autoreport.py", startup: false),
     same_path!("muster_launcher/standby.py", startup: false),
+    same_path!("muster_launcher/snapshot.py", startup: false),
     same_path!("muster_launcher/integrations/__init__.py", startup: false),
     same_path!("muster_launcher/integrations/barrier.py", startup: false),
     same_path!("muster_launcher/integrations/transformers.py", startup: false),

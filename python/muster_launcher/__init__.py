@@ -5,6 +5,7 @@ loads into every rank it starts.
   line an error prints); every other module talks to the agent through it.
 - `checkpoint`: the helper a script uses for muster's checkpoint barrier (`Checkpointer`).
 - `autoreport`: the zero-code step reports for scripts that do not use the helper.
+- `snapshot`: in-memory snapshots a script hands to the agent (`--snapshot-every`), and their restore.
 - `importhook`: waits for a module to be imported, to patch it or to load one of muster's.
 - `integrations`: one module per training framework (Hugging Face, Lightning), registered in one
   list that muster's `sitecustomize` (python/muster_sitecustomize.py) is generated from.

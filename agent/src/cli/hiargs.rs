@@ -393,6 +393,13 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     let framework_callbacks = on_off(low, "framework-callbacks")?;
     let auto_step_reports = on_off(low, "auto-step-reports")?;
     let warm_restart = on_off_default(low, "warm-restart", true)?;
+    let snapshot_every = parsed(low, "snapshot-every", |text| {
+        text.trim()
+            .parse::<u64>()
+            .map_err(|_| "expected a number of steps (0: off)")
+    })?
+    .filter(|&every| every > 0);
+    let snapshot_memory = parsed(low, "snapshot-memory", parse_byte_size)?.map(|b| b as u64);
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
     let logs = log_config(low)?;
     let signals = parsed(low, "signals-to-handle", parse_signals)?.unwrap_or_default();
@@ -447,6 +454,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         hang,
         auto_step_reports,
         warm_restart,
+        snapshot_every,
+        snapshot_memory,
         scheduler: crate::cli::scheduler::Behaviour::default(),
         straggler,
     })
@@ -1299,6 +1308,34 @@ mod tests {
             let err = build_with(bad, &[PATH], 0).unwrap_err();
             assert!(err.0.contains(bad[0]), "{err}");
         }
+    }
+
+    #[test]
+    fn snapshots_are_off_unless_a_step_count_is_given() {
+        let c = build_with(&["train.py"], &[PATH], 0).unwrap();
+        assert_eq!((c.snapshot_every, c.snapshot_memory), (None, None));
+        let c = build_with(&["--snapshot-every", "0", "train.py"], &[PATH], 0).unwrap();
+        assert_eq!(c.snapshot_every, None);
+        let c = build_with(
+            &[
+                "--snapshot-every",
+                "5",
+                "--snapshot-memory",
+                "2GiB",
+                "train.py",
+            ],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            (c.snapshot_every, c.snapshot_memory),
+            (Some(5), Some(2 << 30))
+        );
+        let err = build_with(&["--snapshot-every", "-1", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--snapshot-every"), "{err}");
+        let err = build_with(&["--snapshot-memory", "lots", "train.py"], &[PATH], 0).unwrap_err();
+        assert!(err.0.contains("--snapshot-memory"), "{err}");
     }
 
     #[test]

@@ -310,6 +310,12 @@ pub struct Config {
     /// the rank's installed modules ([`super::standby`]); on by default, for a job that can
     /// restart at all ([`Config::can_restart`]).
     pub warm_restart: bool,
+    /// `--snapshot-every`: every this many steps the ranks hand their state to the agent
+    /// ([`crate::snapshot`]); `None`: off.
+    pub snapshot_every: Option<u64>,
+    /// `--snapshot-memory`: the most the snapshots may hold on this node (`None`: from the
+    /// pod's memory limit).
+    pub snapshot_memory: Option<u64>,
     /// What the scheduler that started this agent does (`cli::scheduler`): whether a
     /// lost node comes back, whether it signals every process, the node's index.
     pub scheduler: SchedulerBehaviour,
@@ -387,6 +393,8 @@ impl Config {
             hang: crate::watch::hang::Policy::default(),
             auto_step_reports: true,
             warm_restart: true,
+            snapshot_every: None,
+            snapshot_memory: None,
             scheduler: SchedulerBehaviour::default(),
             straggler: crate::watch::straggler::Settings::default(),
         }

@@ -1,0 +1,103 @@
+"""In-memory snapshots (`--snapshot-every`, issue #42): real PyTorch ranks hand their state to the
+agent through `muster_launcher.snapshot`, a rank is SIGKILLed, and the next attempt restores the
+newest step every rank handed over, bit for bit, on every rank alike."""
+
+import re
+import subprocess
+
+import pytest
+
+from conftest import muster_bin, muster_env
+
+# Each rank's state is a pure function of (rank, step), so the restored one can be checked
+# exactly: dtypes torch has and numpy does not (bfloat16), an integer and a bool tensor, an empty
+# one, nesting, and plain values. Rank 1 dies of SIGKILL at step 13 of the first attempt.
+SCRIPT = """\
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+from muster_launcher import snapshot
+
+def state(rank, step):
+    g = torch.Generator().manual_seed(rank * 1000 + step)
+    return {
+        "model": {"w": torch.randn(64, 32, generator=g), "h": torch.randn(8, generator=g).bfloat16()},
+        "opt": [{"step": torch.tensor(step), "mask": torch.rand(5, generator=g) > 0.5}, (step, "sgd")],
+        "empty": torch.empty(0, 3),
+        "step": step,
+    }
+
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+start = 0
+restored = snapshot.restore()
+if restored is not None:
+    step, got = restored
+    assert same(got, state(rank, step)), "restored state differs at step %d" % step
+    print("rank %d attempt %d restored step %d exactly" % (rank, attempt, step), flush=True)
+    start = step + 1
+for step in range(start, 30):
+    dist.all_reduce(torch.ones(1))
+    if attempt == 0 and rank == 1 and step == 13:
+        os.kill(os.getpid(), signal.SIGKILL)
+    snapshot.save(step, lambda: state(rank, step))
+    time.sleep(0.02)
+print("rank %d attempt %d finished from step %d" % (rank, attempt, start), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_rank_restarts_from_the_newest_snapshot_exactly(tmp_path):
+    script = tmp_path / "snap.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run(
+        [muster_bin(), "dry-run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+         "--warm-restart", "off", "--snapshot-every", "5", str(script)],
+        env=muster_env(), capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    # Step 10 is the newest snapshot before the kill at 13 (steps lost: 3, at most N + 1).
+    assert "snapshots: attempt 1 restores step 10, held by every node" in out, out
+    for rank in (0, 1):
+        assert f"rank {rank} attempt 1 restored step 10 exactly" in out, out
+        assert f"rank {rank} attempt 1 finished from step 11" in out, out
+    assert "snapshots: step 5 committed on every node" in out, out
+    assert not re.search(r"refused|snapshots are off", out), out
+
+
+OVER_CAP = """\
+import torch
+import torch.distributed as dist
+from muster_launcher import snapshot
+
+dist.init_process_group("gloo")
+held = [snapshot.save(step, {"w": torch.zeros(1 << 20)}) for step in range(1, 11)]
+assert held == [False] * 10, held
+print("trained on with", sum(held), "snapshots", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_state_over_the_cap_turns_snapshots_off_once_and_the_job_trains_on(tmp_path):
+    script = tmp_path / "big.py"
+    script.write_text(OVER_CAP)
+    p = subprocess.run(
+        [muster_bin(), "dry-run", "--nnodes", "1", "--nproc-per-node", "2",
+         "--snapshot-every", "5", "--snapshot-memory", "1MiB", str(script)],
+        env=muster_env(), capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert out.count("WARN snapshots are off for this job") == 1, out
+    assert out.count("trained on with 0 snapshots") == 2, out
