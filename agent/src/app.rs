@@ -82,7 +82,7 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     let (mut launch, hang_watch) = watch_hangs(launch, &preemption, &metrics);
     launch = hold_foreign_signals(launch, &preemption);
     launch = give_workers_a_tmpdir(launch, &preemption);
-    launch = hold_snapshots(launch, &shutdown)?;
+    launch = hold_snapshots(launch, &metrics, &shutdown)?;
     let python_path = helper_python_path(&launch, &preemption);
     // The helper's directory holds muster's `sitecustomize` (the zero-code step reports, and the
     // script metrics' hook, which patches nothing without MUSTER_METRICS_PORT).
@@ -231,9 +231,18 @@ fn plug_in_barrier(
 
 /// With `--snapshot-every`, starts the agent's side of snapshots and names its socket to the
 /// workers.
-fn hold_snapshots(mut launch: Launch, shutdown: &CancellationToken) -> Result<Launch, Exit> {
-    let snapshots = crate::snapshot::Snapshots::start(launch.config(), launch.observer(), shutdown)
-        .map_err(|e| Exit::config(format!("cannot set up snapshots: {e}")))?;
+fn hold_snapshots(
+    mut launch: Launch,
+    metrics: &Metrics,
+    shutdown: &CancellationToken,
+) -> Result<Launch, Exit> {
+    let snapshots = crate::snapshot::Snapshots::start(
+        launch.config(),
+        launch.observer(),
+        Some(std::sync::Arc::new(metrics.snapshot_meter())),
+        shutdown,
+    )
+    .map_err(|e| Exit::config(format!("cannot set up snapshots: {e}")))?;
     if let Some(snapshots) = snapshots {
         for (name, value) in snapshots.worker_env() {
             launch = launch.with_worker_env(name, value);

@@ -25,7 +25,8 @@ device. Outside muster, or without `--snapshot-every`, every call is a cheap no-
 False or None. Standard library only at import: torch is imported when a state is saved.
 
 The socket (MUSTER_SNAPSHOT_SOCKET, a `SOCK_SEQPACKET` Unix socket) carries one message per
-packet: "hello <local_rank> <rank> <pid> <attempt>", "hold <step> <bytes>" with the memory file,
+packet: "hello <local_rank> <rank> <pid> <attempt>", "hold <step> <bytes> <blocked_us>" with the
+memory file,
 "restore"; the agent answers "held <step>", "refused <step> <why>", "off <step> <why>",
 "restore <step> <bytes>" with the memory file, or "none <why>".
 """
@@ -35,11 +36,12 @@ import os
 import pickle
 import struct
 import sys
+import time
 
 SOCKET_ENV = "MUSTER_SNAPSHOT_SOCKET"
 EVERY_ENV = "MUSTER_SNAPSHOT_EVERY"
 
-__all__ = ["every", "due", "save", "restore", "SnapshotError"]
+__all__ = ["every", "due", "save", "restore", "last_timing", "SnapshotError"]
 
 # The memory file: magic, the pickled structure's length, the tensor table's length, then both,
 # then the tensors' bytes from a 64-byte boundary.
@@ -70,11 +72,22 @@ def due(step):
     return n > 0 and step > 0 and step % n == 0 and not _link.off
 
 
+def last_timing():
+    """Where the last snapshot's blocking time went, in seconds: `pickle_s` (the structure, the
+    tensors left out), `copy_s` (the tensors' bytes into the memory file), `reply_s` (the round
+    trip to the agent), and its size in `bytes`; empty before the first."""
+    return dict(_last)
+
+
+_last = {}
+
+
 def save(step, state):
     """Hands this rank's `state` (or what the callable `state` returns) at `step` to the agent
     when a snapshot is due; returns True when the agent holds it."""
     if not due(step):
         return False
+    started = time.perf_counter()
     if callable(state):
         state = state()
     try:
@@ -82,10 +95,15 @@ def save(step, state):
     except SnapshotError as e:
         _say("snapshot of step %d skipped: %s" % (step, e))
         return False
+    sent = time.perf_counter()
     try:
-        words = _link.ask("hold %d %d" % (step, size), memory)
+        # The agent adds its own handling to the time the rank blocked before sending (in
+        # microseconds) for muster_snapshot_blocking_seconds.
+        words = _link.ask("hold %d %d %d" % (step, size, int((sent - started) * 1e6)), memory)
     finally:
         os.close(memory)
+    _last["reply_s"] = time.perf_counter() - sent
+    _last["bytes"] = size
     if words is None:
         return False
     if words[0] == "held":
@@ -148,10 +166,11 @@ def _aligned(n):
 
 def _write(state):
     """A sealable memory file holding `state`; returns (descriptor, size)."""
-    import mmap
+    import ctypes
 
     import torch
 
+    started = time.perf_counter()
     structure = io.BytesIO()
     pickler = _Pickler(structure, torch)
     try:
@@ -175,26 +194,33 @@ def _write(state):
     structure_bytes = structure.getvalue()
     data_start = _aligned(_HEADER.size + len(structure_bytes) + len(table_bytes))
     size = data_start + offset
+    pickled = time.perf_counter()
     memory = os.memfd_create("muster-snapshot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(memory, max(size, 1))
-        with mmap.mmap(memory, max(size, 1)) as mapped:
-            mapped[: _HEADER.size] = _HEADER.pack(_MAGIC, len(structure_bytes), len(table_bytes))
-            at = _HEADER.size
-            mapped[at : at + len(structure_bytes)] = structure_bytes
-            at += len(structure_bytes)
-            mapped[at : at + len(table_bytes)] = table_bytes
-            for source, entry in zip(sources, table):
-                nbytes = entry[5]
-                if nbytes:
-                    target = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes,
-                                              offset=data_start + entry[4])
-                    target.copy_(source.view(torch.uint8))
-                    del target
+        head = _HEADER.pack(_MAGIC, len(structure_bytes), len(table_bytes))
+        _write_all(memory, head + structure_bytes + table_bytes, 0)
+        # The kernel's copy (pwrite) allocates and fills each page of the memory file in one
+        # pass: twice as fast as a copy through a fresh mapping, where every page faults.
+        for source, entry in zip(sources, table):
+            if entry[5]:
+                # The bytes in place (no numpy: the wheel does not require it); `source` keeps
+                # them alive.
+                view = (ctypes.c_char * entry[5]).from_address(source.data_ptr())
+                _write_all(memory, view, data_start + entry[4])
     except BaseException:
         os.close(memory)
         raise
+    _last["pickle_s"] = pickled - started
+    _last["copy_s"] = time.perf_counter() - pickled
     return memory, max(size, 1)
+
+
+def _write_all(memory, data, at):
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(memory, view, at)
+        view, at = view[written:], at + written
 
 
 def _read(memory):

@@ -8,7 +8,7 @@
 //! intention-revealing methods (`rendezvous_round_finished`, `worker_exited`, ...); each one is a
 //! handful of atomic operations or a lock held for a few instructions, so recording never slows
 //! supervision. The metrics come in families, one file per area ([`job`], [`dns`], [`rdzv`],
-//! [`workers`], [`signals`], [`checkpoints`], [`preflight`], [`network`], [`cleanup`], [`restarts`],
+//! [`workers`], [`signals`], [`checkpoints`], [`preflight`], [`network`], [`cleanup`], [`restarts`], [`snapshots`],
 //! [`traffic`], [`probes`]): each defines its collectors, the methods that record them, and the
 //! `observe` that the observer's dispatch hands that area's events to. A new metric is a field
 //! of its family, a method that records it, and the arm of the family's `observe` that calls
@@ -55,6 +55,7 @@ mod rdzv;
 mod restarts;
 pub mod script;
 mod signals;
+mod snapshots;
 mod stacks;
 mod store;
 mod straggler;
@@ -78,6 +79,7 @@ pub use http::{
 pub use probes::Readiness;
 pub use rdzv::RoundOutcome;
 pub use script::ScriptMetrics;
+pub use snapshots::SnapshotMeter;
 pub use stacks::StacksSource;
 pub use store::{StoreRole, StoreSnapshot, StoreStatsSource};
 pub use workers::WorkerExit;
@@ -192,6 +194,7 @@ struct Inner {
     network: network::Network,
     cleanup: cleanup::Cleanup,
     restarts: restarts::Restarts,
+    snapshots: snapshots::SnapshotMeter,
     traffic: traffic::Traffic,
     probes: probes::Probes,
 }
@@ -288,6 +291,7 @@ impl Metrics {
             network: network::Network::register(&mut defs),
             cleanup: cleanup::Cleanup::register(&mut defs),
             restarts: restarts::Restarts::register(&mut defs),
+            snapshots: snapshots::SnapshotMeter::register(&mut defs),
             traffic: traffic::Traffic::register(&mut defs),
             probes: probes::Probes::register(&mut defs),
             live,
@@ -418,6 +422,18 @@ impl Metrics {
     /// `/gangz`'s line about this node's warm standbys, if it has any.
     pub fn standby_line(&self) -> Option<String> {
         self.inner.restarts.standby_line()
+    }
+
+    // ---- snapshots ----------------------------------------------------------------------------
+
+    /// The handles the snapshot service updates (`muster_snapshot_*`, [`snapshots`]).
+    pub fn snapshot_meter(&self) -> SnapshotMeter {
+        self.inner.snapshots.clone()
+    }
+
+    /// `/gangz`'s line about the committed snapshot; `None` before the first commit.
+    pub fn snapshot_line(&self) -> Option<String> {
+        self.inner.snapshots.line()
     }
 
     // ---- worker output ------------------------------------------------------------------------

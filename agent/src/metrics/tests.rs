@@ -1856,3 +1856,76 @@ async fn gangz_and_gauges_show_what_the_standbys_cost() {
     );
     shutdown.cancel();
 }
+
+#[tokio::test]
+async fn gangz_and_gauges_show_the_committed_snapshot_and_what_it_cost() {
+    use crate::snapshot::Meter;
+    let metrics = Metrics::new();
+    let (addr, shutdown) = start(&metrics, EndpointConfig::default());
+    let get = |path: &'static str| async move {
+        send(
+            addr,
+            format!("GET {path} HTTP/1.1\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await
+    };
+    metrics.set_phase(Phase::Running);
+    metrics.workers().workers_started(2);
+    let text = scrape(&metrics);
+    assert_eq!(
+        value(&text, "muster_snapshot_committed_step", &[]),
+        Some(0.0)
+    );
+    for why in super::snapshots::REFUSALS {
+        assert_eq!(
+            value(&text, "muster_snapshot_refused_total", &[("why", why)]),
+            Some(0.0),
+            "{why} at 0 from the start"
+        );
+    }
+    assert_eq!(get("/gangz").await.body, "gang running\n");
+
+    let meter = metrics.snapshot_meter();
+    meter.held(0, 160 << 20, 0.04, 160 << 20);
+    meter.held(1, 160 << 20, 0.06, 320 << 20);
+    meter.refused("busy");
+    meter.committed(10, 320 << 20);
+    let text = scrape(&metrics);
+    assert_eq!(
+        value(&text, "muster_snapshot_committed_step", &[]),
+        Some(10.0)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_part_bytes", &[("rank", "1")]),
+        Some((160u64 << 20) as f64)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_held_bytes", &[]),
+        Some((320u64 << 20) as f64)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_blocking_seconds_count", &[]),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_refused_total", &[("why", "busy")]),
+        Some(1.0)
+    );
+    assert_eq!(
+        get("/gangz").await.body,
+        "gang running\nsnapshots: step 10 committed on every node, 320 MiB held on this node\n"
+    );
+
+    // A restart restores step 15, which every node held though its commit was cut short.
+    meter.settled(Some(15), 320 << 20);
+    let text = scrape(&metrics);
+    assert_eq!(
+        value(&text, "muster_snapshot_restored_step", &[]),
+        Some(15.0)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_committed_step", &[]),
+        Some(15.0)
+    );
+    shutdown.cancel();
+}

@@ -60,7 +60,14 @@ pub async fn run(
         () = stop.cancelled() => return,
         agreed = agree(&shared, &attempt, &mut client) => agreed,
     };
-    shared.holder().settle(agreed);
+    let node_holds = {
+        let mut holder = shared.holder();
+        holder.settle(agreed);
+        holder.bytes_held()
+    };
+    if let Some(meter) = &shared.meter {
+        meter.settled(agreed, node_holds);
+    }
     shared.settled.send_replace(Some(Settled {
         attempt: attempt.attempt,
         agreed,
@@ -89,6 +96,9 @@ pub async fn run(
                     holder.commit(step);
                     holder.bytes_held()
                 };
+                if let Some(meter) = &shared.meter {
+                    meter.committed(step, held);
+                }
                 let line = format!(
                     "snapshots: step {step} committed on every node ({} held on this node)",
                     human_bytes(held)

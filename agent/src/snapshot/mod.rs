@@ -42,6 +42,19 @@ pub const EVERY_ENV: &str = "MUSTER_SNAPSHOT_EVERY";
 /// the pod, next to the ranks' own copy of it.
 const DEFAULT_CAP_SHARE: u64 = 2;
 
+/// What the service reports as it works, for the agent's metrics (wired by the composition
+/// root, so that this module does not depend on them).
+pub trait Meter: Send + Sync {
+    /// A rank's part of a step is held; `blocked_seconds` is what it cost the rank.
+    fn held(&self, rank: u32, bytes: u64, blocked_seconds: f64, node_holds: u64);
+    /// A part was not held: `busy`, `over_cap` or `invalid`.
+    fn refused(&self, why: &'static str);
+    /// The gang committed `step`; the node now holds `node_holds` bytes.
+    fn committed(&self, step: u64, node_holds: u64);
+    /// The attempt's agreement: the step its ranks restore, if any.
+    fn settled(&self, restored: Option<u64>, node_holds: u64);
+}
+
 /// The snapshot service of one agent.
 pub struct Snapshots {
     socket: String,
@@ -62,6 +75,7 @@ impl Snapshots {
     pub fn start(
         config: &Config,
         observer: Observer,
+        meter: Option<Arc<dyn Meter>>,
         shutdown: &CancellationToken,
     ) -> Result<Option<Snapshots>, BindError> {
         let Some(every) = config.snapshot_every else {
@@ -82,7 +96,7 @@ impl Snapshots {
             "--snapshot-every {every}: each rank's state is held in this agent's memory every {every} steps, at most {} on this node (--snapshot-memory)",
             human_bytes(cap)
         );
-        let (shared, completions) = Shared::new(Holder::new(cap));
+        let (shared, completions) = Shared::new(Holder::new(cap), meter);
         let stop = shutdown.child_token();
         tokio::spawn(server::serve(listener, Arc::clone(&shared), stop.clone()));
         tokio::spawn(follow_attempts(

@@ -1,8 +1,9 @@
 //! The ranks' socket for snapshots (`MUSTER_SNAPSHOT_SOCKET`), read by
 //! `python/muster_launcher/snapshot.py`. One packet per message:
 //!
-//! - rank → agent: `hello <local_rank> <rank> <pid> <attempt>` (first), `hold <step> <bytes>`
-//!   with the memory file of its part, `restore`.
+//! - rank → agent: `hello <local_rank> <rank> <pid> <attempt>` (first), `hold <step> <bytes>
+//!   [<blocked_us>]` with the memory file of its part (`blocked_us`: how long the rank has been
+//!   blocked building it, for `muster_snapshot_blocking_seconds`), `restore`.
 //! - agent → rank: `held <step>`; `refused <step> <why>` (skip this one); `off <step> <why>`
 //!   (no more snapshots for this job); `restore <step> <bytes>` with the memory file, or
 //!   `none <why>`.
@@ -16,7 +17,7 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use nix::fcntl::{FcntlArg, SealFlag};
 use tokio::sync::{mpsc, watch};
@@ -25,6 +26,7 @@ use tracing::{debug, warn};
 
 use super::holder::{Holder, Part, Refusal};
 use super::packet::{Connection, Listener, Packet};
+use super::Meter;
 
 /// How long a `restore` waits for the gang to agree on the step.
 const RESTORE_WAIT: Duration = Duration::from_secs(180);
@@ -49,16 +51,21 @@ pub struct Shared {
     pub settled: watch::Sender<Option<Settled>>,
     completed: mpsc::UnboundedSender<Completed>,
     said_over_cap: AtomicBool,
+    pub meter: Option<Arc<dyn Meter>>,
 }
 
 impl Shared {
-    pub fn new(holder: Holder) -> (Arc<Shared>, mpsc::UnboundedReceiver<Completed>) {
+    pub fn new(
+        holder: Holder,
+        meter: Option<Arc<dyn Meter>>,
+    ) -> (Arc<Shared>, mpsc::UnboundedReceiver<Completed>) {
         let (completed, completions) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             holder: Mutex::new(holder),
             settled: watch::Sender::new(None),
             completed,
             said_over_cap: AtomicBool::new(false),
+            meter,
         });
         (shared, completions)
     }
@@ -136,12 +143,23 @@ async fn serve_rank(connection: &Connection, shared: &Shared) -> Result<(), Stri
         };
         let words: Vec<&str> = packet.text.split_whitespace().collect();
         match (words.as_slice(), packet.memory) {
-            (["hold", step, bytes], Some(memory)) => {
+            (["hold", step, bytes, blocked @ ..], Some(memory)) if blocked.len() <= 1 => {
+                let received = Instant::now();
                 let step: u64 = step.parse().map_err(|_| format!("bad step in {words:?}"))?;
                 let bytes: u64 = bytes
                     .parse()
                     .map_err(|_| format!("bad size in {words:?}"))?;
+                // An older helper does not say; a bad number is only a lost sample.
+                let blocked_before = blocked
+                    .first()
+                    .and_then(|us| us.parse::<u64>().ok())
+                    .map_or(Duration::ZERO, Duration::from_micros);
                 let reply = hold(shared, hello, step, bytes, memory);
+                if let (Some(meter), true) = (&shared.meter, reply.starts_with("held")) {
+                    let blocked = blocked_before + received.elapsed();
+                    let node_holds = shared.holder().bytes_held();
+                    meter.held(hello.rank, bytes, blocked.as_secs_f64(), node_holds);
+                }
                 send(connection, &reply, None).await?;
             }
             (["restore"], None) => restore(connection, shared, hello).await?,
@@ -168,6 +186,7 @@ async fn send(
 /// Seals `memory` and takes it as `hello`'s part of `step`; the reply line.
 fn hold(shared: &Shared, hello: Hello, step: u64, bytes: u64, memory: OwnedFd) -> String {
     if let Err(why) = seal(&memory, bytes) {
+        count_refusal(shared, "invalid");
         return format!("refused {step} {why}");
     }
     let part = Part {
@@ -188,12 +207,15 @@ fn hold(shared: &Shared, hello: Hello, step: u64, bytes: u64, memory: OwnedFd) -
             format!("held {step}")
         }
         Err(refusal) if refusal.is_final() => {
+            count_refusal(shared, "over_cap");
             if !shared.said_over_cap.swap(true, Ordering::Relaxed) {
                 warn!("snapshots are off for this job: rank {}'s part of step {step}: {refusal}; the job trains on (what is committed stays the restart point)", hello.rank);
             }
             format!("off {step} {refusal}")
         }
         Err(refusal) => {
+            let busy = matches!(refusal, Refusal::Pending { .. } | Refusal::Unsettled);
+            count_refusal(shared, if busy { "busy" } else { "invalid" });
             if matches!(refusal, Refusal::Pending { .. }) {
                 debug!(
                     "snapshots: rank {} skips step {step}: {refusal}",
@@ -207,6 +229,12 @@ fn hold(shared: &Shared, hello: Hello, step: u64, bytes: u64, memory: OwnedFd) -
             }
             format!("refused {step} {refusal}")
         }
+    }
+}
+
+fn count_refusal(shared: &Shared, why: &'static str) {
+    if let Some(meter) = &shared.meter {
+        meter.refused(why);
     }
 }
 

@@ -297,6 +297,11 @@ fn gangz(metrics: &Metrics) -> Reply {
         Some(line) => format!("{line}\n{findings}"),
         None => findings,
     };
+    // Where a restart within the job would resume.
+    let findings = match metrics.snapshot_line() {
+        Some(line) => format!("{line}\n{findings}"),
+        None => findings,
+    };
     let spares = metrics.spare_hosts();
     if metrics.is_gang_running() {
         let head = if spares.is_empty() {
