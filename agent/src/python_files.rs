@@ -54,7 +54,10 @@ const FILES: &[PythonFile] = &[
     same_path!("muster_launcher/integrations/__init__.py", startup: false),
     same_path!("muster_launcher/integrations/barrier.py", startup: false),
     same_path!("muster_launcher/integrations/transformers.py", startup: false),
+    same_path!("muster_launcher/integrations/transformers_snapshot.py", startup: false),
     same_path!("muster_launcher/integrations/lightning.py", startup: false),
+    same_path!("muster_launcher/integrations/lightning_snapshot.py", startup: false),
+    same_path!("muster_launcher/integrations/rng.py", startup: false),
     same_path!("muster_checkpoint.py", startup: false),
     same_path!("muster_frameworks.py", startup: false),
 ];

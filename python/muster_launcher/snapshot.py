@@ -41,7 +41,7 @@ import time
 SOCKET_ENV = "MUSTER_SNAPSHOT_SOCKET"
 EVERY_ENV = "MUSTER_SNAPSHOT_EVERY"
 
-__all__ = ["every", "due", "save", "restore", "last_timing", "SnapshotError"]
+__all__ = ["every", "due", "save", "restore", "turn_off", "last_timing", "SnapshotError"]
 
 # The memory file: magic, the pickled structure's length, the tensor table's length, then both,
 # then the tensors' bytes from a 64-byte boundary.
@@ -70,6 +70,11 @@ def due(step):
     """Whether `save` takes a snapshot at `step`."""
     n = every()
     return n > 0 and step > 0 and step % n == 0 and not _link.off
+
+
+def turn_off():
+    """No more snapshots from this process (a state muster cannot take)."""
+    _link.off = True
 
 
 def last_timing():

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from conftest import muster_bin, muster_env
+from conftest import REPO, muster_bin, muster_env
 
 # Each rank's state is a pure function of (rank, step), so the restored one can be checked
 # exactly: dtypes torch has and numpy does not (bfloat16), an integer and a bool tensor, an empty
@@ -101,3 +101,63 @@ def test_a_state_over_the_cap_turns_snapshots_off_once_and_the_job_trains_on(tmp
     assert p.returncode == 0, out
     assert out.count("WARN snapshots are off for this job") == 1, out
     assert out.count("trained on with 0 snapshots") == 2, out
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_MODE": "disabled",
+           "WANDB_DISABLED": "true", "TOKENIZERS_PARALLELISM": "false"}
+SCRIPTS = REPO / "tests" / "python" / "scripts"
+
+
+def trainer_run(tmp_path, script, name, flags=(), script_args=()):
+    """An unmodified Trainer script of tests/python/scripts, 30 steps on 2 ranks."""
+    out = tmp_path / name
+    p = subprocess.run(
+        [muster_bin(), "dry-run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
+         *flags, str(SCRIPTS / script), "--out", str(out), "--max-steps", "30", *script_args],
+        env=muster_env(OFFLINE), capture_output=True, text=True, timeout=400, cwd=tmp_path)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0, text
+    return text
+
+
+def fields(text, word):
+    """The words after `WORD` on each line the script printed it, as tuples."""
+    return [tuple(m.split()) for m in re.findall(rf"\b{word} (\d+(?: \w+)+)$", text, re.M)]
+
+
+def resumes_from_the_snapshot_exactly(tmp_path, script, script_args=()):
+    """An uninterrupted run, then one whose rank 1 dies of SIGKILL after global step 23 (the
+    script never asks to resume): the second attempt starts at step 20 on both ranks and ends
+    with the first run's weights."""
+    reference = trainer_run(tmp_path, script, "uninterrupted", (), script_args)
+    expected = dict(fields(reference, "WEIGHTS"))
+    assert len(expected) == 2 and len(set(expected.values())) == 1, reference
+
+    text = trainer_run(tmp_path, script, "killed", ["--snapshot-every", "5"],
+                       ["--kill-at", "23", *script_args])
+    assert "snapshots: attempt 1 restores step 20, held by every node" in text, text
+    assert "resuming the Trainer from the snapshot of step 20 held by muster" in text, text
+    begins = {(rank, int(attempt)): int(step) for rank, attempt, step in fields(text, "BEGIN")}
+    assert begins == {("0", 0): 0, ("1", 0): 0, ("0", 1): 20, ("1", 1): 20}, text
+    assert dict(fields(text, "FINAL")) == {"0": "30", "1": "30"}, text
+    # The same batches, the same optimizer and RNG states: bit-identical final weights.
+    assert dict(fields(text, "WEIGHTS")) == expected, text
+    # Nothing was written into the output directory: the snapshot never went to storage.
+    assert not list((tmp_path / "killed").glob("*"))
+    assert not re.search(r"refused|snapshots are off|turned off|skipped", text), text
+
+
+@pytest.mark.timeout(600)
+def test_an_unmodified_hf_trainer_resumes_from_the_snapshot_with_an_uninterrupted_runs_weights(
+        tmp_path):
+    pytest.importorskip("transformers")
+    resumes_from_the_snapshot_exactly(tmp_path, "hf_trainer.py")
+
+
+@pytest.mark.timeout(600)
+def test_an_unmodified_lightning_script_resumes_from_the_snapshot_with_the_same_weights(
+        tmp_path):
+    pytest.importorskip("lightning")
+    # 80 samples, batches of 4 on 2 ranks: 10 steps an epoch, so step 20 ends one (a Lightning
+    # data loader that is not stateful starts a broken epoch again, from a checkpoint alike).
+    resumes_from_the_snapshot_exactly(tmp_path, "lightning_trainer.py", ["--samples", "80"])

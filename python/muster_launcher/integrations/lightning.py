@@ -5,14 +5,18 @@ At the agreed step T every rank calls
 `trainer.save_checkpoint(<default_root_dir>/muster-preempt-step=T.ckpt)` (the strategy picks who
 writes: rank 0 for DDP). Resume: `trainer.fit(model, ckpt_path=that_path)`. A save that raises
 tells the agent (`Barrier.fail`) and raises on. Imports Lightning only when the callback's class is
-first asked for.
+first asked for. With `--snapshot-every N` the callback also hands the Trainer's state to the agent
+every N steps, and a restart within the job resumes from it without the script asking
+(`lightning_snapshot`).
 """
 
 import functools
 import os
+import shutil
 
+from .. import channel
 from ..importhook import after_import
-from . import barrier
+from . import barrier, lightning_snapshot, rng
 
 # The module whose execution defines each package's Trainer -> that package.
 _PACKAGES = {
@@ -50,6 +54,15 @@ def callback_class(package):
         def __init__(self):
             self._barrier = barrier.Barrier(package)
 
+        def on_fit_start(self, trainer, pl_module):
+            # Resumed from a snapshot: the RNG states it took, which Lightning's checkpoint
+            # does not restore. Set before the fit loop makes its data loader's iterator,
+            # which draws its base seed from torch's generator, as the run that was not
+            # interrupted drew it after the snapshot's step.
+            taken = trainer.__dict__.pop("_muster_snapshot_rng", None)
+            if taken is not None:
+                rng.set_states(taken)
+
         def on_train_start(self, trainer, pl_module):
             self._barrier.report(trainer.global_step)
 
@@ -60,6 +73,11 @@ def callback_class(package):
             self._barrier.end_section()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            try:
+                lightning_snapshot.save(trainer)
+            except Exception as err:  # never raise into the training loop over muster
+                channel.say("snapshots turned off after an error of muster's: %r" % (err,))
+                lightning_snapshot.snapshot.turn_off()
             step = trainer.global_step
             if not self._barrier.report(step):
                 return
@@ -87,12 +105,53 @@ def _add(trainer, package):
     callbacks.append(callback_class(package)())
 
 
+# `Trainer.fit`'s positional parameters before `ckpt_path` (model, train_dataloaders,
+# val_dataloaders, datamodule).
+_CKPT_PATH_AT = 4
+
+
+def _wrap_fit(cls):
+    """`fit` resumes from muster's newest committed snapshot on a restart within the job."""
+    original = cls.fit
+    if getattr(original, "_muster_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        positional = len(args) > _CKPT_PATH_AT
+        ckpt_path = args[_CKPT_PATH_AT] if positional else kwargs.get("ckpt_path")
+        try:
+            resume, snapshot_dir, taken = lightning_snapshot.resume_point(self, ckpt_path)
+        except Exception as err:
+            # Every other rank resumes from the snapshot: training on from anywhere else would
+            # silently train ranks at different steps.
+            raise RuntimeError(
+                "muster cannot resume this Trainer from the snapshot every rank agreed on: %r"
+                % (err,)
+            ) from err
+        if snapshot_dir is not None:
+            self._muster_snapshot_rng = taken
+            if positional:
+                args = args[:_CKPT_PATH_AT] + (resume,) + args[_CKPT_PATH_AT + 1 :]
+            else:
+                kwargs = dict(kwargs, ckpt_path=resume)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if snapshot_dir is not None:
+                shutil.rmtree(snapshot_dir, ignore_errors=True)
+
+    fit._muster_wrapped = True
+    cls.fit = fit
+
+
 def _patch(module):
     cls = getattr(module, "Trainer", None)
     if not isinstance(cls, type):
         return
     package = _PACKAGES[module.__name__]
     barrier.wrap_init(cls, lambda trainer: _add(trainer, package))
+    _wrap_fit(cls)
 
 
 def install():

@@ -5,14 +5,19 @@ At the agreed step T the callback sets `control.should_save = True`, so the Trai
 `<output_dir>/checkpoint-T` (model, optimizer, scheduler, trainer state, and
 `rng_state_<rank>.pth` from every rank); the save is confirmed in `on_save`. Resume:
 `trainer.train(resume_from_checkpoint=True)`. A save that raises out of `Trainer.train` tells the
-agent (`Barrier.fail`). Imports transformers only when the callback's class is first asked for.
+agent (`Barrier.fail`). With `--snapshot-every N` the callback also hands the Trainer's state to
+the agent every N steps, and a restart within the job resumes from it without the script asking
+(`transformers_snapshot`). Imports transformers only when the callback's class is first asked for.
 """
 
 import functools
 import os
+import shutil
+import weakref
 
+from .. import channel
 from ..importhook import after_import
-from . import barrier
+from . import barrier, transformers_snapshot
 
 # The modules whose import installs this integration (muster's sitecustomize is generated from it).
 HOOKED = ("transformers.trainer",)
@@ -30,6 +35,9 @@ def callback_class():
 
         def __init__(self):
             self._barrier = barrier.Barrier("transformers")
+            # The Trainer it belongs to (set when muster adds or finds it): what a snapshot
+            # (--snapshot-every) takes.
+            self._trainer = lambda: None
 
         def on_train_begin(self, args, state, control, **kwargs):
             self._barrier.report(state.global_step)
@@ -47,9 +55,19 @@ def callback_class():
             self._barrier.end_section()
 
         def on_step_end(self, args, state, control, **kwargs):
+            trainer = self._trainer()
+            if trainer is not None:
+                self._snapshot(trainer, state)
             if self._barrier.report(state.global_step):
                 # The Trainer saves right after this hook (`_maybe_log_save_evaluate`).
                 control.should_save = True
+
+        def _snapshot(self, trainer, state):
+            try:
+                transformers_snapshot.save(trainer, state)
+            except Exception as err:  # never raise into the training loop over muster
+                channel.say("snapshots turned off after an error of muster's: %r" % (err,))
+                transformers_snapshot.snapshot.turn_off()
 
         def on_save(self, args, state, control, **kwargs):
             step = state.global_step
@@ -68,9 +86,13 @@ def callback_class():
 
 def _add(trainer):
     handler = getattr(trainer, "callback_handler", None)
-    if handler is None or any(barrier.is_muster(cb) for cb in handler.callbacks):
+    if handler is None:
         return
-    trainer.add_callback(callback_class()())
+    ours = [cb for cb in handler.callbacks if barrier.is_muster(cb)]
+    if not ours:
+        ours = [callback_class()()]
+        trainer.add_callback(ours[0])
+    ours[0]._trainer = weakref.ref(trainer)
 
 
 def _save_failed(trainer, err):
@@ -80,6 +102,28 @@ def _save_failed(trainer, err):
             cb._barrier.fail(err)
 
 
+def _resume_from_snapshot(trainer, args, kwargs):
+    """`train`'s arguments with `resume_from_checkpoint` pointing at muster's newest committed
+    snapshot when it is newer than what the script asks for (a restart within the job)."""
+    positional = len(args) > 0
+    resume = args[0] if positional else kwargs.get("resume_from_checkpoint")
+    try:
+        resume, snapshot_dir = transformers_snapshot.resume_point(trainer, resume)
+    except Exception as err:
+        # Every other rank of the gang resumes from the snapshot: training on from anywhere
+        # else would silently train ranks at different steps.
+        raise RuntimeError(
+            "muster cannot resume this Trainer from the snapshot every rank agreed on: %r" % (err,)
+        ) from err
+    if snapshot_dir is None:
+        return args, kwargs, None
+    if positional:
+        args = (resume,) + tuple(args[1:])
+    else:
+        kwargs = dict(kwargs, resume_from_checkpoint=resume)
+    return args, kwargs, snapshot_dir
+
+
 def _wrap_train(cls):
     original = cls.train
     if getattr(original, "_muster_wrapped", False):
@@ -87,12 +131,16 @@ def _wrap_train(cls):
 
     @functools.wraps(original)
     def train(self, *args, **kwargs):
+        args, kwargs, snapshot_dir = _resume_from_snapshot(self, args, kwargs)
         try:
             return original(self, *args, **kwargs)
         except Exception as err:
             # Raised while the gang's checkpoint was being saved: tell the agent why.
             _save_failed(self, err)
             raise
+        finally:
+            if snapshot_dir is not None:
+                shutil.rmtree(snapshot_dir, ignore_errors=True)
 
     train._muster_wrapped = True
     cls.train = train

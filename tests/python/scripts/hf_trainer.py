@@ -3,10 +3,14 @@ a 1-layer GPT-2 built from a config, random tokens, DDP on gloo. Prints:
   STEP <rank> <global_step>          after every optimizer step (then sleeps --step-seconds)
   MUSTER_CALLBACKS <rank> <n>        muster callbacks the Trainer holds, after it is built
   FINAL <rank> <global_step>         after trainer.train() returned (post-training code)
+  BEGIN <rank> <attempt> <global_step>  when training begins (after any resume)
+  WEIGHTS <rank> <sha256>            of the final parameters' bytes, after trainer.train()
 """
 
 import argparse
+import hashlib
 import os
+import signal
 import time
 
 import torch
@@ -22,8 +26,11 @@ p.add_argument("--explicit", action="store_true")
 # An evaluation of this many seconds once, half way: its batches load slowly (the main thread
 # sleeps in the data set, a stack that does not move), as a long evaluation looks to the agent.
 p.add_argument("--eval-seconds", type=float, default=0.0)
+# Rank 1 dies of SIGKILL right after this global step, in the first attempt only.
+p.add_argument("--kill-at", type=int, default=0)
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -49,8 +56,13 @@ class SlowEval(torch.utils.data.Dataset):
 
 
 class StepPrinter(TrainerCallback):
+    def on_train_begin(self, args_, state, control, **kwargs):
+        print(f"BEGIN {rank} {attempt} {state.global_step}", flush=True)
+
     def on_step_end(self, args_, state, control, **kwargs):
         print(f"STEP {rank} {state.global_step}", flush=True)
+        if args.kill_at and state.global_step == args.kill_at and rank == 1 and attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.step_seconds)
 
 
@@ -77,3 +89,7 @@ count = sum(type(cb).__name__ == "MusterHFCallback" for cb in trainer.callback_h
 print(f"MUSTER_CALLBACKS {rank} {count}", flush=True)
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 print(f"FINAL {rank} {trainer.state.global_step}", flush=True)
+weights = hashlib.sha256()
+for name, tensor in sorted(trainer.model.state_dict().items()):
+    weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)

@@ -3,11 +3,15 @@ LightningModule, random data, DDP on gloo. Prints:
   STEP <rank> <global_step>          after every training batch (then sleeps --step-seconds)
   MUSTER_CALLBACKS <rank> <n>        muster callbacks the Trainer holds, after it is built
   FINAL <rank> <global_step>         after trainer.fit() returned (post-training code)
+  BEGIN <rank> <attempt> <global_step>  when training starts (after any resume)
+  WEIGHTS <rank> <sha256>            of the final parameters' bytes, after trainer.fit()
 """
 
 import argparse
 import glob
+import hashlib
 import os
+import signal
 import time
 
 import lightning as L
@@ -20,31 +24,45 @@ p.add_argument("--step-seconds", type=float, default=0.0)
 p.add_argument("--resume", action="store_true")
 # The explicit form, on odd global ranks only: both forms meet in one run.
 p.add_argument("--explicit", action="store_true")
+# Rank 1 dies of SIGKILL right after this global step, in the first attempt only.
+p.add_argument("--kill-at", type=int, default=0)
+p.add_argument("--samples", type=int, default=4096)
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class Model(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.layer = torch.nn.Linear(8, 1)
+        self.layer = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 1)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.layer(x), y)
+        # Dropout draws from torch's generator: a resume that lost the RNG state trains on
+        # different masks.
+        hidden = torch.nn.functional.dropout(torch.relu(self.layer(x)), 0.5, self.training)
+        return torch.nn.functional.mse_loss(self.head(hidden), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+        opt = torch.optim.Adam(self.parameters(), lr=0.01)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5)]
 
 
 class StepPrinter(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        print(f"BEGIN {rank} {attempt} {trainer.global_step}", flush=True)
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         print(f"STEP {rank} {trainer.global_step}", flush=True)
+        if args.kill_at and trainer.global_step == args.kill_at and rank == 1 and attempt == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(args.step_seconds)
 
 
 torch.manual_seed(0)
-data = torch.utils.data.TensorDataset(torch.randn(4096, 8), torch.randn(4096, 1))
+data = torch.utils.data.TensorDataset(torch.randn(args.samples, 8), torch.randn(args.samples, 1))
 callbacks = [StepPrinter()]
 if args.explicit and rank % 2 == 1:
     from muster_frameworks import MusterLightningCallback
@@ -63,3 +81,7 @@ if args.resume:
     ckpt = sorted(glob.glob(os.path.join(args.out, "muster-preempt-step=*.ckpt")))[-1]
 trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt)
 print(f"FINAL {rank} {trainer.global_step}", flush=True)
+weights = hashlib.sha256()
+for name, tensor in sorted(trainer.lightning_module.state_dict().items()):
+    weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)
