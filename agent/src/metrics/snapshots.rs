@@ -1,7 +1,7 @@
 //! In-memory snapshots (`--snapshot-every`, [`crate::snapshot`]): the step the gang can restart
 //! from, what the node holds for it, and what a snapshot costs the rank that takes it.
 
-use prometheus::{Histogram, IntCounterVec, IntGauge, IntGaugeVec};
+use prometheus::{Gauge, Histogram, IntCounterVec, IntGauge, IntGaugeVec};
 
 use super::Defs;
 use crate::snapshot::Meter;
@@ -24,6 +24,8 @@ pub struct SnapshotMeter {
     part_bytes: IntGaugeVec,
     blocking_seconds: Histogram,
     refused: IntCounterVec,
+    replicated_step: IntGauge,
+    replication_seconds: Gauge,
 }
 
 impl SnapshotMeter {
@@ -55,6 +57,14 @@ impl SnapshotMeter {
                 "muster_snapshot_refused_total",
                 "Snapshot parts this agent did not hold, by why: busy (the previous step is not committed yet; the rank skips one), over_cap (--snapshot-memory; snapshots are off for the job), invalid (not a sealable memory file of its size).",
                 &["why"],
+            ),
+            replicated_step: defs.int_gauge(
+                "muster_snapshot_replicated_step",
+                "The newest step of this node's snapshot parts that its buddy node holds (the next node rank, modulo the node count): what a replacement of this pod restores; 0 before the first copy or with one node.",
+            ),
+            replication_seconds: defs.gauge(
+                "muster_snapshot_replication_seconds",
+                "How long the last copy of this node's parts to its buddy took, from the commit to the buddy's answer: the replication lag, during which a lost pod would restore the step before.",
             ),
         };
         for why in REFUSALS {
@@ -94,6 +104,12 @@ impl Meter for SnapshotMeter {
             .set(i64::try_from(step).unwrap_or(i64::MAX));
         self.held_bytes
             .set(i64::try_from(node_holds).unwrap_or(i64::MAX));
+    }
+
+    fn replicated(&self, step: u64, seconds: f64) {
+        self.replicated_step
+            .set(i64::try_from(step).unwrap_or(i64::MAX));
+        self.replication_seconds.set(seconds);
     }
 
     fn settled(&self, restored: Option<u64>, node_holds: u64) {

@@ -1890,10 +1890,19 @@ async fn gangz_and_gauges_show_the_committed_snapshot_and_what_it_cost() {
     meter.held(1, 160 << 20, 0.06, 320 << 20);
     meter.refused("busy");
     meter.committed(10, 320 << 20);
+    meter.replicated(10, 0.25);
     let text = scrape(&metrics);
     assert_eq!(
         value(&text, "muster_snapshot_committed_step", &[]),
         Some(10.0)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_replicated_step", &[]),
+        Some(10.0)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_replication_seconds", &[]),
+        Some(0.25)
     );
     assert_eq!(
         value(&text, "muster_snapshot_part_bytes", &[("rank", "1")]),

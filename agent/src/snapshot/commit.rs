@@ -6,20 +6,30 @@
 //!   newest step in every offer, or nothing. A step every node holds complete is a step every
 //!   rank of the gang handed over, so it counts as committed even where the commit below was
 //!   cut short by the fault.
+//!   A node also offers what it holds for its buddies (`replicas/<node rank>`: `node:step`
+//!   pairs) and where its replica listener is (`replica-addr/<node rank>`), so a step counts
+//!   as held for a node when that node or its buddy holds its parts. A node that lacks its own
+//!   parts of the agreed step (a replacement pod) fetches them from the buddy's replica; then
+//!   every node says whether it holds its parts now (`ready/<node rank>`), and unless every
+//!   node does the attempt restores nothing.
 //! - **Commit**, for each step all local ranks handed over: `ADD done/<step>`; the node that
 //!   brings it to the node count sets `committed/<step>`, which every node waits for before it
-//!   lets the older generation go. With one node there is no store to ask.
+//!   lets the older generation go. Each committed step (and the agreed one, at the start of an
+//!   attempt) is then copied to the buddy in the background ([`super::replica`]). With one node
+//!   there is no store to ask and no buddy.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rendezvous::store::client::{Client, ClientError};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::replica::net::{self as replica_net, Listening};
+use super::replica::wire::{Header, Op};
 use super::server::{Completed, Settled, Shared};
 use crate::watch::cgroup::human_bytes;
 
@@ -39,6 +49,8 @@ pub struct Attempt {
     pub nnodes: u32,
     /// The attempt's store (`None`: its address is not numeric).
     pub store: Option<SocketAddr>,
+    /// The service's own stop (the agent's end): the replica listener lives until it.
+    pub service: CancellationToken,
 }
 
 impl Attempt {
@@ -56,15 +68,27 @@ pub async fn run(
     stop: CancellationToken,
 ) {
     let mut client = None;
-    let agreed = tokio::select! {
+    let (agreed, buddy) = tokio::select! {
         () = stop.cancelled() => return,
         agreed = agree(&shared, &attempt, &mut client) => agreed,
     };
     let node_holds = {
         let mut holder = shared.holder();
         holder.settle(agreed);
+        shared.replicas().settle(agreed);
         holder.bytes_held()
     };
+    // The agreed step goes to the buddy too: after a replacement the new buddy holds nothing.
+    let (replicate_tx, replicate_rx) = watch::channel(agreed);
+    if let Some(buddy) = buddy {
+        tokio::spawn(replicate(
+            Arc::clone(&shared),
+            attempt.clone(),
+            buddy,
+            replicate_rx,
+            stop.clone(),
+        ));
+    }
     if let Some(meter) = &shared.meter {
         meter.settled(agreed, node_holds);
     }
@@ -99,6 +123,7 @@ pub async fn run(
                 if let Some(meter) = &shared.meter {
                     meter.committed(step, held);
                 }
+                replicate_tx.send_replace(Some(step));
                 let line = format!(
                     "snapshots: step {step} committed on every node ({} held on this node)",
                     human_bytes(held)
@@ -144,62 +169,325 @@ async fn store<'a>(
     Ok(client.as_mut())
 }
 
-/// The newest step every node can restore, or `None`.
-async fn agree(shared: &Shared, attempt: &Attempt, client: &mut Option<Client>) -> Option<u64> {
+/// The newest step every node can restore (from its own parts or its buddy's replica), or
+/// `None`; and the buddy's replica listener, where this node copies its committed parts.
+async fn agree(
+    shared: &Arc<Shared>,
+    attempt: &Attempt,
+    client: &mut Option<Client>,
+) -> (Option<u64>, Option<Listening>) {
     let offer = shared.holder().restorable();
     let agreed = match store(attempt, client).await {
-        Ok(None) => Ok(offer.last().copied()),
-        Ok(Some(client)) => agree_on_store(client, attempt, &offer)
+        Ok(None) => Ok(Agreement {
+            step: offer.last().copied(),
+            fetched_from: BTreeMap::new(),
+            buddy: None,
+        }),
+        Ok(Some(client)) => agree_on_store(shared, client, attempt, &offer)
             .await
             .map_err(StoreError::from),
         Err(e) => Err(e),
     };
     match agreed {
-        Ok(Some(step)) => {
-            info!(
-                "snapshots: attempt {} restores step {step}, held by every node",
-                attempt.attempt
-            );
-            Some(step)
+        Ok(Agreement {
+            step: Some(step),
+            fetched_from,
+            buddy,
+        }) => {
+            if fetched_from.is_empty() {
+                info!(
+                    "snapshots: attempt {} restores step {step}, held by every node",
+                    attempt.attempt
+                );
+            } else {
+                let from: Vec<String> = fetched_from
+                    .iter()
+                    .map(|(node, buddy)| format!("node {node} from node {buddy}'s replica"))
+                    .collect();
+                info!(
+                    "snapshots: attempt {} restores step {step}, held by every node or its buddy ({})",
+                    attempt.attempt,
+                    from.join(", ")
+                );
+            }
+            (Some(step), buddy)
         }
-        Ok(None) => {
+        Ok(Agreement {
+            step: None, buddy, ..
+        }) => {
             if !offer.is_empty() {
                 info!(
                     "snapshots: no step is held by every node (this node holds {offer:?}); the ranks start from their own checkpoint"
                 );
             }
-            None
+            (None, buddy)
         }
         Err(e) => {
             warn!("snapshots: the gang could not agree on a step to restore ({e}); the ranks start from their own checkpoint");
             *client = None;
+            (None, None)
+        }
+    }
+}
+
+/// What the store round gave.
+struct Agreement {
+    step: Option<u64>,
+    /// node → the node whose replica it restored from.
+    fetched_from: BTreeMap<u32, u32>,
+    buddy: Option<Listening>,
+}
+
+/// This node's replica listener, started on the address it reaches the store from.
+async fn listening(shared: &Arc<Shared>, attempt: &Attempt, client: &Client) -> Option<Listening> {
+    let ip = client.local_addr()?.ip();
+    let started = shared
+        .listening
+        .get_or_try_init(|| {
+            let host: Arc<dyn super::replica::Host> = Arc::clone(shared) as _;
+            replica_net::listen(ip, host, attempt.service.clone())
+        })
+        .await;
+    match started {
+        Ok(listening) => Some(*listening),
+        Err(e) => {
+            warn!("snapshots: cannot listen for replicas on {ip} ({e}); this node's parts are not copied to a buddy");
             None
         }
     }
 }
 
 async fn agree_on_store(
+    shared: &Arc<Shared>,
     client: &mut Client,
     attempt: &Attempt,
     offer: &[u64],
-) -> Result<Option<u64>, ClientError> {
+) -> Result<Agreement, ClientError> {
+    let me = attempt.node_rank;
+    let listening = listening(shared, attempt, client).await;
+    let (world_size, first_rank) = shared
+        .holder()
+        .share()
+        .map_or((0, 0), |s| (s.world_size, s.first_rank));
+    let replicas = encode_replicas(&shared.replicas().offers(world_size));
+    let own = [
+        (attempt.key(&format!("offer/{me}")), encode_offer(offer)),
+        (attempt.key(&format!("replicas/{me}")), replicas),
+        (
+            attempt.key(&format!("replica-addr/{me}")),
+            listening.map(|l| l.encode()).unwrap_or_default(),
+        ),
+    ];
+    let pairs: Vec<(&[u8], &[u8])> = own
+        .iter()
+        .map(|(k, v)| (k.as_slice(), v.as_bytes()))
+        .collect();
+    client.multi_set(&pairs).await?;
+    let nodes = attempt.nnodes;
+    let keys = |what: &str| -> Vec<Vec<u8>> {
+        (0..nodes)
+            .map(|node| attempt.key(&format!("{what}/{node}")))
+            .collect()
+    };
+    let (offer_keys, replica_keys, addr_keys) =
+        (keys("offer"), keys("replicas"), keys("replica-addr"));
+    let refs = |keys: &[Vec<u8>]| -> Vec<Vec<u8>> { keys.to_vec() };
+    let offer_refs: Vec<&[u8]> = offer_keys.iter().map(Vec::as_slice).collect();
+    client.wait(&offer_refs, AGREEMENT_WAIT).await?;
+    let mut all: Vec<Vec<u8>> = refs(&offer_keys);
+    all.extend(refs(&replica_keys));
+    all.extend(refs(&addr_keys));
+    let all_refs: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+    let values = client.multi_get(&all_refs).await?;
+    let n = nodes as usize;
+    let offers: Vec<BTreeSet<u64>> = values[..n]
+        .iter()
+        .map(|v| decode_offer(v).unwrap_or_default())
+        .collect();
+    let replicas: Vec<Vec<(u32, u64)>> = values[n..2 * n]
+        .iter()
+        .map(|v| decode_replicas(v).unwrap_or_default())
+        .collect();
+    let addrs: Vec<Option<Listening>> = values[2 * n..]
+        .iter()
+        .map(|v| Listening::decode(v))
+        .collect();
+    let buddy = addrs
+        .get(((me + 1) % nodes) as usize)
+        .copied()
+        .flatten()
+        .filter(|_| nodes > 1);
+    let step = newest_covered(&offers, &replicas);
+    let Some(step) = step else {
+        return Ok(Agreement {
+            step: None,
+            fetched_from: BTreeMap::new(),
+            buddy,
+        });
+    };
+    // Who restores from a replica: each node that does not hold its own parts of the step.
+    let fetched_from: BTreeMap<u32, u32> = (0..nodes)
+        .filter(|node| !offers[*node as usize].contains(&step))
+        .filter_map(|node| holder_of(&replicas, node, step).map(|j| (node, j)))
+        .collect();
+    let ready = match fetched_from.get(&me) {
+        None => true,
+        Some(from) => {
+            let header = Header {
+                token: addrs[*from as usize].map_or([0; 16], |l| l.token),
+                op: Op::Get,
+                node: me,
+                attempt: attempt.attempt,
+                step,
+                world_size,
+                first_rank,
+                parts: 0,
+            };
+            fetch_own(shared, addrs[*from as usize], header, *from).await
+        }
+    };
     client
         .set(
-            &attempt.key(&format!("offer/{}", attempt.node_rank)),
-            encode_offer(offer).as_bytes(),
+            &attempt.key(&format!("ready/{me}")),
+            if ready { b"1" } else { b"0" },
         )
         .await?;
-    let keys: Vec<Vec<u8>> = (0..attempt.nnodes)
-        .map(|node| attempt.key(&format!("offer/{node}")))
+    let ready_keys = keys("ready");
+    let ready_refs: Vec<&[u8]> = ready_keys.iter().map(Vec::as_slice).collect();
+    client.wait(&ready_refs, AGREEMENT_WAIT).await?;
+    let readies = client.multi_get(&ready_refs).await?;
+    let not_ready: Vec<u32> = (0..nodes)
+        .filter(|node| readies[*node as usize].as_slice() != b"1")
         .collect();
-    let refs: Vec<&[u8]> = keys.iter().map(Vec::as_slice).collect();
-    client.wait(&refs, AGREEMENT_WAIT).await?;
-    let offers = client.multi_get(&refs).await?;
-    Ok(newest_common(
-        offers
-            .iter()
-            .map(|value| decode_offer(value).unwrap_or_default()),
-    ))
+    if !not_ready.is_empty() {
+        warn!("snapshots: node(s) {not_ready:?} could not fetch their parts of step {step} from a buddy; the ranks start from their own checkpoint");
+        return Ok(Agreement {
+            step: None,
+            fetched_from: BTreeMap::new(),
+            buddy,
+        });
+    }
+    Ok(Agreement {
+        step: Some(step),
+        fetched_from,
+        buddy,
+    })
+}
+
+/// Fetches this node's parts from `from`'s replica into the holder; whether they are held now.
+async fn fetch_own(shared: &Arc<Shared>, at: Option<Listening>, header: Header, from: u32) -> bool {
+    let Some(at) = at else {
+        warn!(
+            "snapshots: node {from} holds this node's parts of step {} but published no listener",
+            header.step
+        );
+        return false;
+    };
+    let limit = shared.holder().cap_bytes();
+    let started = Instant::now();
+    let fetched = tokio::task::spawn_blocking(move || replica_net::fetch(&at, header, limit)).await;
+    match fetched {
+        Ok(Ok(parts)) => {
+            let bytes: u64 = parts.iter().map(|(_, _, b)| *b).sum();
+            if shared.holder().adopt(header.step, parts) {
+                info!(
+                    "snapshots: fetched this node's parts of step {} from node {from}'s replica ({} in {:.2} s)",
+                    header.step,
+                    human_bytes(bytes),
+                    started.elapsed().as_secs_f64()
+                );
+                true
+            } else {
+                warn!("snapshots: node {from}'s replica of step {} does not hold every rank of this node", header.step);
+                false
+            }
+        }
+        Ok(Err(why)) => {
+            warn!(
+                "snapshots: cannot fetch this node's parts of step {} from node {from}: {why}",
+                header.step
+            );
+            false
+        }
+        Err(e) => {
+            warn!(
+                "snapshots: fetching this node's parts of step {} failed: {e}",
+                header.step
+            );
+            false
+        }
+    }
+}
+
+/// Copies each committed step's parts of this node to `buddy`, newest first: a step committed
+/// while a copy is under way waits for it, one in between is skipped.
+async fn replicate(
+    shared: Arc<Shared>,
+    attempt: Attempt,
+    buddy: Listening,
+    mut latest: watch::Receiver<Option<u64>>,
+    stop: CancellationToken,
+) {
+    let mut copied: Option<u64> = None;
+    let mut said_ok = false;
+    let mut said_failed = false;
+    loop {
+        let wanted = *latest.borrow_and_update();
+        if let Some(step) = wanted.filter(|s| copied != Some(*s)) {
+            let (parts, share) = {
+                let holder = shared.holder();
+                (holder.parts_of(step), holder.share())
+            };
+            if let (Some(share), false) = (share, parts.is_empty()) {
+                let header = Header {
+                    token: buddy.token,
+                    op: Op::Put,
+                    node: attempt.node_rank,
+                    attempt: attempt.attempt,
+                    step,
+                    world_size: share.world_size,
+                    first_rank: share.first_rank,
+                    parts: u32::try_from(parts.len()).unwrap_or(u32::MAX),
+                };
+                let bytes: u64 = parts.iter().map(|(_, _, b)| *b).sum();
+                let started = Instant::now();
+                let pushed = tokio::select! {
+                    () = stop.cancelled() => return,
+                    pushed = tokio::task::spawn_blocking(move || replica_net::push(&buddy, header, &parts)) => pushed,
+                };
+                let seconds = started.elapsed().as_secs_f64();
+                match pushed {
+                    Ok(Ok(())) => {
+                        let buddy_node = (attempt.node_rank + 1) % attempt.nnodes.max(1);
+                        let line = format!(
+                            "snapshots: step {step} copied to node {buddy_node} ({} in {seconds:.2} s)",
+                            human_bytes(bytes)
+                        );
+                        if said_ok {
+                            debug!("{line}");
+                        } else {
+                            info!("{line}");
+                            said_ok = true;
+                        }
+                        if let Some(meter) = &shared.meter {
+                            meter.replicated(step, seconds);
+                        }
+                    }
+                    Ok(Err(why)) if !said_failed => {
+                        said_failed = true;
+                        warn!("snapshots: cannot copy step {step} to the buddy node at {}: {why}; a loss of this pod would lose its parts", buddy.addr);
+                    }
+                    Ok(Err(why)) => debug!("snapshots: copy of step {step} failed: {why}"),
+                    Err(e) => warn!("snapshots: the copy of step {step} failed: {e}"),
+                }
+            }
+            copied = Some(step);
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            changed = latest.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 async fn commit(
@@ -238,6 +526,55 @@ pub fn decode_offer(value: &[u8]) -> Option<BTreeSet<u64>> {
     text.split(',').map(|s| s.parse().ok()).collect()
 }
 
+/// What a node holds for its buddies on the store: `node:step` pairs, comma-separated.
+pub fn encode_replicas(held: &[(u32, u64)]) -> String {
+    held.iter()
+        .map(|(node, step)| format!("{node}:{step}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Replica offers read back; `None` for bytes that are none (read as holding nothing).
+pub fn decode_replicas(value: &[u8]) -> Option<Vec<(u32, u64)>> {
+    let text = std::str::from_utf8(value).ok()?;
+    if text.is_empty() {
+        return Some(Vec::new());
+    }
+    text.split(',')
+        .map(|pair| {
+            let (node, step) = pair.split_once(':')?;
+            Some((node.parse().ok()?, step.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The node holding a replica of `node`'s parts of `step`, if any.
+fn holder_of(replicas: &[Vec<(u32, u64)>], node: u32, step: u64) -> Option<u32> {
+    replicas
+        .iter()
+        .enumerate()
+        .find(|(holder, held)| *holder as u32 != node && held.contains(&(node, step)))
+        .map(|(holder, _)| holder as u32)
+}
+
+/// The newest step every node can restore: from its own offer, or a replica another node holds.
+pub fn newest_covered(offers: &[BTreeSet<u64>], replicas: &[Vec<(u32, u64)>]) -> Option<u64> {
+    let covered = (0..offers.len()).map(|node| {
+        let mut steps = offers[node].clone();
+        for (holder, held) in replicas.iter().enumerate() {
+            if holder != node {
+                steps.extend(
+                    held.iter()
+                        .filter(|(n, _)| *n as usize == node)
+                        .map(|(_, s)| *s),
+                );
+            }
+        }
+        steps
+    });
+    newest_common(covered)
+}
+
 /// The newest step in every offer.
 pub fn newest_common(offers: impl IntoIterator<Item = BTreeSet<u64>>) -> Option<u64> {
     let mut offers = offers.into_iter();
@@ -267,5 +604,26 @@ mod tests {
         assert_eq!(encode_offer(&[5, 10]), "5,10");
         assert_eq!(decode_offer(b"5,x"), None);
         assert_eq!(decode_offer(&[0xff]), None);
+    }
+
+    #[test]
+    fn a_lost_node_is_covered_by_its_buddys_replica() {
+        // Node 1 is a replacement (holds nothing); node 2 holds node 1's parts of 10.
+        let offers: Vec<BTreeSet<u64>> = ["5,10", "", "10"]
+            .iter()
+            .map(|o| decode_offer(o.as_bytes()).unwrap())
+            .collect();
+        let replicas: Vec<Vec<(u32, u64)>> = ["2:10", "", "1:10"]
+            .iter()
+            .map(|r| decode_replicas(r.as_bytes()).unwrap())
+            .collect();
+        assert_eq!(newest_covered(&offers, &replicas), Some(10));
+        assert_eq!(holder_of(&replicas, 1, 10), Some(2));
+        // A node's own replica of itself does not count, nor a step nobody else holds.
+        let replicas: Vec<Vec<(u32, u64)>> = vec![vec![], vec![(1, 10)], vec![]];
+        assert_eq!(newest_covered(&offers, &replicas), None);
+        assert_eq!(encode_replicas(&[(1, 10), (2, 5)]), "1:10,2:5");
+        assert_eq!(decode_replicas(b"1:x"), None);
+        assert_eq!(decode_replicas(b"110"), None);
     }
 }

@@ -106,6 +106,62 @@ impl Holder {
         self.committed
     }
 
+    /// The attempt whose ranks run here now.
+    pub fn attempt(&self) -> Option<u32> {
+        self.share.map(|s| s.attempt)
+    }
+
+    pub fn share(&self) -> Option<Share> {
+        self.share
+    }
+
+    pub fn cap_bytes(&self) -> u64 {
+        self.cap_bytes
+    }
+
+    /// Takes the parts of `step` fetched from a buddy (this node's own, which a lost pod did
+    /// not keep) for the agreement in progress; `false` when they are not every current rank's.
+    pub fn adopt(&mut self, step: u64, parts: Vec<(u32, OwnedFd, u64)>) -> bool {
+        let Some(share) = self.share else {
+            return false;
+        };
+        let parts: BTreeMap<u32, Part> = parts
+            .into_iter()
+            .filter(|(rank, _, _)| share.owns(*rank))
+            .map(|(rank, memory, bytes)| {
+                (
+                    rank,
+                    Part {
+                        memory,
+                        bytes,
+                        attempt: share.attempt,
+                    },
+                )
+            })
+            .collect();
+        if parts.len() != share.local_ranks as usize {
+            return false;
+        }
+        self.generations.insert(
+            step,
+            Generation {
+                world_size: share.world_size,
+                parts,
+            },
+        );
+        true
+    }
+
+    /// This node's parts of `step`, as copies of their descriptors, for its buddy.
+    pub fn parts_of(&self, step: u64) -> Vec<(u32, OwnedFd, u64)> {
+        self.generations.get(&step).map_or_else(Vec::new, |g| {
+            g.parts
+                .iter()
+                .filter_map(|(rank, p)| p.memory.try_clone().ok().map(|m| (*rank, m, p.bytes)))
+                .collect()
+        })
+    }
+
     pub fn bytes_held(&self) -> u64 {
         self.generations.values().map(Generation::bytes).sum()
     }

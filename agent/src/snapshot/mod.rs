@@ -12,12 +12,15 @@
 //!   Kubernetes pod or a Docker container gets by default.
 //! - [`commit`]: on the attempt's store, which step an attempt restores and when a step is
 //!   committed.
+//! - [`replica`]: each node's parts of a committed step copied to its buddy node, and fetched
+//!   back by a replacement pod.
 //!
 //! The Python side is `python/muster_launcher/snapshot.py`.
 
 pub mod commit;
 pub mod holder;
 pub mod packet;
+pub mod replica;
 pub mod server;
 
 use std::sync::Arc;
@@ -53,6 +56,9 @@ pub trait Meter: Send + Sync {
     fn committed(&self, step: u64, node_holds: u64);
     /// The attempt's agreement: the step its ranks restore, if any.
     fn settled(&self, restored: Option<u64>, node_holds: u64);
+    /// This node's parts of `step` are held by its buddy; the copy took `seconds` (from the
+    /// commit, or the agreement, to the buddy's answer).
+    fn replicated(&self, step: u64, seconds: f64);
 }
 
 /// The snapshot service of one agent.
@@ -173,6 +179,7 @@ async fn follow_attempts(
                         node_rank: assignment.node_rank,
                         nnodes,
                         store,
+                        service: stop.clone(),
                     };
                     let (forward, forwarded) = mpsc::unbounded_channel();
                     let ended = stop.child_token();

@@ -26,6 +26,8 @@ use tracing::{debug, warn};
 
 use super::holder::{Holder, Part, Refusal};
 use super::packet::{Connection, Listener, Packet};
+use super::replica::net::Listening;
+use super::replica::{Host, Replicas};
 use super::Meter;
 
 /// How long a `restore` waits for the gang to agree on the step.
@@ -48,6 +50,10 @@ pub struct Completed {
 /// What the socket and the gang's side share.
 pub struct Shared {
     holder: Mutex<Holder>,
+    /// What this agent holds for its buddies ([`super::replica`]).
+    replicas: Mutex<Replicas>,
+    /// The replica listener, once the first attempt with peers started it.
+    pub listening: tokio::sync::OnceCell<Listening>,
     pub settled: watch::Sender<Option<Settled>>,
     completed: mpsc::UnboundedSender<Completed>,
     said_over_cap: AtomicBool,
@@ -62,6 +68,8 @@ impl Shared {
         let (completed, completions) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
             holder: Mutex::new(holder),
+            replicas: Mutex::new(Replicas::default()),
+            listening: tokio::sync::OnceCell::new(),
             settled: watch::Sender::new(None),
             completed,
             said_over_cap: AtomicBool::new(false),
@@ -72,6 +80,23 @@ impl Shared {
 
     pub fn holder(&self) -> MutexGuard<'_, Holder> {
         self.holder.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lock order: the holder before the replicas, when both are held.
+    pub fn replicas(&self) -> MutexGuard<'_, Replicas> {
+        self.replicas.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Host for Shared {
+    fn attempt_and_room(&self) -> (Option<u32>, u64) {
+        let holder = self.holder();
+        let held = holder.bytes_held() + self.replicas().bytes();
+        (holder.attempt(), holder.cap_bytes().saturating_sub(held))
+    }
+
+    fn replicas(&self) -> MutexGuard<'_, Replicas> {
+        Shared::replicas(self)
     }
 }
 
