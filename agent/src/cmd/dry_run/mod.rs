@@ -76,6 +76,8 @@ struct Plan {
     format: LogFormat,
     /// `--metrics-addr none` (or `MUSTER_METRICS_ADDR=none`): no agent serves metrics.
     metrics_off: bool,
+    /// `--snapshot-every`: the chaos report's advice knows what a crash should cost.
+    snapshot_every: Option<u64>,
 }
 
 impl Plan {
@@ -86,6 +88,7 @@ impl Plan {
             nproc_per_node: config.nproc_per_node,
             format: config.logs.format,
             metrics_off: config.metrics_addr.is_some_and(|a| a.addr().is_none()),
+            snapshot_every: config.snapshot_every,
         }
     }
 }
@@ -361,6 +364,7 @@ async fn drive(
     let chaos = chaos.map(|(settings, strikes)| {
         let world = plan.nnodes.saturating_mul(plan.nproc_per_node) as usize;
         chaos::runner::Runner::new(settings, strikes, world, started)
+            .with_snapshots(plan.snapshot_every)
     });
     let (lines_tx, lines) = mpsc::unbounded_channel::<(Instant, u32, String)>();
     let (exit_tx, exits) = mpsc::unbounded_channel::<(usize, u32, u8)>();

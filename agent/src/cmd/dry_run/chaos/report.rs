@@ -101,6 +101,8 @@ pub struct Report {
     /// Where the schedule stood when the job ended with strikes still to come (set by the
     /// runner, which knows the clock and the gaps).
     pub unfinished: Option<Unfinished>,
+    /// The agents' `--snapshot-every` (set by the runner): a crash should cost at most N + 1.
+    pub snapshot_every: Option<u64>,
 }
 
 /// What the runner knew of the schedule when the job ended before it was through: enough to say
@@ -182,6 +184,7 @@ pub fn build(inputs: &Inputs<'_>) -> Report {
         committed,
         end: inputs.end,
         unfinished: None,
+        snapshot_every: None,
     }
 }
 
@@ -502,12 +505,26 @@ impl Report {
         if !crashes.is_empty() {
             let mut as_f64: Vec<f64> = crashes.iter().map(|l| *l as f64).collect();
             let m = median(&mut as_f64).unwrap_or_default();
-            advice.push(format!(
-                "each crash cost a median of {m:.0} steps: the script resumes from its last \
-                 checkpoint; {}; save more often, or also save when muster asks (the checkpoint \
-                 helper) so that a preemption costs nothing",
-                self.save_cadence()
-            ));
+            match self.snapshot_every {
+                // What snapshots promise: nothing to say.
+                Some(n) if crashes.iter().all(|l| *l <= n + 1) => {}
+                Some(n) => advice.push(format!(
+                    "each crash cost a median of {m:.0} steps (worst {}) though the agents take \
+                     snapshots every {n} steps: a crash should cost at most {}; the script may \
+                     not hand its state to the snapshot helper (muster_launcher.snapshot, \
+                     docs/snapshots.md), or a pod was lost together with its buddy",
+                    crashes.iter().max().copied().unwrap_or_default(),
+                    n + 1
+                )),
+                None => advice.push(format!(
+                    "each crash cost a median of {m:.0} steps: the script resumes from its last \
+                     checkpoint; {}; save more often, or take in-memory snapshots \
+                     (--snapshot-every N: a crash then costs at most N + 1 steps for a copy of \
+                     the state into memory, docs/snapshots.md), and also save when muster asks \
+                     (the checkpoint helper) so that a preemption costs nothing",
+                    self.save_cadence()
+                )),
+            }
         }
         if self
             .outcomes
@@ -821,6 +838,24 @@ mod tests {
             "{}",
             r.totals()
         );
+        // With snapshots every 50 steps, 40 is what they promise (at most 51): nothing to say;
+        // every 5, 40 is far over 6, and the advice says why it may be.
+        let snapshots = |every| Report {
+            snapshot_every: Some(every),
+            ..r.clone()
+        };
+        assert!(
+            snapshots(50).advice().is_empty(),
+            "{:?}",
+            snapshots(50).advice()
+        );
+        let advice = snapshots(5).advice();
+        assert!(
+            advice[0].contains(
+                "though the agents take snapshots every 5 steps: a crash should cost at most 6"
+            ),
+            "{advice:?}"
+        );
     }
 
     #[test]
@@ -1050,6 +1085,7 @@ mod tests {
             committed: vec![258, 412],
             end: 100.0,
             unfinished: None,
+            snapshot_every: None,
         };
         assert_eq!(
             r.save_cadence(),

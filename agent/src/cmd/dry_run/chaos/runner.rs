@@ -33,6 +33,8 @@ pub struct Runner {
     /// (its gap begun): the report says what the job ended before.
     training_started: Option<Instant>,
     next_due: Option<Instant>,
+    /// The agents' `--snapshot-every`: what a crash should cost.
+    snapshot_every: Option<u64>,
 }
 
 impl Runner {
@@ -47,7 +49,15 @@ impl Runner {
             last_struck_at: None,
             training_started: None,
             next_due: None,
+            snapshot_every: None,
         }
+    }
+
+    /// The agents take in-memory snapshots every `every` steps.
+    #[must_use]
+    pub fn with_snapshots(mut self, every: Option<u64>) -> Self {
+        self.snapshot_every = every;
+        self
     }
 
     /// An agent message of node `node` (its metrics address).
@@ -143,6 +153,7 @@ impl Runner {
             job_code,
             end: secs(ended),
         });
+        report.snapshot_every = self.snapshot_every;
         if self.struck < self.strikes.len() {
             report.unfinished = Some(report::Unfinished {
                 training_started: self.training_started.map(secs),
