@@ -113,7 +113,8 @@ def trainer_run(tmp_path, script, name, flags=(), script_args=()):
     out = tmp_path / name
     p = subprocess.run(
         [muster_bin(), "dry-run", "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "1",
-         *flags, str(SCRIPTS / script), "--out", str(out), "--max-steps", "30", *script_args],
+         *flags, str(SCRIPTS / script), "--out", str(out), "--max-steps", "30", "--print-weights",
+         *script_args],
         env=muster_env(OFFLINE), capture_output=True, text=True, timeout=400, cwd=tmp_path)
     text = p.stdout + p.stderr
     assert p.returncode == 0, text

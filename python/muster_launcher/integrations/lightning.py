@@ -112,8 +112,8 @@ _CKPT_PATH_AT = 4
 
 def _wrap_fit(cls):
     """`fit` resumes from muster's newest committed snapshot on a restart within the job."""
-    original = cls.fit
-    if getattr(original, "_muster_wrapped", False):
+    original = getattr(cls, "fit", None)
+    if not callable(original) or getattr(original, "_muster_wrapped", False):
         return
 
     @functools.wraps(original)

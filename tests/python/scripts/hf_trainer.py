@@ -4,7 +4,7 @@ a 1-layer GPT-2 built from a config, random tokens, DDP on gloo. Prints:
   MUSTER_CALLBACKS <rank> <n>        muster callbacks the Trainer holds, after it is built
   FINAL <rank> <global_step>         after trainer.train() returned (post-training code)
   BEGIN <rank> <attempt> <global_step>  when training begins (after any resume)
-  WEIGHTS <rank> <sha256>            of the final parameters' bytes, after trainer.train()
+  WEIGHTS <rank> <sha256>            of the final parameters' bytes (--print-weights), after trainer.train()
 """
 
 import argparse
@@ -28,6 +28,9 @@ p.add_argument("--explicit", action="store_true")
 p.add_argument("--eval-seconds", type=float, default=0.0)
 # Rank 1 dies of SIGKILL right after this global step, in the first attempt only.
 p.add_argument("--kill-at", type=int, default=0)
+# Print WEIGHTS after training; both ranks then meet in a barrier so that they leave together
+# (a rank that outlives its peer by the hash's time can abort in gloo's teardown at exit).
+p.add_argument("--print-weights", action="store_true")
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -89,7 +92,10 @@ count = sum(type(cb).__name__ == "MusterHFCallback" for cb in trainer.callback_h
 print(f"MUSTER_CALLBACKS {rank} {count}", flush=True)
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 print(f"FINAL {rank} {trainer.state.global_step}", flush=True)
-weights = hashlib.sha256()
-for name, tensor in sorted(trainer.model.state_dict().items()):
-    weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
-print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)
+if args.print_weights:
+    weights = hashlib.sha256()
+    for name, tensor in sorted(trainer.model.state_dict().items()):
+        weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+    print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()

@@ -4,7 +4,7 @@ LightningModule, random data, DDP on gloo. Prints:
   MUSTER_CALLBACKS <rank> <n>        muster callbacks the Trainer holds, after it is built
   FINAL <rank> <global_step>         after trainer.fit() returned (post-training code)
   BEGIN <rank> <attempt> <global_step>  when training starts (after any resume)
-  WEIGHTS <rank> <sha256>            of the final parameters' bytes, after trainer.fit()
+  WEIGHTS <rank> <sha256>            of the final parameters' bytes (--print-weights), after trainer.fit()
 """
 
 import argparse
@@ -26,6 +26,9 @@ p.add_argument("--resume", action="store_true")
 p.add_argument("--explicit", action="store_true")
 # Rank 1 dies of SIGKILL right after this global step, in the first attempt only.
 p.add_argument("--kill-at", type=int, default=0)
+# Print WEIGHTS after training; both ranks then meet in a barrier so that they leave together
+# (a rank that outlives its peer by the hash's time can abort in gloo's teardown at exit).
+p.add_argument("--print-weights", action="store_true")
 p.add_argument("--samples", type=int, default=4096)
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
@@ -81,7 +84,10 @@ if args.resume:
     ckpt = sorted(glob.glob(os.path.join(args.out, "muster-preempt-step=*.ckpt")))[-1]
 trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt)
 print(f"FINAL {rank} {trainer.global_step}", flush=True)
-weights = hashlib.sha256()
-for name, tensor in sorted(trainer.lightning_module.state_dict().items()):
-    weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
-print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)
+if args.print_weights:
+    weights = hashlib.sha256()
+    for name, tensor in sorted(trainer.lightning_module.state_dict().items()):
+        weights.update(name.encode() + tensor.detach().cpu().contiguous().numpy().tobytes())
+    print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
