@@ -58,6 +58,7 @@ const FILES: &[PythonFile] = &[
     same_path!("muster_launcher/integrations/lightning.py", startup: false),
     same_path!("muster_launcher/integrations/lightning_snapshot.py", startup: false),
     same_path!("muster_launcher/integrations/rng.py", startup: false),
+    same_path!("muster_launcher/integrations/snapshots.py", startup: false),
     same_path!("muster_checkpoint.py", startup: false),
     same_path!("muster_frameworks.py", startup: false),
 ];

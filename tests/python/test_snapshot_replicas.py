@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 from conftest import muster_bin, muster_env
+from test_snapshots import SAME
 
 EVERY = 5
 
@@ -26,15 +27,7 @@ def state(rank, step):
     g = torch.Generator().manual_seed(rank * 1000 + step)
     return {"w": torch.randn(256, 64, generator=g), "opt": [torch.tensor(step), (step, "adam")]}
 
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
+""" + SAME + """
 def header(token, op, node, attempt, step, parts):
     return (b"MUSTREP1" + token + bytes([op])
             + struct.pack("<IIQIII", node, attempt, step, 2, node, parts))

@@ -9,6 +9,19 @@ import pytest
 
 from conftest import REPO, muster_bin, muster_env
 
+# The scripts' check that a restored state is the one handed over: dtype, shape and bytes of every
+# tensor, and the same structure and plain values around them.
+SAME = """\
+def same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+"""
+
 # Each rank's state is a pure function of (rank, step), so the restored one can be checked
 # exactly: dtypes torch has and numpy does not (bfloat16), an integer and a bool tensor, an empty
 # one, nesting, and plain values. Rank 1 dies of SIGKILL at step 13 of the first attempt.
@@ -27,15 +40,7 @@ def state(rank, step):
         "step": step,
     }
 
-def same(a, b):
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
+""" + SAME + """
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])

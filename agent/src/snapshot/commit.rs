@@ -289,16 +289,17 @@ async fn agree_on_store(
             .map(|node| attempt.key(&format!("{what}/{node}")))
             .collect()
     };
-    let (offer_keys, replica_keys, addr_keys) =
-        (keys("offer"), keys("replicas"), keys("replica-addr"));
-    let refs = |keys: &[Vec<u8>]| -> Vec<Vec<u8>> { keys.to_vec() };
-    let offer_refs: Vec<&[u8]> = offer_keys.iter().map(Vec::as_slice).collect();
-    client.wait(&offer_refs, AGREEMENT_WAIT).await?;
-    let mut all: Vec<Vec<u8>> = refs(&offer_keys);
-    all.extend(refs(&replica_keys));
-    all.extend(refs(&addr_keys));
-    let all_refs: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
-    let values = client.multi_get(&all_refs).await?;
+    // Every node's offer, then its replicas, then its listener: one read once the offers (set
+    // with the rest in one MULTI_SET) are all there.
+    let published: Vec<Vec<u8>> = ["offer", "replicas", "replica-addr"]
+        .into_iter()
+        .flat_map(keys)
+        .collect();
+    let published: Vec<&[u8]> = published.iter().map(Vec::as_slice).collect();
+    client
+        .wait(&published[..nodes as usize], AGREEMENT_WAIT)
+        .await?;
+    let values = client.multi_get(&published).await?;
     let n = nodes as usize;
     let offers: Vec<BTreeSet<u64>> = values[..n]
         .iter()

@@ -14,9 +14,8 @@ import functools
 import os
 import shutil
 
-from .. import channel
 from ..importhook import after_import
-from . import barrier, lightning_snapshot, rng
+from . import barrier, lightning_snapshot, rng, snapshots
 
 # The module whose execution defines each package's Trainer -> that package.
 _PACKAGES = {
@@ -73,11 +72,7 @@ def callback_class(package):
             self._barrier.end_section()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            try:
-                lightning_snapshot.save(trainer)
-            except Exception as err:  # never raise into the training loop over muster
-                channel.say("snapshots turned off after an error of muster's: %r" % (err,))
-                lightning_snapshot.snapshot.turn_off()
+            snapshots.never_raising(lambda: lightning_snapshot.save(trainer))
             step = trainer.global_step
             if not self._barrier.report(step):
                 return
@@ -120,15 +115,9 @@ def _wrap_fit(cls):
     def fit(self, *args, **kwargs):
         positional = len(args) > _CKPT_PATH_AT
         ckpt_path = args[_CKPT_PATH_AT] if positional else kwargs.get("ckpt_path")
-        try:
-            resume, snapshot_dir, taken = lightning_snapshot.resume_point(self, ckpt_path)
-        except Exception as err:
-            # Every other rank resumes from the snapshot: training on from anywhere else would
-            # silently train ranks at different steps.
-            raise RuntimeError(
-                "muster cannot resume this Trainer from the snapshot every rank agreed on: %r"
-                % (err,)
-            ) from err
+        resume, snapshot_dir, taken = snapshots.resume_point_or_fail(
+            lambda: lightning_snapshot.resume_point(self, ckpt_path)
+        )
         if snapshot_dir is not None:
             self._muster_snapshot_rng = taken
             if positional:

@@ -15,11 +15,8 @@ Sharded strategies (FSDP, DeepSpeed) are not snapshotted (one line says so).
 """
 
 import os
-import shutil
-import tempfile
 
-from .. import channel, snapshot
-from . import rng
+from . import rng, snapshots
 
 # Marks a state this module wrote.
 FORMAT = "muster-lightning-1"
@@ -36,16 +33,9 @@ def sharded(trainer):
 
 def save(trainer):
     """Hands the Trainer's state to the agent when a snapshot is due at this global step."""
-    step = int(trainer.global_step)
-    if not snapshot.due(step):
-        return False
-    why = sharded(trainer)
-    if why is not None:
-        channel.say("snapshot of step %d skipped: %s (not supported yet)" % (step, why))
-        snapshot.turn_off()
-        return False
-    return snapshot.save(
-        step,
+    return snapshots.save_if_due(
+        int(trainer.global_step),
+        sharded(trainer),
         lambda: {
             "format": FORMAT,
             "checkpoint": trainer._checkpoint_connector.dump_checkpoint(weights_only=False),
@@ -76,32 +66,18 @@ def resume_point(trainer, ckpt_path):
     """What `fit(ckpt_path=...)` gets: `ckpt_path` itself, or a file holding the newest committed
     snapshot when it is newer. Returns `(ckpt_path, directory to remove after fit or None, RNG
     states to set when training starts or None)`."""
-    if not snapshot.every() or sharded(trainer) is not None:
-        return ckpt_path, None, None
-    restored = snapshot.restore()
+    restored = snapshots.restored(FORMAT) if sharded(trainer) is None else None
     if restored is None:
         return ckpt_path, None, None
     step, state = restored
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return ckpt_path, None, None
-    explicit = _explicit_step(ckpt_path)
-    rank0 = int(os.environ.get("RANK", "0")) == 0
-    if explicit is not None and explicit >= step:
-        if rank0:
-            channel.say(
-                "the checkpoint the script resumes from (%s) is at least as new as the snapshot "
-                "of step %d: resuming from the checkpoint" % (ckpt_path, step)
-            )
+    if snapshots.checkpoint_wins(_explicit_step(ckpt_path), ckpt_path, step):
         return ckpt_path, None, None
     import torch
 
-    where = tempfile.mkdtemp(prefix="muster-lightning-snapshot-%d-" % step)
-    path = os.path.join(where, "snapshot-step=%d.ckpt" % step)
-    try:
-        torch.save(state["checkpoint"], path)
-    except BaseException:
-        shutil.rmtree(where, ignore_errors=True)
-        raise
-    if rank0:
-        channel.say("resuming the Trainer from the snapshot of step %d held by muster" % step)
-    return path, where, state["rng"]
+    name = "snapshot-step=%d.ckpt" % step
+    where = snapshots.scratch(
+        "muster-lightning-snapshot",
+        step,
+        lambda d: torch.save(state["checkpoint"], os.path.join(d, name)),
+    )
+    return os.path.join(where, name), where, state["rng"]

@@ -15,9 +15,8 @@ import os
 import shutil
 import weakref
 
-from .. import channel
 from ..importhook import after_import
-from . import barrier, transformers_snapshot
+from . import barrier, snapshots, transformers_snapshot
 
 # The modules whose import installs this integration (muster's sitecustomize is generated from it).
 HOOKED = ("transformers.trainer",)
@@ -57,17 +56,10 @@ def callback_class():
         def on_step_end(self, args, state, control, **kwargs):
             trainer = self._trainer()
             if trainer is not None:
-                self._snapshot(trainer, state)
+                snapshots.never_raising(lambda: transformers_snapshot.save(trainer, state))
             if self._barrier.report(state.global_step):
                 # The Trainer saves right after this hook (`_maybe_log_save_evaluate`).
                 control.should_save = True
-
-        def _snapshot(self, trainer, state):
-            try:
-                transformers_snapshot.save(trainer, state)
-            except Exception as err:  # never raise into the training loop over muster
-                channel.say("snapshots turned off after an error of muster's: %r" % (err,))
-                transformers_snapshot.snapshot.turn_off()
 
         def on_save(self, args, state, control, **kwargs):
             step = state.global_step
@@ -107,14 +99,9 @@ def _resume_from_snapshot(trainer, args, kwargs):
     snapshot when it is newer than what the script asks for (a restart within the job)."""
     positional = len(args) > 0
     resume = args[0] if positional else kwargs.get("resume_from_checkpoint")
-    try:
-        resume, snapshot_dir = transformers_snapshot.resume_point(trainer, resume)
-    except Exception as err:
-        # Every other rank of the gang resumes from the snapshot: training on from anywhere
-        # else would silently train ranks at different steps.
-        raise RuntimeError(
-            "muster cannot resume this Trainer from the snapshot every rank agreed on: %r" % (err,)
-        ) from err
+    resume, snapshot_dir = snapshots.resume_point_or_fail(
+        lambda: transformers_snapshot.resume_point(trainer, resume)
+    )
     if snapshot_dir is None:
         return args, kwargs, None
     if positional:

@@ -18,11 +18,8 @@ model's (one line says so, and training goes on).
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 
-from .. import channel, snapshot
-from . import rng
+from . import rng, snapshots
 
 # Marks a state this module wrote: a snapshot of something else (the plain-loop helper in the
 # same job) is never fed to the Trainer.
@@ -67,15 +64,9 @@ def state_of(trainer, state):
 
 def save(trainer, state):
     """Hands the state to the agent when a snapshot is due at this global step."""
-    step = int(state.global_step)
-    if not snapshot.due(step):
-        return False
-    why = sharded(trainer)
-    if why is not None:
-        channel.say("snapshot of step %d skipped: %s (not supported yet)" % (step, why))
-        snapshot.turn_off()
-        return False
-    return snapshot.save(step, lambda: state_of(trainer, state))
+    return snapshots.save_if_due(
+        int(state.global_step), sharded(trainer), lambda: state_of(trainer, state)
+    )
 
 
 def _explicit_step(trainer, resume):
@@ -117,28 +108,12 @@ def resume_point(trainer, resume):
     """What `train(resume_from_checkpoint=...)` gets: `resume` itself, or a directory holding the
     newest committed snapshot when it is newer than what the script asks for. Returns
     `(resume, directory to remove after training or None)`."""
-    if not snapshot.every() or sharded(trainer) is not None:
-        return resume, None
-    restored = snapshot.restore()
+    restored = snapshots.restored(FORMAT) if sharded(trainer) is None else None
     if restored is None:
         return resume, None
     step, state = restored
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        return resume, None
     explicit = _explicit_step(trainer, resume)
-    if explicit is not None and explicit >= step:
-        if int(os.environ.get("RANK", "0")) == 0:
-            channel.say(
-                "the checkpoint the script resumes from (step %s) is at least as new as the "
-                "snapshot of step %d: resuming from the checkpoint" % (explicit, step)
-            )
+    if snapshots.checkpoint_wins(explicit, "step %s" % explicit, step):
         return resume, None
-    where = tempfile.mkdtemp(prefix="muster-hf-snapshot-%d-" % step)
-    try:
-        _write(trainer, state, where)
-    except BaseException:
-        shutil.rmtree(where, ignore_errors=True)
-        raise
-    if int(os.environ.get("RANK", "0")) == 0:
-        channel.say("resuming the Trainer from the snapshot of step %d held by muster" % step)
+    where = snapshots.scratch("muster-hf-snapshot", step, lambda d: _write(trainer, state, d))
     return where, where
