@@ -82,7 +82,8 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
     let (mut launch, hang_watch) = watch_hangs(launch, &preemption, &metrics);
     launch = hold_foreign_signals(launch, &preemption);
     launch = give_workers_a_tmpdir(launch, &preemption);
-    launch = hold_snapshots(launch, &metrics, &shutdown)?;
+    let (held, snapshots) = hold_snapshots(launch, &metrics, &shutdown)?;
+    launch = held;
     let python_path = helper_python_path(&launch, &preemption);
     // The helper's directory holds muster's `sitecustomize` (the zero-code step reports, and the
     // script metrics' hook, which patches nothing without MUSTER_METRICS_PORT).
@@ -119,6 +120,9 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         preemption.trigger(reason)
     })
     .await;
+    if let (Some(snapshots), Ok(outcome)) = (&snapshots, &result) {
+        persist_before_exit(snapshots, &preemption, outcome.exit_code).await;
+    }
     drop(endpoint);
     if let Some(watch) = &gpu_watch {
         watch.stop();
@@ -235,7 +239,7 @@ fn hold_snapshots(
     mut launch: Launch,
     metrics: &Metrics,
     shutdown: &CancellationToken,
-) -> Result<Launch, Exit> {
+) -> Result<(Launch, Option<crate::snapshot::Snapshots>), Exit> {
     let snapshots = crate::snapshot::Snapshots::start(
         launch.config(),
         launch.observer(),
@@ -243,12 +247,53 @@ fn hold_snapshots(
         shutdown,
     )
     .map_err(|e| Exit::config(format!("cannot set up snapshots: {e}")))?;
-    if let Some(snapshots) = snapshots {
+    if let Some(snapshots) = &snapshots {
         for (name, value) in snapshots.worker_env() {
             launch = launch.with_worker_env(name, value);
         }
     }
-    Ok(launch)
+    Ok((launch, snapshots))
+}
+
+/// How long an agent whose job failed (no signal) waits for its newest committed snapshot to
+/// be whole on the disk before it exits: the job started again resumes from it.
+const PERSIST_AT_FAILURE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// With `--snapshot-persist`, before the agent exits after a terminating signal or a failed
+/// job: the newest committed snapshot is given what is left of the grace period (else
+/// [`PERSIST_AT_FAILURE`]) to be whole on the disk, so that the job started again resumes from
+/// it; the line says which step that is, and whether the checkpoint barrier saved a newer one.
+/// A job that succeeded has nothing to resume.
+async fn persist_before_exit(
+    snapshots: &crate::snapshot::Snapshots,
+    preemption: &Preemption,
+    exit_code: u8,
+) {
+    if !snapshots.persists() {
+        return;
+    }
+    let left = match preemption.deadline() {
+        Some(deadline) => deadline.saturating_duration_since(std::time::Instant::now()),
+        None if exit_code != 0 => PERSIST_AT_FAILURE,
+        None => return,
+    };
+    let on_disk = snapshots.flush(left).await;
+    let saved = match preemption.outcome() {
+        Some(checkpoint::Outcome::Committed { step }) => Some(step),
+        _ => None,
+    };
+    match (on_disk, saved) {
+        (Some(step), Some(saved)) if saved >= step => tracing::info!(
+            "snapshots: step {step} is on the disk too; the checkpoint barrier's step {saved} is newer"
+        ),
+        (Some(step), _) => tracing::info!(
+            "snapshots: this node's parts of step {step}, the newest committed snapshot, are whole on the disk: a job started again with the same --snapshot-persist resumes from it"
+        ),
+        (None, _) if snapshots.committed().is_some() => tracing::warn!(
+            "snapshots: the newest committed snapshot of this node is not whole on the disk before the agent exits; a job started again resumes from an older one or from the script's checkpoint"
+        ),
+        (None, _) => {}
+    }
 }
 
 /// Where `/tmp` is not writable, gives the workers a `TMPDIR` under muster's writable place.

@@ -1,5 +1,6 @@
 //! The agent's only `unsafe`: the code that runs in a freshly forked worker between `fork` and
-//! `exec`.
+//! `exec`, and [`lower_this_threads_priority`] (one system call on plain integers, which nix does
+//! not wrap).
 //!
 //! [`die_with_parent`] does the same parent-death half for muster's other children (the dry
 //! run's agents, the GPU pre-flight's helper), so a SIGKILLed parent leaves none of them behind.
@@ -79,12 +80,48 @@ pub fn die_with_parent(cmd: &mut Command, parent: Pid) {
     }
 }
 
+/// Gives the calling thread the lowest CPU priority (nice 19), for the agent's background work
+/// that must not take CPU time from the ranks (a snapshot written to storage). For the thread's
+/// whole life: an unprivileged thread cannot raise its priority back, so call it only on a
+/// thread of its own.
+pub fn lower_this_threads_priority() {
+    let tid = nix::unistd::gettid().as_raw();
+    // SAFETY: setpriority reads and writes no memory of ours; a failure leaves the priority.
+    let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, 19) };
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::process::ExitStatusExt as _;
     use std::process::Command;
 
-    use super::die_with_parent;
+    use super::{die_with_parent, lower_this_threads_priority};
+
+    /// The nice value of the calling thread (field 19 of its stat line, after the command's
+    /// closing parenthesis).
+    fn own_nice() -> i64 {
+        let stat = std::fs::read_to_string("/proc/thread-self/stat").expect("a stat line");
+        let after = &stat[stat.rfind(')').expect("a command") + 2..];
+        after
+            .split(' ')
+            .nth(16)
+            .expect("19 fields")
+            .parse()
+            .expect("a number")
+    }
+
+    #[test]
+    fn a_lowered_thread_runs_at_nice_19_and_the_others_do_not() {
+        let before = own_nice();
+        let lowered = std::thread::spawn(|| {
+            lower_this_threads_priority();
+            own_nice()
+        })
+        .join()
+        .expect("the thread ran");
+        assert_eq!(lowered, 19);
+        assert_eq!(own_nice(), before);
+    }
 
     #[test]
     fn a_child_dies_with_the_thread_that_started_it() {

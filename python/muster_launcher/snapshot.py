@@ -100,6 +100,11 @@ def save(step, state):
     except SnapshotError as e:
         _say("snapshot of step %d skipped: %s" % (step, e))
         return False
+    except Exception as e:  # noqa: BLE001 - a snapshot never costs the job its training
+        _link.off = True
+        _say("snapshots are off for this process: step %d could not be copied (%s: %s)"
+             % (step, type(e).__name__, e))
+        return False
     sent = time.perf_counter()
     try:
         # The agent adds its own handling to the time the rank blocked before sending (in
@@ -148,21 +153,66 @@ class _Pickler(pickle.Pickler):
         self.tensors = []
 
     def persistent_id(self, obj):
-        if isinstance(obj, self.torch.Tensor):
-            self.tensors.append(obj)
-            return ("muster-tensor", len(self.tensors) - 1)
-        return None
+        if not isinstance(obj, self.torch.Tensor):
+            return None
+        dtensor = _dtensor_type()
+        if dtensor is not None and isinstance(obj, dtensor):
+            # A shard of a sharded state (FSDP2, tensor parallelism, DCP's get_state_dict): its
+            # local bytes, and where it sits, so that restore() gives the same DTensor back.
+            mesh = obj.device_mesh
+            self.tensors.append(obj.to_local())
+            where = (mesh.device_type, mesh.mesh.tolist(), mesh.mesh_dim_names,
+                     tuple(obj.placements), tuple(obj.shape), tuple(obj.stride()),
+                     bool(obj.requires_grad))
+            return ("muster-dtensor", len(self.tensors) - 1, where)
+        self.tensors.append(obj)
+        return ("muster-tensor", len(self.tensors) - 1)
+
+
+def _dtensor_type():
+    """torch's DTensor, when this torch has it and the script's state may hold one."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, tensors):
         super().__init__(file)
         self.tensors = tensors
+        self.meshes = {}
 
     def persistent_load(self, pid):
         if isinstance(pid, tuple) and len(pid) == 2 and pid[0] == "muster-tensor":
             return self.tensors[pid[1]]
+        if isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "muster-dtensor":
+            return self._dtensor(self.tensors[pid[1]], *pid[2])
         raise pickle.UnpicklingError("not a snapshot's tensor reference: %r" % (pid,))
+
+    def _dtensor(self, local, device_type, ranks, dim_names, placements, shape, stride,
+                 requires_grad):
+        from torch.distributed.tensor import DTensor
+
+        key = (device_type, repr(ranks), dim_names)
+        if key not in self.meshes:
+            self.meshes[key] = _mesh(device_type, ranks, dim_names)
+        tensor = DTensor.from_local(local, self.meshes[key], placements, run_check=False,
+                                    shape=shape, stride=stride)
+        return tensor.requires_grad_(True) if requires_grad else tensor
+
+
+def _mesh(device_type, ranks, dim_names):
+    """The device mesh a shard was on: equal (by value) to the one the script builds."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if ranks == list(range(dist.get_world_size())):
+        # The whole world on one dimension (FSDP's usual mesh): the default group, no new one.
+        return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=dim_names)
+    # Every rank restores the same step, so every rank makes the same groups in the same order.
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=dim_names)
 
 
 def _aligned(n):

@@ -15,6 +15,26 @@ from test_snapshots import SAME
 
 EVERY = 5
 
+# Reads a key of the agents' own on the job's store, as any rank can.
+RAW_GET = """\
+import os, socket, struct
+
+def raw_get(key):
+    # torch's client puts "/" before every key; the agents' keys have none: VALIDATE, WAIT, GET.
+    with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                                  timeout=30) as s:
+        k = key.encode()
+        s.sendall(b"\\x00" + struct.pack("<I", 0x3C85F7CE)
+                  + b"\\x06" + struct.pack("<QQ", 1, len(k)) + k
+                  + b"\\x03" + struct.pack("<Q", len(k)) + k)
+        data = b""
+        while len(data) < 9 or len(data) < 9 + struct.unpack("<Q", data[1:9])[0]:
+            chunk = s.recv(4096)
+            assert chunk, "the store closed the connection"
+            data += chunk
+        return data[9:9 + struct.unpack("<Q", data[1:9])[0]]
+"""
+
 # Each rank's state is a pure function of (rank, step): the restored one is checked exactly.
 # With HOSTILE=1, rank 0 calls both replica listeners at step 8 the ways a stranger would.
 SCRIPT = """\
@@ -40,21 +60,7 @@ def answer(sock):
             return data
         data += chunk
 
-def raw_get(key):
-    # torch's client puts "/" before every key; the agents' keys have none: VALIDATE, WAIT, GET.
-    with socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-                                  timeout=30) as s:
-        k = key.encode()
-        s.sendall(b"\\x00" + struct.pack("<I", 0x3C85F7CE)
-                  + b"\\x06" + struct.pack("<QQ", 1, len(k)) + k
-                  + b"\\x03" + struct.pack("<Q", len(k)) + k)
-        data = b""
-        while len(data) < 9 or len(data) < 9 + struct.unpack("<Q", data[1:9])[0]:
-            chunk = s.recv(4096)
-            assert chunk, "the store closed the connection"
-            data += chunk
-        return data[9:9 + struct.unpack("<Q", data[1:9])[0]]
-
+""" + RAW_GET + """
 def hostile(attempt):
     prefix = "muster/%s/snapshot/%d/" % (os.environ["TORCHELASTIC_RUN_ID"], attempt)
     for node in (0, 1):

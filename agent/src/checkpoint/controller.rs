@@ -83,6 +83,9 @@ pub struct Preemption {
     triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
     outcome: Arc<Mutex<Option<Outcome>>>,
     preempted_exit_code: u8,
+    /// The barrier's budget for the grace period, and when a signal asked for it.
+    budget: Duration,
+    signalled_at: Arc<Mutex<Option<std::time::Instant>>>,
     task: JoinHandle<()>,
 }
 
@@ -119,10 +122,11 @@ impl Preemption {
         let (triggers, trigger_rx) = mpsc::unbounded_channel();
         let outcome = Arc::new(Mutex::new(None));
         let grace = config.grace_period.unwrap_or(config.shutdown_timeout);
+        let budget = budget(grace);
         let controller = Controller {
             channel,
             local_world_size: config.nproc_per_node,
-            budget: budget(grace),
+            budget,
             outcome: Arc::clone(&outcome),
             shutdown,
             events,
@@ -135,6 +139,8 @@ impl Preemption {
             triggers,
             outcome,
             preempted_exit_code: config.preempted_exit_code,
+            budget,
+            signalled_at: Arc::new(Mutex::new(None)),
             task,
         })
     }
@@ -174,7 +180,12 @@ impl Preemption {
     /// The launch's terminate hook: SIGTERM becomes a checkpoint request.
     pub fn terminate_hook(&self) -> TerminateHook {
         let triggers = self.triggers.clone();
+        let signalled_at = Arc::clone(&self.signalled_at);
         Arc::new(move |signal: Signal, stop: StopRequest| {
+            signalled_at
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get_or_insert_with(std::time::Instant::now);
             let trigger = Trigger {
                 reason: format!("{} received", signal.as_str()),
                 signal: Some(signal),
@@ -196,6 +207,16 @@ impl Preemption {
             signal: None,
         };
         self.triggers.send((trigger, None)).is_ok()
+    }
+
+    /// When the grace period a terminating signal began ends, less the margin kept for
+    /// stopping and reaping; `None` when no signal came.
+    pub fn deadline(&self) -> Option<std::time::Instant> {
+        let signalled_at = *self
+            .signalled_at
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        signalled_at.map(|at| at + self.budget)
     }
 
     /// The checkpoint's outcome on this node, if one ran.

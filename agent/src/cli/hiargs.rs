@@ -400,6 +400,18 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
     })?
     .filter(|&every| every > 0);
     let snapshot_memory = parsed(low, "snapshot-memory", parse_byte_size)?.map(|b| b as u64);
+    let snapshot_persist = path_flag(low, "snapshot-persist");
+    let snapshot_persist_every =
+        snapshot_persist_every(low, snapshot_every, snapshot_persist.is_some())?;
+    if let (Some(raw), None) = (get(low, "snapshot-persist"), snapshot_every) {
+        if snapshot_persist.is_some() {
+            return Err(bad(
+                raw,
+                "snapshot-persist",
+                "persists the agents' snapshots, which need --snapshot-every N",
+            ));
+        }
+    }
     let role = get(low, "role").map_or_else(|| "default".to_owned(), |r| r.value.clone());
     let logs = log_config(low)?;
     let signals = parsed(low, "signals-to-handle", parse_signals)?.unwrap_or_default();
@@ -456,6 +468,8 @@ pub fn build(low: &LowArgs, probe: &Probe<'_>) -> Result<Config, ConfigError> {
         warm_restart,
         snapshot_every,
         snapshot_memory,
+        snapshot_persist,
+        snapshot_persist_every,
         scheduler: crate::cli::scheduler::Behaviour::default(),
         straggler,
     })
@@ -467,6 +481,37 @@ fn switch(low: &LowArgs, flag: &str) -> bool {
 }
 
 /// A flag's value through `parse`, an error naming the flag when it does not parse.
+/// `--snapshot-persist-every STEPS`: a multiple of `--snapshot-every` (only committed snapshots
+/// are written), with `--snapshot-persist`.
+fn snapshot_persist_every(
+    low: &LowArgs,
+    every: Option<u64>,
+    persists: bool,
+) -> Result<Option<u64>, ConfigError> {
+    let Some(raw) = get(low, "snapshot-persist-every") else {
+        return Ok(None);
+    };
+    let steps: u64 = raw
+        .value
+        .trim()
+        .parse()
+        .map_err(|_| bad(raw, "snapshot-persist-every", "expected a number of steps"))?;
+    match every {
+        _ if !persists => Err(bad(
+            raw,
+            "snapshot-persist-every",
+            "says how often --snapshot-persist DIR writes, and no --snapshot-persist is given",
+        )),
+        Some(every) if steps > 0 && steps % every == 0 => Ok(Some(steps)),
+        Some(every) => Err(bad(
+            raw,
+            "snapshot-persist-every",
+            format!("must be a positive multiple of --snapshot-every {every}: only committed snapshots are written"),
+        )),
+        None => Err(bad(raw, "snapshot-persist-every", "needs --snapshot-every N")),
+    }
+}
+
 fn parsed<T, E: std::fmt::Display>(
     low: &LowArgs,
     flag: &str,
@@ -1336,6 +1381,43 @@ mod tests {
         assert!(err.0.contains("--snapshot-every"), "{err}");
         let err = build_with(&["--snapshot-memory", "lots", "train.py"], &[PATH], 0).unwrap_err();
         assert!(err.0.contains("--snapshot-memory"), "{err}");
+        let c = build_with(
+            &[
+                "--snapshot-every",
+                "5",
+                "--snapshot-persist",
+                "/ckpt/snap",
+                "train.py",
+            ],
+            &[PATH],
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.snapshot_persist, Some(PathBuf::from("/ckpt/snap")));
+        assert_eq!(c.snapshot_persist_every, None);
+        let with = |extra: &[&str]| {
+            let mut args = vec!["--snapshot-every", "5", "--snapshot-persist", "/ckpt/snap"];
+            args.extend_from_slice(extra);
+            args.push("train.py");
+            build_with(&args, &[PATH], 0)
+        };
+        assert_eq!(
+            with(&["--snapshot-persist-every", "50"])
+                .unwrap()
+                .snapshot_persist_every,
+            Some(50)
+        );
+        for wrong in ["7", "0", "x"] {
+            let err = with(&["--snapshot-persist-every", wrong]).unwrap_err();
+            assert!(err.0.contains("--snapshot-persist-every"), "{err}");
+        }
+        let err = build_with(
+            &["--snapshot-persist", "/ckpt/snap", "train.py"],
+            &[PATH],
+            0,
+        )
+        .unwrap_err();
+        assert!(err.0.contains("--snapshot-every"), "{err}");
     }
 
     #[test]

@@ -316,6 +316,11 @@ pub struct Config {
     /// `--snapshot-memory`: the most the snapshots may hold on this node (`None`: from the
     /// pod's memory limit).
     pub snapshot_memory: Option<u64>,
+    /// `--snapshot-persist`: where the newest committed snapshot is written in the background,
+    /// for a job-level restart ([`crate::snapshot::persist`]).
+    pub snapshot_persist: Option<PathBuf>,
+    /// `--snapshot-persist-every`: which committed steps are written (`None`: every one).
+    pub snapshot_persist_every: Option<u64>,
     /// What the scheduler that started this agent does (`cli::scheduler`): whether a
     /// lost node comes back, whether it signals every process, the node's index.
     pub scheduler: SchedulerBehaviour,
@@ -395,6 +400,8 @@ impl Config {
             warm_restart: true,
             snapshot_every: None,
             snapshot_memory: None,
+            snapshot_persist: None,
+            snapshot_persist_every: None,
             scheduler: SchedulerBehaviour::default(),
             straggler: crate::watch::straggler::Settings::default(),
         }

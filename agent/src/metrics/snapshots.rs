@@ -26,6 +26,8 @@ pub struct SnapshotMeter {
     refused: IntCounterVec,
     replicated_step: IntGauge,
     replication_seconds: Gauge,
+    persisted_step: IntGauge,
+    persist_seconds: Gauge,
 }
 
 impl SnapshotMeter {
@@ -65,6 +67,14 @@ impl SnapshotMeter {
             replication_seconds: defs.gauge(
                 "muster_snapshot_replication_seconds",
                 "How long the last copy of this node's parts to its buddy took, from the commit to the buddy's answer: the replication lag, during which a lost pod would restore the step before.",
+            ),
+            persisted_step: defs.int_gauge(
+                "muster_snapshot_persisted_step",
+                "The newest committed step of this node's snapshot parts that is whole on the disk (--snapshot-persist): where a job started again after losing every pod resumes; 0 before the first write or without --snapshot-persist.",
+            ),
+            persist_seconds: defs.gauge(
+                "muster_snapshot_persist_seconds",
+                "How long the last write of this node's parts to the disk took (--snapshot-persist), from the commit: during it a job-level loss would resume from the step before.",
             ),
         };
         for why in REFUSALS {
@@ -110,6 +120,12 @@ impl Meter for SnapshotMeter {
         self.replicated_step
             .set(i64::try_from(step).unwrap_or(i64::MAX));
         self.replication_seconds.set(seconds);
+    }
+
+    fn persisted(&self, step: u64, seconds: f64) {
+        self.persisted_step
+            .set(i64::try_from(step).unwrap_or(i64::MAX));
+        self.persist_seconds.set(seconds);
     }
 
     fn settled(&self, restored: Option<u64>, node_holds: u64) {

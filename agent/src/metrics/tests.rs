@@ -1891,7 +1891,16 @@ async fn gangz_and_gauges_show_the_committed_snapshot_and_what_it_cost() {
     meter.refused("busy");
     meter.committed(10, 320 << 20);
     meter.replicated(10, 0.25);
+    meter.persisted(10, 1.5);
     let text = scrape(&metrics);
+    assert_eq!(
+        value(&text, "muster_snapshot_persisted_step", &[]),
+        Some(10.0)
+    );
+    assert_eq!(
+        value(&text, "muster_snapshot_persist_seconds", &[]),
+        Some(1.5)
+    );
     assert_eq!(
         value(&text, "muster_snapshot_committed_step", &[]),
         Some(10.0)

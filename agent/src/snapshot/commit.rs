@@ -78,6 +78,7 @@ pub async fn run(
         shared.replicas().settle(agreed);
         holder.bytes_held()
     };
+    super::persist::settle(&shared, attempt.attempt, agreed);
     // The agreed step goes to the buddy too: after a replacement the new buddy holds nothing.
     let (replicate_tx, replicate_rx) = watch::channel(agreed);
     if let Some(buddy) = buddy {
@@ -124,6 +125,7 @@ pub async fn run(
                     meter.committed(step, held);
                 }
                 replicate_tx.send_replace(Some(step));
+                super::persist::committed(&shared, attempt.attempt, step, false);
                 let line = format!(
                     "snapshots: step {step} committed on every node ({} held on this node)",
                     human_bytes(held)
@@ -176,13 +178,22 @@ async fn agree(
     attempt: &Attempt,
     client: &mut Option<Client>,
 ) -> (Option<u64>, Option<Listening>) {
-    let offer = shared.holder().restorable();
+    let mut offer = shared.holder().restorable();
+    offer.extend(super::persist::steps_on_disk(shared).await);
+    offer.sort_unstable();
+    offer.dedup();
     let agreed = match store(attempt, client).await {
-        Ok(None) => Ok(Agreement {
-            step: offer.last().copied(),
-            fetched_from: BTreeMap::new(),
-            buddy: None,
-        }),
+        Ok(None) => {
+            let step = match offer.last().copied() {
+                Some(step) if own_parts(shared, step).await => Some(step),
+                _ => None,
+            };
+            Ok(Agreement {
+                step,
+                fetched_from: BTreeMap::new(),
+                buddy: None,
+            })
+        }
         Ok(Some(client)) => agree_on_store(shared, client, attempt, &offer)
             .await
             .map_err(StoreError::from),
@@ -332,7 +343,7 @@ async fn agree_on_store(
         .filter_map(|node| holder_of(&replicas, node, step).map(|j| (node, j)))
         .collect();
     let ready = match fetched_from.get(&me) {
-        None => true,
+        None => own_parts(shared, step).await,
         Some(from) => {
             let header = Header {
                 token: addrs[*from as usize].map_or([0; 16], |l| l.token),
@@ -373,6 +384,15 @@ async fn agree_on_store(
         fetched_from,
         buddy,
     })
+}
+
+/// Whether this node holds its parts of `step` in memory, reading them from the disk
+/// (`--snapshot-persist`) when only the disk has them.
+async fn own_parts(shared: &Arc<Shared>, step: u64) -> bool {
+    if shared.holder().restorable().contains(&step) {
+        return true;
+    }
+    super::persist::load_into_holder(shared, step).await
 }
 
 /// Fetches this node's parts from `from`'s replica into the holder; whether they are held now.

@@ -59,6 +59,11 @@ impl Share {
     fn owns(&self, rank: u32) -> bool {
         rank >= self.first_rank && rank - self.first_rank < self.local_ranks
     }
+
+    /// The global ranks this node runs.
+    pub fn ranks(&self) -> std::ops::Range<u32> {
+        self.first_rank..self.first_rank + self.local_ranks
+    }
 }
 
 #[derive(Debug, Default)]
@@ -213,7 +218,7 @@ impl Holder {
             return false;
         };
         generation.world_size == share.world_size
-            && (share.first_rank..share.first_rank + share.local_ranks).all(|rank| {
+            && share.ranks().all(|rank| {
                 generation
                     .parts
                     .get(&rank)
@@ -240,8 +245,7 @@ impl Holder {
             .iter()
             .filter(|(_, g)| {
                 g.world_size == share.world_size
-                    && (share.first_rank..share.first_rank + share.local_ranks)
-                        .all(|rank| g.parts.contains_key(&rank))
+                    && share.ranks().all(|rank| g.parts.contains_key(&rank))
             })
             .map(|(s, _)| *s)
             .collect()

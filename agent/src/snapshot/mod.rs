@@ -14,12 +14,16 @@
 //!   committed.
 //! - [`replica`]: each node's parts of a committed step copied to its buddy node, and fetched
 //!   back by a replacement pod.
+//! - [`persist`] and [`disk`]: `--snapshot-persist DIR`, each committed step written to storage
+//!   in the background, read back by a job started again after every pod was lost.
 //!
 //! The Python side is `python/muster_launcher/snapshot.py`.
 
 pub mod commit;
+pub mod disk;
 pub mod holder;
 pub mod packet;
+pub mod persist;
 pub mod replica;
 pub mod server;
 
@@ -59,21 +63,29 @@ pub trait Meter: Send + Sync {
     /// This node's parts of `step` are held by its buddy; the copy took `seconds` (from the
     /// commit, or the agreement, to the buddy's answer).
     fn replicated(&self, step: u64, seconds: f64);
+    /// This node's parts of `step` are whole on the disk (`--snapshot-persist`); the write
+    /// took `seconds`.
+    fn persisted(&self, step: u64, seconds: f64);
 }
 
 /// The snapshot service of one agent.
 pub struct Snapshots {
     socket: String,
     every: u64,
+    shared: Arc<Shared>,
 }
 
-/// The socket could not be bound.
+/// Why the service could not start.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot listen on the snapshot socket {address} (an abstract Unix socket): {source}")]
-pub struct BindError {
-    pub address: String,
-    #[source]
-    pub source: std::io::Error,
+pub enum StartError {
+    #[error("cannot listen on the snapshot socket {address} (an abstract Unix socket): {source}")]
+    Bind {
+        address: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("--snapshot-persist: {0}")]
+    Persist(#[from] disk::PersistError),
 }
 
 impl Snapshots {
@@ -83,7 +95,7 @@ impl Snapshots {
         observer: Observer,
         meter: Option<Arc<dyn Meter>>,
         shutdown: &CancellationToken,
-    ) -> Result<Option<Snapshots>, BindError> {
+    ) -> Result<Option<Snapshots>, StartError> {
         let Some(every) = config.snapshot_every else {
             return Ok(None);
         };
@@ -93,7 +105,12 @@ impl Snapshots {
             rand::random::<u64>()
         );
         let address = format!("@{name}");
-        let listener = Listener::bind_abstract(&name).map_err(|source| BindError {
+        let disk = config
+            .snapshot_persist
+            .as_deref()
+            .map(|dir| disk::Disk::open(dir, config.snapshot_persist_every.unwrap_or(every)))
+            .transpose()?;
+        let listener = Listener::bind_abstract(&name).map_err(|source| StartError::Bind {
             address: address.clone(),
             source,
         })?;
@@ -102,11 +119,24 @@ impl Snapshots {
             "--snapshot-every {every}: each rank's state is held in this agent's memory every {every} steps, at most {} on this node (--snapshot-memory)",
             human_bytes(cap)
         );
-        let (shared, completions) = Shared::new(Holder::new(cap), meter);
+        if let Some(disk) = &disk {
+            info!(
+                "--snapshot-persist: each committed snapshot of this node's ranks is written under {} in the background",
+                disk.dir().display()
+            );
+        }
+        let (shared, completions) = Shared::new(Holder::new(cap), meter, disk.clone());
         let stop = shutdown.child_token();
+        if let Some(disk) = disk {
+            tokio::spawn(persist::write_committed(
+                Arc::clone(&shared),
+                disk,
+                stop.clone(),
+            ));
+        }
         tokio::spawn(server::serve(listener, Arc::clone(&shared), stop.clone()));
         tokio::spawn(follow_attempts(
-            shared,
+            Arc::clone(&shared),
             observer,
             completions,
             config.nproc_per_node,
@@ -115,7 +145,41 @@ impl Snapshots {
         Ok(Some(Snapshots {
             socket: address,
             every,
+            shared,
         }))
+    }
+
+    /// Waits, at most `within`, until the newest committed step is whole on the disk
+    /// (`--snapshot-persist`): what a preemption does before the agent exits, so that the next
+    /// job resumes from it. The step on the disk then, if any.
+    pub async fn flush(&self, within: std::time::Duration) -> Option<u64> {
+        self.shared.disk.as_ref()?;
+        let (committed, attempt) = {
+            let holder = self.shared.holder();
+            (holder.committed(), holder.attempt())
+        };
+        let mut persisted = self.shared.persisted.subscribe();
+        // The newest committed step, due by --snapshot-persist-every or not: it is the one the
+        // next job resumes from.
+        if let (Some(step), Some(attempt)) = (committed, attempt) {
+            if persisted.borrow().is_none_or(|p| p < step) {
+                persist::committed(&self.shared, attempt, step, true);
+            }
+        }
+        let caught_up = |p: &Option<u64>| committed.is_none_or(|c| p.is_some_and(|p| p >= c));
+        let _ = tokio::time::timeout(within, persisted.wait_for(caught_up)).await;
+        let on_disk = *persisted.borrow();
+        on_disk
+    }
+
+    /// The newest step the gang committed (or this attempt restored).
+    pub fn committed(&self) -> Option<u64> {
+        self.shared.holder().committed()
+    }
+
+    /// Whether committed steps are written to storage.
+    pub fn persists(&self) -> bool {
+        self.shared.disk.is_some()
     }
 
     /// What the workers' environment gains.

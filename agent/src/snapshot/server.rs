@@ -24,6 +24,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::disk::Disk;
 use super::holder::{Holder, Part, Refusal};
 use super::packet::{Connection, Listener, Packet};
 use super::replica::net::Listening;
@@ -58,12 +59,19 @@ pub struct Shared {
     completed: mpsc::UnboundedSender<Completed>,
     said_over_cap: AtomicBool,
     pub meter: Option<Arc<dyn Meter>>,
+    /// `--snapshot-persist`: where committed steps are written ([`super::persist`]).
+    pub disk: Option<Disk>,
+    /// The newest committed step (and its attempt), for the writer to the disk.
+    pub to_persist: watch::Sender<Option<super::persist::Wanted>>,
+    /// The newest step the writer found or left whole on the disk.
+    pub persisted: watch::Sender<Option<u64>>,
 }
 
 impl Shared {
     pub fn new(
         holder: Holder,
         meter: Option<Arc<dyn Meter>>,
+        disk: Option<Disk>,
     ) -> (Arc<Shared>, mpsc::UnboundedReceiver<Completed>) {
         let (completed, completions) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared {
@@ -74,6 +82,9 @@ impl Shared {
             completed,
             said_over_cap: AtomicBool::new(false),
             meter,
+            disk,
+            to_persist: watch::Sender::new(None),
+            persisted: watch::Sender::new(None),
         });
         (shared, completions)
     }
