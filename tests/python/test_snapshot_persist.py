@@ -49,7 +49,11 @@ steps = 1000 if first_job else 40
 for step in range(start, steps):
     dist.all_reduce(torch.ones(1))
     if not first_job or step <= last:
-        snapshot.save(step, lambda: state(rank, step))
+        held = snapshot.save(step, lambda: state(rank, step))
+        if held and first_job:
+            # The next snapshot is taken only once this one is committed (else the agent would
+            # refuse it as a third generation, on a machine too loaded to commit in 5 steps).
+            raw_get("muster/%s/snapshot/0/committed/%d" % (os.environ["TORCHELASTIC_RUN_ID"], step))
     if first_job and step == last:
         files = [os.path.join(sys.argv[1], "step-20", "rank-%d.part" % r) for r in range(world)]
         while not all(os.path.exists(f) for f in files):

@@ -51,7 +51,8 @@ for step in range(start, 30):
     def state():
         m, o = get_state_dict(model, opt)
         return {"model": m, "optim": o, "rng": torch.get_rng_state()}
-    snapshot.save(step, state)
+    if snapshot.save(step, state):
+        print("HELD %d %d %s" % (rank, step, os.environ["TORCHELASTIC_RESTART_COUNT"]), flush=True)
     if step == 13 and rank == 1 and os.environ.get("KILL") == "1" \\
             and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
         os.kill(os.getpid(), 9)
@@ -81,7 +82,13 @@ def test_fsdp2_shards_restore_exactly_after_a_killed_rank(tmp_path):
     uninterrupted, weights = run(tmp_path, kill=False)
     assert len(weights) == 1, uninterrupted
     out, resumed = run(tmp_path, kill=True)
-    assert sorted(re.findall(r"RESTORED (\d) (\d+)$", out, re.M)) == [("0", "10"), ("1", "10")], out
+    # The newest step both ranks handed over before rank 1 died: 10, unless a machine too loaded
+    # to commit step 5 within 5 steps made the agent refuse 10 (a third generation).
+    held = [set(int(s) for s in re.findall(rf"HELD {r} (\d+) 0$", out, re.M)) for r in (0, 1)]
+    newest = max(held[0] & held[1])
+    assert newest in (5, 10), out
+    assert sorted(re.findall(r"RESTORED (\d) (\d+)$", out, re.M)) == [
+        ("0", str(newest)), ("1", str(newest))], out
     assert resumed == weights, out
 
 
