@@ -16,17 +16,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::disk::Disk;
-use super::server::Shared;
+use super::server::{Shared, Wanted};
 use crate::watch::cgroup::human_bytes;
-
-/// What the writer is asked for: the attempt, the step it agreed to restore, and the newest
-/// committed step to write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Wanted {
-    pub attempt: u32,
-    pub agreed: Option<u64>,
-    pub step: Option<u64>,
-}
 
 /// The one writer of this node's files: per attempt, it first removes the files of the dead
 /// timeline ([`Disk::forget_after`] the agreed step), then writes each committed step, newest

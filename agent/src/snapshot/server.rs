@@ -48,6 +48,15 @@ pub struct Completed {
     pub step: u64,
 }
 
+/// What the writer to the disk ([`super::persist`]) is asked for: the attempt, the step it
+/// agreed to restore, and the newest committed step to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wanted {
+    pub attempt: u32,
+    pub agreed: Option<u64>,
+    pub step: Option<u64>,
+}
+
 /// What the socket and the gang's side share.
 pub struct Shared {
     holder: Mutex<Holder>,
@@ -62,7 +71,7 @@ pub struct Shared {
     /// `--snapshot-persist`: where committed steps are written ([`super::persist`]).
     pub disk: Option<Disk>,
     /// The newest committed step (and its attempt), for the writer to the disk.
-    pub to_persist: watch::Sender<Option<super::persist::Wanted>>,
+    pub to_persist: watch::Sender<Option<Wanted>>,
     /// The newest step the writer found or left whole on the disk.
     pub persisted: watch::Sender<Option<u64>>,
 }
