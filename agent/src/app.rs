@@ -91,7 +91,10 @@ pub async fn launch(config: Config) -> anyhow::Result<u8> {
         endpoint.local_addr(),
         &metrics,
         preemption.writable_base(),
-        preemption.helper_dir(),
+        preemption
+            .helper_dir()
+            .zip(preemption.python_entry())
+            .map(|(dir, python_entry)| metrics::script::Hook { dir, python_entry }),
     );
     if let Some(script) = &script_metrics {
         let inherited = python_path

@@ -1,15 +1,17 @@
-//! The Python files muster ships inside the binary and writes for the workers.
+//! The Python files muster ships inside the binary and puts where the workers import them from.
 //!
 //! They are the `muster_launcher` package (`python/muster_launcher/`: the channel to the agent,
 //! the checkpoint helper, the zero-code step reports, the import hook, the framework
 //! integrations), the two old module names scripts import (`muster_checkpoint`,
 //! `muster_frameworks`, one-line shims), and muster's start-up hook written as
-//! `sitecustomize.py` (python/muster_sitecustomize.py). Two callers write them, as one zip
-//! archive ([`ARCHIVE`]), into a directory and put the archive first on the workers'
-//! `PYTHONPATH`: the checkpoint barrier all of them ([`Files::Workers`], into the agent's private
-//! directory), the script metrics only the hook and what it imports at every start
-//! ([`Files::StartupHook`]) where there is no such directory. Every rank reads the archive at
-//! start: ship only what a rank imports.
+//! `sitecustomize.py` (python/muster_sitecustomize.py). Two callers [`install`] them and put the
+//! entry it returns first on the workers' `PYTHONPATH`: the checkpoint barrier all of them
+//! ([`Files::Workers`]), the script metrics only the hook and what it imports at every start
+//! ([`Files::StartupHook`]) where the barrier has no directory. The entry is the user's shared
+//! copy ([`shared`]) where one can be used or made, else a zip archive ([`ARCHIVE`]) in the
+//! agent's private directory. Every rank reads them at start: ship only what a rank imports.
+
+pub mod shared;
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -73,16 +75,10 @@ pub enum Files {
     StartupHook,
 }
 
-/// The one file muster writes: a zip archive of the shipped files, which the workers' Python
-/// imports from as it would from a directory (`zipimport`). One inode made and removed per start
-/// instead of one per file and folder: on ext4, making an inode scans past the recently deleted
-/// ones, and at 2,048 agents on one machine that scan was most of an agent's start.
+/// The private copy, where there is no shared one: a zip archive of the shipped files, which the
+/// workers' Python imports from as it would from a directory (`zipimport`, slower: see
+/// [`shared`]). One inode made and removed per start instead of one per file and folder.
 pub const ARCHIVE: &str = "muster-python.zip";
-
-/// The entry to put first on the workers' `PYTHONPATH` for files [`write`] wrote into `dir`.
-pub fn path_entry(dir: &Path) -> PathBuf {
-    dir.join(ARCHIVE)
-}
 
 /// A shipped file that could not be written.
 #[derive(Debug, thiserror::Error)]
@@ -93,15 +89,27 @@ pub struct WriteError {
     pub source: io::Error,
 }
 
-/// Writes `which` of the shipped files below `dir`, as the archive [`ARCHIVE`]; returns the
-/// entry for the workers' `PYTHONPATH` ([`path_entry`]).
-pub fn write(dir: &Path, which: Files) -> Result<PathBuf, WriteError> {
-    let path = path_entry(dir);
-    let files = FILES
+/// Puts `which` of the shipped files where the workers import them from and returns the entry
+/// for their `PYTHONPATH`: the shared copy under `base` (the directory `private` was made in),
+/// else the archive [`ARCHIVE`] written into `private`.
+pub fn install(base: &Path, private: &Path, which: Files) -> Result<PathBuf, WriteError> {
+    let files: Vec<&PythonFile> = FILES
         .iter()
         .filter(|file| which == Files::Workers || file.startup)
+        .collect();
+    if let Some(dir) = shared::ensure(base, &files) {
+        return Ok(dir);
+    }
+    write_archive(private, &files)
+}
+
+/// Writes `files` into `dir` as the archive [`ARCHIVE`]; returns its path.
+fn write_archive(dir: &Path, files: &[&PythonFile]) -> Result<PathBuf, WriteError> {
+    let path = dir.join(ARCHIVE);
+    let entries = files
+        .iter()
         .map(|file| (file.path, file.text.as_bytes(), file.crc));
-    std::fs::write(&path, zip::stored(files)).map_err(|source| WriteError {
+    std::fs::write(&path, zip::stored(entries)).map_err(|source| WriteError {
         path: path.clone(),
         source,
     })?;
@@ -249,10 +257,17 @@ mod tests {
         }
     }
 
+    fn selected(which: Files) -> Vec<&'static PythonFile> {
+        FILES
+            .iter()
+            .filter(|file| which == Files::Workers || file.startup)
+            .collect()
+    }
+
     #[test]
     fn the_startup_hook_gets_sitecustomize_and_the_import_hook_only() {
         let dir = scratch("startup");
-        let entry = write(&dir, Files::StartupHook).unwrap();
+        let entry = write_archive(&dir, &selected(Files::StartupHook)).unwrap();
         assert_eq!(entry, dir.join(ARCHIVE));
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         let names = names(&std::fs::read(&entry).unwrap());
@@ -270,7 +285,7 @@ mod tests {
     #[test]
     fn the_workers_get_the_package_and_the_old_names_in_one_file() {
         let dir = scratch("workers");
-        let entry = write(&dir, Files::Workers).unwrap();
+        let entry = write_archive(&dir, &selected(Files::Workers)).unwrap();
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
         let archive = std::fs::read(&entry).unwrap();
         let expected: Vec<&str> = FILES.iter().map(|file| file.path).collect();
@@ -285,5 +300,20 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn install_shares_one_copy_and_writes_the_archive_only_where_it_cannot() {
+        let base = scratch("install");
+        let private = base.join("muster-private");
+        std::fs::create_dir(&private).unwrap();
+        let entry = install(&base, &private, Files::Workers).unwrap();
+        assert!(entry.starts_with(&base) && entry.join("muster_checkpoint.py").is_file());
+        assert_eq!(install(&base, &private, Files::Workers).unwrap(), entry);
+        assert_eq!(std::fs::read_dir(&private).unwrap().count(), 0);
+        // A base where nothing can be shared (not a directory of ours): the private archive.
+        let entry = install(Path::new("/proc/self"), &private, Files::Workers).unwrap();
+        assert_eq!(entry, private.join(ARCHIVE));
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }

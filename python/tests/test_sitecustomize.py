@@ -37,7 +37,12 @@ FAKE_PROMETHEUS = {
 
 class SitecustomizeTest(TestCase):
     def run_probe(self, *imports, shipped=True, **env):
-        shipped = package_dir(os.path.join(self.tmp, "shipped")) if shipped else self.tmp
+        if shipped:
+            shipped = os.path.join(self.tmp, "shipped")
+            if not os.path.isdir(shipped):  # a second rank finds the copy the first one used
+                package_dir(shipped)
+        else:
+            shipped = self.tmp
         full = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         full.update(PYTHONPATH=os.pathsep.join([shipped, os.path.join(self.tmp, "user")]), **env)
         p = subprocess.run([sys.executable, "-c", PROBE, *imports], env=full, capture_output=True,
@@ -87,6 +92,29 @@ class SitecustomizeTest(TestCase):
         self.assertIn("OTHER started 9100", p.stdout)
         self.assertIn("OURS None", p.stdout)
         self.assertEqual(p.stderr.count("muster: start_http_server(8000) skipped"), 1, p.stderr)
+
+    def test_musters_bytecode_is_cached_in_its_copy_and_the_scripts_setting_kept(self):
+        """PYTHONDONTWRITEBYTECODE keeps Python from writing beside the script's and packages'
+        files; muster's own shared copy caches its bytecode anyway, so that later ranks compile
+        nothing of muster's, and the script's setting is back before the script runs."""
+        user = os.path.join(self.tmp, "user")
+        self.write_modules({"mine.py": "VALUE = 1\n"}, user)
+        env = dict(MUSTER_CHECKPOINT_SOCKET="@none", MUSTER_METRICS_PORT="8000",
+                   PYTHONDONTWRITEBYTECODE="1")
+        out, p = self.run_probe("mine", **env)
+        shipped = os.path.join(self.tmp, "shipped")
+        cached = sorted(os.listdir(os.path.join(shipped, "__pycache__")))
+        self.assertTrue(cached and cached[0].startswith("sitecustomize."), cached)
+        hook = sorted(os.listdir(os.path.join(shipped, "muster_launcher", "__pycache__")))
+        self.assertTrue(any(n.startswith("importhook.") for n in hook), hook)
+        self.assertFalse(os.path.exists(os.path.join(user, "__pycache__")), "the script's setting")
+        self.assertNotIn("muster:", p.stderr)
+        # The next rank starts from the cache: same modules at start, nothing rewritten.
+        stamp = os.stat(os.path.join(shipped, "__pycache__", cached[0])).st_mtime_ns
+        again, _ = self.run_probe("mine", **env)
+        self.assertEqual(again["start"], out["start"])
+        self.assertEqual(os.stat(os.path.join(shipped, "__pycache__", cached[0])).st_mtime_ns, stamp)
+        self.assertFalse(os.path.exists(os.path.join(user, "__pycache__")))
 
     def test_the_users_own_sitecustomize_still_runs(self):
         self.write_modules({"sitecustomize.py": "import sys\nsys.USER_SITE_RAN = True\n"},

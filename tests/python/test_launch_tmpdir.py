@@ -3,6 +3,7 @@
 socket is an abstract Unix socket (no file); per-rank log files exist only with `--log-dir`.
 The container version (read-only root, non-root user) is in test_containers.py."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,15 +19,13 @@ NO_WRITABLE = "no writable directory for muster's files"
 # A worker that reports what muster gave it, checked while muster's files still exist.
 REPORT = r"""
 import os, sys
-import zipfile
-# The helper's archive in the agent's private directory (muster-python.zip, holding
-# muster_checkpoint.py); the script-metrics hook's archive may come before it.
+# The helper's entry on PYTHONPATH: muster's shared copy of its Python beside the agent's private
+# directory (muster-python-<uid>-<hash>/, holding muster_checkpoint.py).
 entries = os.environ.get("PYTHONPATH", "").split(":")
-with_helper = [e for e in entries
-               if os.path.isfile(e) and "muster_checkpoint.py" in zipfile.ZipFile(e).namelist()]
+with_helper = [e for e in entries if os.path.isfile(os.path.join(e, "muster_checkpoint.py"))]
 first = with_helper[0] if with_helper else entries[0]
 print("SOCKET", os.environ.get("MUSTER_CHECKPOINT_SOCKET", "unset"))
-print("HELPER", bool(with_helper), os.path.dirname(first))
+print("HELPER", bool(with_helper), first)
 print("ERRFILE", os.environ.get("TORCHELASTIC_ERROR_FILE", "unset"))
 sys.path.insert(0, first)
 import muster_checkpoint
@@ -44,6 +43,15 @@ def values(out: str, key: str) -> list[str]:
     return [l.split(key + " ", 1)[1] for l in out.splitlines() if (key + " ") in l]
 
 
+SHARED = re.compile(r"^muster-python-%d-[0-9a-f]{16}$" % os.geteuid())
+
+
+def left_behind(scratch: Path) -> list[str]:
+    """What a launch left in its base besides muster's shared copy of its Python (kept on purpose:
+    every later agent of this user and version imports from it instead of writing its own)."""
+    return sorted(p.name for p in scratch.iterdir() if not SHARED.match(p.name))
+
+
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_tmp_dir_holds_the_helper_and_error_files_and_is_emptied_at_exit(tmp_path, how):
     scratch = tmp_path / "scratch"
@@ -59,17 +67,29 @@ def test_tmp_dir_holds_the_helper_and_error_files_and_is_emptied_at_exit(tmp_pat
     assert sockets[0].startswith("@muster-ckpt-"), sockets  # abstract: no file anywhere
     helpers = values(p.stdout, "HELPER")
     assert all(h.startswith("True " + str(scratch) + "/") for h in helpers), p.stdout
+    # The helper comes from the user's shared copy in the same directory, not owned by others.
+    entries = {h.split(" ", 1)[1] for h in helpers}
+    assert len(entries) == 1, entries
+    shared = Path(entries.pop())
+    assert shared.parent == scratch and SHARED.match(shared.name), shared
+    assert shared.stat().st_uid == os.geteuid() and shared.stat().st_mode & 0o022 == 0
     errfiles = values(p.stdout, "ERRFILE")
     assert all(e.startswith(str(scratch) + "/") and e.endswith("/error.json") for e in errfiles)
-    # One private directory per agent: <dir>/muster-python.zip beside
-    # <dir>/<run_id>_<random>/attempt_0/<rank>/error.json (torchrun's shape below it).
-    private = {h.split(" ", 1)[1] for h in helpers}
-    assert len(private) == 1, helpers
-    assert {str(Path(e).parents[3]) for e in errfiles} == private, (errfiles, private)
+    # One private directory per agent: <dir>/muster-<owner>-<random>/<run_id>_<random>/
+    # attempt_0/<rank>/error.json (torchrun's shape below it).
+    private = {Path(e).parents[3] for e in errfiles}
+    assert len(private) == 1 and private.pop().parent == scratch, errfiles
     # The helper reached the agent through the abstract socket.
     assert values(p.stdout, "CONNECTED") == ["True", "True"], p.stdout
     assert NO_WRITABLE not in p.stderr
-    assert list(scratch.iterdir()) == [], "muster left files behind"
+    assert left_behind(scratch) == [], "muster left files behind"
+    # The next agent imports from the same copy: nothing is written again.
+    made = (shared / "sitecustomize.py").stat().st_ino
+    again = muster(["--tmp-dir", str(scratch), *args])
+    assert again.returncode == 0, again.stderr
+    assert values(again.stdout, "HELPER") == ["True " + str(shared)] * 2, again.stdout
+    assert (shared / "sitecustomize.py").stat().st_ino == made
+    assert left_behind(scratch) == []
 
 
 def test_tmpdir_is_tried_first_and_an_unwritable_one_is_skipped(tmp_path):
@@ -115,7 +135,7 @@ def test_redirects_without_log_dir_write_no_file_and_keep_the_console(tmp_path):
     assert "out-0" in p.stdout and "out-1" in p.stdout, p.stdout
     assert "err-0" in p.stderr and "err-1" in p.stderr, p.stderr
     assert sum("only with --log-dir" in l for l in p.stderr.splitlines()) == 1, p.stderr
-    assert list(scratch.iterdir()) == [], "no log tree without --log-dir"
+    assert left_behind(scratch) == [], "no log tree without --log-dir"
 
 
 def test_nothing_writable_still_starts_with_one_warning(tmp_path):

@@ -115,7 +115,10 @@ def test_a_deadline_during_an_evaluation_says_what_the_ranks_were_doing(tmp_path
 
 
 def private_dirs(base):
-    return sorted(p.name for p in base.iterdir() if p.name.startswith("muster-"))
+    """The agents' private directories (not the user's shared copy of muster's Python, which
+    outlives every agent on purpose: python_files/shared.rs)."""
+    return sorted(p.name for p in base.iterdir()
+                  if p.name.startswith("muster-") and not p.name.startswith("muster-python-"))
 
 
 def test_the_next_agent_removes_a_killed_agents_private_directory_and_no_live_ones(tmp_path):
@@ -148,3 +151,5 @@ def test_the_next_agent_removes_a_killed_agents_private_directory_and_no_live_on
     live.proc.send_signal(signal.SIGTERM)
     live.finish()
     assert private_dirs(base) == [], "an agent that exits removes its own"
+    # The shared copy of muster's Python is never swept: one, made by the first agent.
+    assert len([p for p in base.iterdir() if p.name.startswith("muster-python-")]) == 1

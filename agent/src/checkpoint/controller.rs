@@ -78,6 +78,9 @@ pub struct Preemption {
     /// The agent's private directory, holding the helper; `None`: nowhere was writable (or the
     /// helper could not be written there), the workers go without it.
     helper_dir: Option<Arc<ScratchDir>>,
+    /// Where the workers import the helper from, first on their `PYTHONPATH` (see
+    /// [`python_files::install`]); set exactly when `helper_dir` is.
+    python_entry: Option<PathBuf>,
     socket: String,
     view: super::local::ProgressView,
     triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
@@ -113,7 +116,11 @@ impl Preemption {
         shutdown: CancellationToken,
         events: Events,
     ) -> Result<Preemption, StartError> {
-        let helper_dir = write_helper(private_dir, config.tmp_dir.is_some())?;
+        let (helper_dir, python_entry) = match write_helper(private_dir, config.tmp_dir.is_some())?
+        {
+            Some((dir, entry)) => (Some(dir), Some(entry)),
+            None => (None, None),
+        };
         let channel = LocalChannel::bind(&shutdown)?;
         channel.report_steps(events.clone());
         channel.set_liveness_interval(crate::watch::hang::liveness_interval(config.hang.timeout));
@@ -134,6 +141,7 @@ impl Preemption {
         let task = tokio::spawn(controller.run(observer, trigger_rx));
         Ok(Preemption {
             helper_dir,
+            python_entry,
             socket,
             view,
             triggers,
@@ -166,10 +174,16 @@ impl Preemption {
         self.helper_dir.as_deref().map(ScratchDir::base)
     }
 
-    /// The workers' `PYTHONPATH`: the helper's archive first, then what the agent was given;
+    /// Where the workers import muster's Python from (`sitecustomize` and the helper), if
+    /// anywhere.
+    pub fn python_entry(&self) -> Option<&Path> {
+        self.python_entry.as_deref()
+    }
+
+    /// The workers' `PYTHONPATH`: the helper's entry first, then what the agent was given;
     /// `None` when there is no helper directory (the agent's own `PYTHONPATH` passes through).
     pub fn python_path(&self) -> Option<std::ffi::OsString> {
-        let mut path = python_files::path_entry(self.helper_dir()?).into_os_string();
+        let mut path = self.python_entry()?.as_os_str().to_owned();
         if let Some(existing) = std::env::var_os("PYTHONPATH").filter(|p| !p.is_empty()) {
             path.push(":");
             path.push(existing);
@@ -258,21 +272,22 @@ impl Drop for Preemption {
     }
 }
 
-/// Writes the helper into the agent's private directory `dir` (see [`crate::scratch`]), if there
-/// is one. `Ok(None)`: no directory, or it could not take the file; only a failure in a
-/// `--tmp-dir` the user `named` is an error.
+/// Puts the helper where the workers import it from (the shared copy beside the agent's private
+/// directory `dir`, else an archive inside it; see [`python_files::install`]), if there is such
+/// a directory. `Ok(None)`: no directory, or the helper could not be written; only a failure
+/// in a `--tmp-dir` the user `named` is an error.
 fn write_helper(
     dir: Option<Arc<ScratchDir>>,
     named: bool,
-) -> Result<Option<Arc<ScratchDir>>, StartError> {
+) -> Result<Option<(Arc<ScratchDir>, PathBuf)>, StartError> {
     let Some(dir) = dir else {
         return Ok(None);
     };
     // All of muster's worker-side Python (the helper, the framework callbacks and the step
     // reporter muster's `sitecustomize` loads, and that `sitecustomize`, which the script
     // metrics' hook then shares: it writes no copy of its own beside these).
-    match python_files::write(dir.path(), Files::Workers) {
-        Ok(_) => Ok(Some(dir)),
+    match python_files::install(dir.base(), dir.path(), Files::Workers) {
+        Ok(entry) => Ok(Some((dir, entry))),
         Err(WriteError { path, source }) if named => Err(StartError::Helper { path, source }),
         Err(err) => {
             // A full tmpfs, say: going without the helper beats not starting.

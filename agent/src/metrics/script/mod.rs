@@ -73,6 +73,15 @@ struct Current {
     ranks: BTreeMap<u32, RankDir>,
 }
 
+/// Where the checkpoint helper put muster's start-up hook.
+#[derive(Debug, Clone, Copy)]
+pub struct Hook<'a> {
+    /// The agent's private directory (the ranks' directories go here too).
+    pub dir: &'a Path,
+    /// The workers' `PYTHONPATH` entry holding the hook.
+    pub python_entry: &'a Path,
+}
+
 /// The name of muster's private directory for the scripts' metrics, before its owner.
 const HOME_PREFIX: &str = "muster-metrics-";
 
@@ -87,7 +96,7 @@ pub struct ScriptMetrics {
     /// (the agent's private one, which goes with the agent): then only the attempts are
     /// removed. Each directory is one more made and removed at every start.
     own_home: Option<PathBuf>,
-    /// muster's archive holding the hook, first on the workers' `PYTHONPATH`.
+    /// Where the workers import the hook from, first on their `PYTHONPATH`.
     python: PathBuf,
     port: u16,
     current: Mutex<Current>,
@@ -101,9 +110,10 @@ pub struct ScriptMetrics {
 
 impl ScriptMetrics {
     /// Creates muster's private directory under `tmp` (unless `user_dir` is given, the ranks'
-    /// files, and the hook) for an endpoint on `port`; with `hook_dir`, a directory that already
-    /// holds muster's `sitecustomize.py` and its import hook (the checkpoint helper's, the
-    /// agent's private directory), none: the ranks' directories go there. `reserved` are the
+    /// files, and the hook) for an endpoint on `port`; with `hook`, where muster's
+    /// `sitecustomize.py` and its import hook already are (the checkpoint helper's private
+    /// directory, and the `PYTHONPATH` entry the workers import the hook from), none: the
+    /// ranks' directories go into that directory. `reserved` are the
     /// names muster itself serves. `user_dir` is the agent's `PROMETHEUS_MULTIPROC_DIR`, if set
     /// (see [`user_multiproc_dir`]).
     pub fn create(
@@ -111,16 +121,20 @@ impl ScriptMetrics {
         port: u16,
         reserved: impl IntoIterator<Item = String>,
         user_dir: Option<PathBuf>,
-        hook_dir: Option<&Path>,
+        hook: Option<Hook<'_>>,
     ) -> io::Result<ScriptMetrics> {
-        let (python, base, own_home) = if let Some(dir) = hook_dir {
-            (python_files::path_entry(dir), dir.to_path_buf(), None)
+        let (python, base, own_home) = if let Some(hook) = hook {
+            (
+                hook.python_entry.to_path_buf(),
+                hook.dir.to_path_buf(),
+                None,
+            )
         } else {
             // Named for its owner, so that the next agent removes it when this one is SIGKILLed.
             let home = tmp.join(crate::scratch::private_name(HOME_PREFIX));
             std::fs::create_dir_all(&home)?;
             crate::scratch::sweep_in_background(tmp, HOME_PREFIX);
-            let python = write_sitecustomize(&home)?;
+            let python = write_sitecustomize(tmp, &home)?;
             (python, home.clone(), Some(home))
         };
         let layout = match user_dir {
@@ -144,7 +158,7 @@ impl ScriptMetrics {
         })
     }
 
-    /// muster's archive holding `sitecustomize.py`, to put first on the workers' `PYTHONPATH`.
+    /// Where the workers import muster's `sitecustomize.py` from, first on their `PYTHONPATH`.
     pub fn python_path_entry(&self) -> &Path {
         &self.python
     }
@@ -346,23 +360,17 @@ impl ScriptMetrics {
 /// the port and its environment, as under torchrun). The private directory goes under
 /// `writable_base`, the first writable place muster found ([`crate::scratch`]; a read-only root
 /// has none at `/tmp`); one that cannot be made costs only the script's metrics: a warning.
-/// `hook_dir`: the checkpoint helper's directory, which holds the hook already.
+/// `hook`: where the checkpoint helper put the hook already.
 pub fn attach(
     served: Option<std::net::SocketAddr>,
     metrics: &Metrics,
     writable_base: Option<&std::path::Path>,
-    hook_dir: Option<&std::path::Path>,
+    hook: Option<Hook<'_>>,
 ) -> Option<Arc<ScriptMetrics>> {
     let addr = served?;
     let user_dir = user_multiproc_dir(&|k| std::env::var_os(k));
     let tmp = writable_base.map_or_else(std::env::temp_dir, std::path::Path::to_path_buf);
-    match ScriptMetrics::create(
-        &tmp,
-        addr.port(),
-        metrics.metric_names(),
-        user_dir,
-        hook_dir,
-    ) {
+    match ScriptMetrics::create(&tmp, addr.port(), metrics.metric_names(), user_dir, hook) {
         Ok(script) => {
             let script = Arc::new(script);
             metrics.attach_script_metrics(Arc::clone(&script));
@@ -377,11 +385,11 @@ pub fn attach(
     }
 }
 
-/// Writes the workers' start-up hook (`sitecustomize.py` with the package files it imports at
-/// start, in muster's archive) into `dir`, where there is no helper directory holding them;
-/// returns the archive's path, the `PYTHONPATH` entry.
-fn write_sitecustomize(dir: &Path) -> io::Result<PathBuf> {
-    python_files::write(dir, Files::StartupHook)
+/// Puts the workers' start-up hook (`sitecustomize.py` with the package files it imports at
+/// start) where they import it from (shared under `tmp`, else in `dir`), where there is no
+/// helper holding them; returns the `PYTHONPATH` entry.
+fn write_sitecustomize(tmp: &Path, dir: &Path) -> io::Result<PathBuf> {
+    python_files::install(tmp, dir, Files::StartupHook)
         .map_err(|err| io::Error::new(err.source.kind(), err))
 }
 

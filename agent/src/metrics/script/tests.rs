@@ -314,11 +314,18 @@ fn env_value(env: &[(String, std::ffi::OsString)], key: &str) -> Option<PathBuf>
 fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
     let tmp = scratch("attempts");
     let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, None).unwrap();
-    // The hook is muster's archive (python_files.rs tests what it holds), first on the path.
-    assert!(script.python_path_entry().is_file());
+    // The hook is the shared copy of muster's Python beside the private directory
+    // (python_files tests what it holds), first on the path.
     assert!(script
         .python_path_entry()
-        .ends_with(crate::python_files::ARCHIVE));
+        .join("sitecustomize.py")
+        .is_file());
+    assert!(script
+        .python_path_entry()
+        .file_name()
+        .and_then(|name| name.to_str())
+        .is_some_and(|name| name.starts_with(crate::python_files::shared::PREFIX)));
+    assert_eq!(script.python_path_entry().parent(), Some(tmp.as_path()));
     assert_eq!(
         script.worker_env(),
         vec![("MUSTER_METRICS_PORT".to_owned(), "8000".into())]
@@ -357,11 +364,13 @@ fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_o
     let tmp = scratch("hook");
     let helper = tmp.join("helper");
     std::fs::create_dir_all(&helper).unwrap();
-    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(&helper)).unwrap();
-    assert_eq!(
-        script.python_path_entry(),
-        crate::python_files::path_entry(&helper)
-    );
+    let entry = tmp.join("shared-python");
+    let hook = super::Hook {
+        dir: &helper,
+        python_entry: &entry,
+    };
+    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(hook)).unwrap();
+    assert_eq!(script.python_path_entry(), entry);
     // Nothing written, nothing made: the helper's directory holds the hook already.
     assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 1);
