@@ -17,6 +17,13 @@ listed modules on a helper thread whose nice value is raised (per-thread on Linu
 thread, which later runs the script, keeps the priority a cold rank has, which an unprivileged
 process could not take back), joins it, says `ready` (one JSON line), and blocks on the socket.
 It starts no thread of its own that outlives the imports, makes no CUDA call, opens no store.
+A library may start a pool of native threads when it loads (numpy's OpenBLAS does, unless
+OMP_NUM_THREADS or OPENBLAS_NUM_THREADS is 1: every one-rank-per-node job): a cold rank has
+that pool too, but the standby's would have the import thread's lower priority for good. So a
+standby whose imports left native threads at that priority starts itself again (`exec`, same
+pid, socket and environment; once), imports the modules that started them first, on the main
+thread at the rank's priority, and the rest as before: the pool it then keeps is the one a cold
+rank would have.
 While it waits its OOM score is 1000 (`/proc/self/oom_score_adj`): under a memory limit the
 kernel kills a standby before any rank; the handover puts back the score a cold rank has.
 
@@ -24,7 +31,8 @@ kernel kills a standby before any rank; the handover puts back the score a cold 
 gets them: `-u script.py ARGS` or `-u -m module ARGS`), `env` (the rank's whole environment) and
 `cwd`. The standby refuses (one JSON line with the reason, then exits 0; the agent starts the
 rank cold) when a variable read at start or import differs (`IMPORT_TIME_VARIABLES`, every
-`PYTHON*`), when the imports left a thread running or initialised CUDA, when it cannot put back
+`PYTHON*`), when the imports left a thread running that a cold rank would not have (a
+Python thread, or a native one at another priority than the main thread's) or initialised CUDA, when it cannot put back
 its OOM score, or when it cannot parse the arguments.
 Otherwise it says `accepted`, closes the socket, and makes the process look like a cold
 `python -u`: `os.environ` replaced, `os.chdir`, `sys.argv`, `sys.orig_argv`, `sys.path[0]`,
@@ -51,6 +59,9 @@ LIST_ENV = "MUSTER_STANDBY_MODULES"
 """The module list the standby imports."""
 NICE_ENV = "MUSTER_STANDBY_NICE"
 """How much the import thread lowers its priority (default 10)."""
+PRIME_ENV = "MUSTER_STANDBY_PRIME"
+"""Set by a standby for its own second start: the modules whose import started native threads,
+imported first on the main thread, at the rank's priority."""
 
 IMPORT_TIME_VARIABLES = (
     # Thread pools sized when their library loads (libgomp, MKL, OpenBLAS).
@@ -189,33 +200,61 @@ _recorded = False
 # -- the standby -----------------------------------------------------------------------------------
 
 
-def _thread_count(wait_s=1.0):
-    """The threads of this process; a joined thread may take a moment to leave the kernel's
-    list, so a count above one is looked at again for up to `wait_s`."""
+def _tasks():
+    """This process's thread ids; None where /proc does not say."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return None
+
+
+def _nice(tid):
+    """Thread `tid`'s nice value (field 19 of its stat; the name, field 2, may hold spaces and
+    parentheses); None when it is gone or unreadable."""
+    try:
+        with open("/proc/self/task/%d/stat" % tid) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def stray_threads(wait_s=1.0):
+    """The threads a cold rank would not have after the same imports: Python threads besides
+    the main one (they run code), and native threads at another priority than the main thread's
+    (started on the import thread, whose lower priority they keep). A library's pool at the
+    rank's priority (OpenBLAS's, once numpy loaded on the main thread) is what a cold rank has
+    too and is not counted. Returns (python, native) thread ids; a joined thread may take a
+    moment to leave the kernel's list, so strays are looked at again for up to `wait_s`."""
+    import threading
     import time
 
     deadline = time.monotonic() + wait_s
+    main = os.getpid()
     while True:
-        try:
-            count = len(os.listdir("/proc/self/task"))
-        except OSError:
-            import threading
-
-            return threading.active_count()
-        if count == 1 or time.monotonic() >= deadline:
-            return count
+        tasks = _tasks()
+        if tasks is None:
+            return list(range(threading.active_count() - 1)), []
+        python = {t.native_id for t in threading.enumerate()} - {main}
+        main_nice = _nice(main)
+        native = [t for t in tasks
+                  if t != main and t not in python and _nice(t) not in (None, main_nice)]
+        python = [t for t in python if t in tasks]
+        if (not python and not native) or time.monotonic() >= deadline:
+            return python, native
         time.sleep(0.005)
 
 
 def import_all(names, nice=10):
     """Imports `names` on a helper thread at lower priority; returns the top-level names that
     failed (a submodule that fails alone is left to the script, which imports it again if it
-    needs it: it only loses its head start). A module that cannot be imported off the main
-    thread (one that sets a signal handler) is tried again on the main thread."""
+    needs it: it only loses its head start) and the names whose import started native threads.
+    A module that cannot be imported off the main thread (one that sets a signal handler) is
+    tried again on the main thread."""
     import threading
 
     failed = []
     retry = []
+    spawners = []
 
     def work():
         try:
@@ -223,6 +262,7 @@ def import_all(names, nice=10):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except (OSError, AttributeError):
             pass
+        before = len(_tasks() or ())
         for name in names:
             try:
                 __import__(name)
@@ -231,6 +271,10 @@ def import_all(names, nice=10):
             except BaseException:  # noqa: BLE001 - an import may raise anything
                 if "." not in name:
                     failed.append(name)
+            now = len(_tasks() or ())
+            if now > before:
+                spawners.append(name)
+            before = now
 
     thread = threading.Thread(target=work, name="muster-standby-imports")
     thread.start()
@@ -241,7 +285,36 @@ def import_all(names, nice=10):
         except BaseException:  # noqa: BLE001
             if "." not in name:
                 failed.append(name)
-    return failed
+    return failed, spawners
+
+
+def prime_imports(names):
+    """Imports `names` here, on the main thread at the rank's priority (see `PRIME_ENV`)."""
+    for name in names:
+        try:
+            __import__(name)
+        except BaseException:  # noqa: BLE001 - the helper thread tries it again and reports it
+            pass
+
+
+def _start_again(started_env, spawners, oom_score, fd):
+    """Replaces this standby by a fresh one (same pid, socket and environment) that imports
+    `spawners` first on its main thread: the native threads they start then have the rank's
+    priority. Returns only if the exec failed."""
+    why = restore_oom_score(oom_score)  # the next one raises it again from the rank's score
+    if why is not None:
+        return
+    env = dict(started_env)
+    env[PRIME_ENV] = json.dumps(spawners)
+    argv = getattr(sys, "orig_argv", None) or [sys.executable, "-u", "-c", COMMAND]
+    try:
+        os.set_inheritable(fd, True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, argv, env)
+    except OSError:
+        os.set_inheritable(fd, False)
+        raise_oom_score()
 
 
 def _fresh_signals():
@@ -290,7 +363,9 @@ def parse_args(args):
 
 
 def refusal(started_env, handover, threads, cuda_initialized=False):
-    """Why this standby cannot take the handover, or None when it can."""
+    """`threads`: 1 (the main thread) plus the threads a cold rank would not have
+    (`stray_threads`)."""
+    # Why this standby cannot take the handover, or None when it can.
     env = handover.get("env")
     if not isinstance(env, dict):
         return "the handover has no environment"
@@ -475,7 +550,16 @@ def main():
         nice = int(os.environ.get(NICE_ENV, "10"))
     except ValueError:
         nice = 10
-    failed = import_all(names, nice)
+    try:
+        primed = json.loads(os.environ[PRIME_ENV])
+    except (KeyError, ValueError):
+        primed = None
+    prime_imports(primed if isinstance(primed, list) else [])
+    failed, spawners = import_all(names, nice)
+    python, native = stray_threads()
+    if native and not python and spawners and primed is None:
+        started_env.pop(PRIME_ENV, None)
+        _start_again(started_env, spawners, oom_score, fd)
     sys.path.insert(0, "")  # the place of sys.path[0], set at the handover
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -483,8 +567,8 @@ def main():
             _torch_state = torch.default_generator.get_state()
         except Exception:
             _torch_state = None
-    threads = _thread_count()
-    _send(sock, {"ready": True, "failed": failed, "threads": threads})
+    python, native = stray_threads()
+    _send(sock, {"ready": True, "failed": failed, "threads": 1 + len(python) + len(native)})
     line = _read_line(sock)
     if line is None:
         os._exit(0)  # the agent let go of us
@@ -497,7 +581,8 @@ def main():
         cuda_initialized = bool(cuda is not None and cuda.is_initialized())
     except Exception:
         cuda_initialized = False
-    why = refusal(started_env, handover, _thread_count(), cuda_initialized)
+    python, native = stray_threads()
+    why = refusal(started_env, handover, 1 + len(python) + len(native), cuda_initialized)
     if why is None:
         why = restore_oom_score(oom_score)
     if why is not None:

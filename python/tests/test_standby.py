@@ -33,6 +33,7 @@ class Standby:
         theirs.close()
         test.addCleanup(self.kill)
         self.file = self.agent.makefile("rb")
+        self.ready = None
 
     def kill(self):
         if self.proc.poll() is None:
@@ -43,8 +44,14 @@ class Standby:
         line = self.file.readline()
         return json.loads(line) if line else None
 
+    def wait_ready(self):
+        """The standby's `ready` line (read once)."""
+        if self.ready is None:
+            self.ready = self.read()
+        return self.ready
+
     def hand_over(self, args, env=None, cwd=None):
-        ready = self.read()
+        ready = self.wait_ready()
         assert ready and ready["ready"], ready
         env = dict(self.env if env is None else env)
         env.pop("MUSTER_STANDBY_FD", None)
@@ -71,6 +78,28 @@ REPORT = textwrap.dedent("""
     }))
     sys.exit(int(sys.argv[-1]))
 """)
+
+
+# A library that starts a native worker thread when it loads, as OpenBLAS does: a pthread the
+# threading module knows nothing of, parked in pause(2).
+POOL_AT_IMPORT = textwrap.dedent("""
+    import ctypes
+    libc = ctypes.CDLL(None)
+    _tid = ctypes.c_ulong()
+    libc.pthread_create(ctypes.byref(_tid), None, ctypes.cast(libc.pause, ctypes.c_void_p), None)
+""")
+
+# A pool that comes up only off the main thread (on the main thread its import fails): priming
+# cannot give it the rank's priority.
+POOL_OFF_MAIN = (
+    "import threading\n"
+    "if threading.current_thread() is threading.main_thread():\n"
+    "    raise ImportError('only off the main thread')\n" + POOL_AT_IMPORT)
+
+
+def thread_nice(pid, tid):
+    with open("/proc/%d/task/%s/stat" % (pid, tid)) as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
 
 
 class StandbyTest(support.TestCase):
@@ -189,6 +218,43 @@ class StandbyTest(support.TestCase):
         self.assertEqual(ready["failed"], ["no_such_module_here"])
         self.assertEqual(ready["threads"], 1)
 
+    def test_a_librarys_native_pool_gets_the_ranks_priority_and_the_standby_is_taken(self):
+        """numpy's OpenBLAS starts a pool of native threads when it loads (one rank per node, no
+        OMP_NUM_THREADS): a cold rank has it too, but loaded on the nice import thread it would
+        keep that priority. The standby starts itself again with the spawner imported first on
+        its main thread; the pool it keeps then has the main thread's priority."""
+        site = os.path.join(self.tmp, "site")
+        self.write(site, "pool_at_import.py", POOL_AT_IMPORT)
+        standby = Standby(self, ["json", "pool_at_import"],
+                          env={"PYTHONPATH": os.pathsep.join([support.PYTHON_DIR, site])})
+        pid = standby.proc.pid
+        ready = standby.wait_ready()
+        self.assertEqual(ready, {"ready": True, "failed": [], "threads": 1})
+        # The same process (exec, not a new child), holding the pool, at the rank's priority.
+        self.assertEqual(standby.proc.pid, pid)
+        tasks = os.listdir("/proc/%d/task" % pid)
+        self.assertGreaterEqual(len(tasks), 2, tasks)
+        nice = {t: thread_nice(pid, t) for t in tasks}
+        self.assertEqual(set(nice.values()), {thread_nice(pid, str(pid))}, nice)
+        script = self.write(os.path.join(self.tmp, "code"), "train.py", REPORT)
+        env = {k: v for k, v in standby.env.items() if k != "MUSTER_STANDBY_PRIME"}
+        _, answer = standby.hand_over(["-u", script, "0"], env=env)
+        self.assertEqual(answer, {"accepted": True})
+        code, out, err = standby.finish()
+        self.assertEqual(code, 0, err)
+        self.assertIsNone(json.loads(out)["standby_env"])
+
+    def test_a_pool_the_standby_cannot_give_the_ranks_priority_is_refused(self):
+        """Started again once at most: a pool that still comes up on the import thread means
+        cold, with the reason."""
+        site = os.path.join(self.tmp, "site")
+        self.write(site, "pool_off_main.py", POOL_OFF_MAIN)
+        standby = Standby(self, ["pool_off_main"],
+                          env={"PYTHONPATH": os.pathsep.join([support.PYTHON_DIR, site])})
+        ready, answer = standby.hand_over(["-u", "x.py"])
+        self.assertEqual(ready["threads"], 2, ready)
+        self.assertEqual(answer, {"refused": "its imports left 1 threads running"})
+
     def test_the_standby_exits_when_the_agent_lets_go(self):
         standby = Standby(self, [])
         standby.read()
@@ -264,9 +330,10 @@ class RecordTest(support.TestCase):
 
         # json.tool imports fine, the other two do not exist: only the top-level one is a
         # failure (the standby is then refused); the submodule only loses its head start.
-        failed = standby.import_all(["json", "json.tool", "json.no_such_part",
-                                     "no_such_top_level_module"], nice=0)
+        failed, spawners = standby.import_all(["json", "json.tool", "json.no_such_part",
+                                               "no_such_top_level_module"], nice=0)
         self.assertEqual(failed, ["no_such_top_level_module"])
+        self.assertEqual(spawners, [])
 
     def test_site_packages_under_the_working_directory_are_left_out(self):
         from muster_launcher import standby

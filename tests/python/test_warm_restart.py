@@ -245,3 +245,105 @@ def test_the_module_form_starts_warm_by_default(tmp_path):
         for key in ("argv", "file", "path0", "cwd", "name"):
             assert warm[key] == cold[key], (key, warm[key], cold[key])
     assert got[(1, 0)]["argv"] == [str(script), "--flag", "x"]
+
+
+# One rank per node, as a one-GPU pod runs it: neither torchrun nor muster sets OMP_NUM_THREADS,
+# so numpy's OpenBLAS starts its pool of native threads when it loads (1 on 2 CPUs).
+ONE_RANK = """\
+import json, os, signal, sys, time
+import numpy
+import torch
+import torch.distributed as dist
+
+def nice_of(tid):
+    with open("/proc/self/task/%s/stat" % tid) as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+dist.init_process_group("gloo")
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+out = os.environ["OUT_DIR"]
+tasks = os.listdir("/proc/self/task")
+with open(os.path.join(out, "threads_%d.json" % attempt), "w") as f:
+    json.dump({"nice": {t: nice_of(t) for t in tasks}, "main": str(os.getpid()),
+               "blas": numpy.ones((64, 64)).dot(numpy.ones((64, 64)))[0, 0]}, f)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(100000):
+    opt.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    if attempt == 0 and os.path.exists(os.environ["KILL_FILE"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if attempt > 0 and step >= 5:
+        break
+    time.sleep(0.05)
+dist.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_one_rank_per_node_with_numpys_thread_pool_restarts_warm(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "one.py").write_text(ONE_RANK)
+    env = muster_env({"OUT_DIR": str(out), "KILL_FILE": str(out / "kill"),
+                      "MUSTER_WARM_RESTART": ""})
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.pop(name, None)
+    proc = subprocess.Popen(
+        [muster_bin(), "--standalone", "--nproc-per-node", "1", "--max-restarts", "1",
+         "--warm-restart", "on", "--metrics-addr", "none", "--shutdown-timeout", "3",
+         str(tmp_path / "one.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    # The standby is waiting once its imports are done: torch loaded, asleep on its socket, and
+    # every thread it keeps (the main one and OpenBLAS's pool) at the main thread's priority.
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "muster ended before its standby was ready"
+        ready = [pid for pid in standbys_with_pools() if pid]
+        if ready and (out / "threads_0.json").exists():
+            time.sleep(1.0)
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("no standby waiting with torch loaded within 150 s")
+    (out / "kill").touch()
+    code, _, err = finish(proc, 150)
+    assert code == 0, err
+    assert re.search(r"rank 0 \(local rank 0\): warm start in its standby", err), err
+    assert "cold start" not in err, err
+    cold, warm = (json.loads((out / f"threads_{a}.json").read_text()) for a in (0, 1))
+    # The pool is there in both, and in the warm rank at the main thread's priority.
+    assert len(cold["nice"]) >= 2 and len(warm["nice"]) >= 2, (cold, warm)
+    assert set(warm["nice"].values()) == {warm["nice"][warm["main"]]} == {0}, warm
+    assert warm["blas"] == cold["blas"] == 64.0
+
+
+def standbys_with_pools():
+    """The standby interpreters now waiting with torch loaded, every thread at one priority."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"muster_launcher.standby" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                if "libtorch" not in f.read():
+                    continue
+            nice = set()
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                nice.add(int(fields[16]))
+                if tid == pid and fields[0] != "S":
+                    nice.add(None)
+        except OSError:
+            continue
+        if len(nice) == 1:
+            found.append(int(pid))
+    return found

@@ -176,6 +176,9 @@ pub fn slot_env(
 pub struct Ready {
     #[serde(default)]
     pub failed: Vec<String>,
+    /// The main thread plus every thread a cold rank would not have after the same imports (a
+    /// Python thread, or a native one at another priority than the main thread's: a library's
+    /// pool at the rank's priority does not count).
     #[serde(default)]
     pub threads: u32,
 }
