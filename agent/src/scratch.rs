@@ -210,6 +210,12 @@ pub fn sweep_in_background(base: &Path, prefix: &str) {
 /// Where more than [`SWEEP_ALWAYS_UP_TO`] such directories exist (many agents sharing one
 /// machine's /tmp, as in a scale test), only some starts sweep ([`sweeps_this_time`]).
 pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool) -> usize {
+    let draw = rand::random::<f64>();
+    // Most starts beside thousands of directories need not even list them: the base's link
+    // count bounds how many there are, for free.
+    if subdirectories(base).is_some_and(|n| !sweeps_this_time(n, draw)) {
+        return 0;
+    }
     let Ok(entries) = std::fs::read_dir(base) else {
         return 0;
     };
@@ -220,7 +226,7 @@ pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool
             (owner.pidns == me.pidns && owner.pid != me.pid).then(|| (entry.path(), owner))
         })
         .collect();
-    if !sweeps_this_time(candidates.len(), rand::random::<f64>()) {
+    if !sweeps_this_time(candidates.len(), draw) {
         return 0;
     }
     let uid = nix::unistd::geteuid().as_raw();
@@ -254,15 +260,26 @@ pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool
 /// Up to this many directories of other agents, every start sweeps them all.
 pub const SWEEP_ALWAYS_UP_TO: usize = 64;
 
+/// Past [`SWEEP_ALWAYS_UP_TO`], how many owners a start asks about on average.
+pub const SWEEP_READS_PER_START: usize = 16;
+
 /// Whether a start that finds `candidates` other agents' directories sweeps them, `draw` being
-/// uniform in [0, 1): always up to [`SWEEP_ALWAYS_UP_TO`], else with a chance of that many in
-/// `candidates`. Asking whether an owner is alive reads its `/proc/<pid>/stat`; with N agents
-/// starting at once beside each other's directories, sweeping at every start was N² reads
-/// (2,048 agents: 4 million, most of their start-up's CPU). So the reads a start pays stay
-/// about [`SWEEP_ALWAYS_UP_TO`] on average, and a dead agent's directory is still removed, by
-/// one of the next starts in N / 64 on average.
+/// uniform in [0, 1): always up to [`SWEEP_ALWAYS_UP_TO`], else with a chance of
+/// [`SWEEP_READS_PER_START`] in `candidates`. Asking whether an owner is alive reads its
+/// `/proc/<pid>/stat`; with N agents starting at once beside each other's directories, sweeping
+/// at every start was N² reads (2,048 agents: 4 million, most of their start-up's CPU; at 64 per
+/// start still a seventh of it at 768). So the reads a start pays stay about
+/// [`SWEEP_READS_PER_START`] on average, and a dead agent's directory is still removed, by one of
+/// the next starts in N / 16 on average.
 pub fn sweeps_this_time(candidates: usize, draw: f64) -> bool {
-    candidates <= SWEEP_ALWAYS_UP_TO || draw * (candidates as f64) < SWEEP_ALWAYS_UP_TO as f64
+    candidates <= SWEEP_ALWAYS_UP_TO || draw * (candidates as f64) < SWEEP_READS_PER_START as f64
+}
+
+/// How many subdirectories `base` has, from its link count (2 + that many on ext4, xfs, btrfs
+/// and tmpfs); `None` where the count says nothing (a file system that reports 1).
+fn subdirectories(base: &Path) -> Option<usize> {
+    let links = std::fs::metadata(base).ok()?.nlink();
+    (links >= 2).then(|| (links - 2) as usize)
 }
 
 /// The `TMPDIR` to give the workers, if they need one: `Some(base)` when neither the agent's
@@ -434,15 +451,23 @@ mod tests {
             assert!(sweeps_this_time(0, draw));
             assert!(sweeps_this_time(SWEEP_ALWAYS_UP_TO, draw));
         }
-        // 2,048 directories: one start in 32 sweeps.
+        // 2,048 directories: one start in 128 sweeps.
         assert!(sweeps_this_time(2048, 0.0));
-        assert!(sweeps_this_time(2048, 0.031));
-        assert!(!sweeps_this_time(2048, 0.032));
+        assert!(sweeps_this_time(2048, 0.0078));
+        assert!(!sweeps_this_time(2048, 0.0079));
         assert!(!sweeps_this_time(2048, 0.999));
         let sweeping = (0..1000)
             .filter(|i| sweeps_this_time(640, f64::from(*i) / 1000.0))
             .count();
-        assert_eq!(sweeping, 100);
+        assert_eq!(sweeping, 25);
+        // The link count of a directory counts its subdirectories.
+        let base = std::env::temp_dir().join(format!("muster-links-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir_all(base.join("a")).unwrap();
+        std::fs::create_dir(base.join("b")).unwrap();
+        std::fs::write(base.join("f"), "").unwrap();
+        assert!(matches!(subdirectories(&base), Some(2) | None));
+        std::fs::remove_dir_all(&base).unwrap();
     }
 
     #[test]
