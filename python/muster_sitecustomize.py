@@ -1,7 +1,9 @@
 """muster's start-up hook for worker processes, installed as `sitecustomize.py`.
 
-muster writes this file as `sitecustomize.py` into its archive (muster-python.zip, in a private
-directory) that it puts first on the workers' PYTHONPATH, so Python's `site` module runs it when every worker interpreter starts. It
+muster writes this file as `sitecustomize.py` into its shared copy of its Python (one directory
+per user and muster version; else its archive muster-python.zip in its private directory) that
+it puts first on the workers' PYTHONPATH, so Python's `site` module runs it when every worker
+interpreter starts. It
 does one thing: a training script's `prometheus_client.start_http_server(PORT)` (also spelled
 `start_wsgi_server`) on the port muster itself serves `/metrics` on (MUSTER_METRICS_PORT) becomes
 a no-op with one log line, because muster already serves that process's metrics there, merged

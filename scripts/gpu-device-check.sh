@@ -6,6 +6,9 @@
 #   nvml-snapshot.json          the raw NVML snapshot (commit as a fixture recorded from hardware)
 #   cuda-smoke.json             the CUDA smoke child's own report (per GPU, per peer pair)
 #   nccl-allreduce.txt          a 1-node all-reduce over every GPU, NCCL, through the muster store
+#   warm-restart.txt / .err     a killed rank restarted in its warm standby (issue #41): each rank
+#                               of the next attempt reports its GPU, CUDA_VISIBLE_DEVICES and
+#                               whether CUDA was initialised before the script ran; NCCL again
 #   summary.txt / summary.json  one line / entry per step with its exit status
 #
 # Usage (from the repo root, after `cargo build --release -p muster`):
@@ -173,6 +176,68 @@ else
         kill "$STORE_PID" 2>/dev/null
         wait "$STORE_PID" 2>/dev/null
     fi
+fi
+
+# 5. Warm restarts on GPUs: standbys import torch (and CUDA's libraries) while attempt 0 trains,
+#    without initialising CUDA; rank 1 is killed at attempt 0, and attempt 1's ranks start in their
+#    standbys. Each reports what it sees at the script's first line (CUDA not initialised, the
+#    same CUDA_VISIBLE_DEVICES and NCCL variables as a cold rank) and runs an NCCL all-reduce.
+#    WARM_CHECK_BACKEND=gloo runs the same on CPUs (how this step is checked without a GPU).
+cat > "$OUT/warm_restart.py" <<'EOF'
+import json, os, signal, sys, time
+started = {"cuda_initialized_at_start": "torch.cuda" in sys.modules and
+           sys.modules["torch.cuda"].is_initialized()}
+import torch
+import torch.distributed as dist
+
+backend = os.environ.get("WARM_CHECK_BACKEND", "nccl")
+local = int(os.environ["LOCAL_RANK"])
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+device = torch.device("cpu")
+if backend == "nccl":
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+dist.init_process_group(backend)
+rank, world = dist.get_rank(), dist.get_world_size()
+x = torch.full((1024,), float(rank + 1), device=device)
+dist.all_reduce(x)
+report = dict(started, attempt=attempt, rank=rank, pid=os.getpid(),
+              correct=bool(torch.all(x == world * (world + 1) / 2).item()),
+              visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+              nccl={k: v for k, v in os.environ.items() if k.startswith("NCCL_")},
+              device=torch.cuda.get_device_name(local) if backend == "nccl" else "cpu")
+print("WARM " + json.dumps(report), flush=True)
+# Optimizer steps: the first one is what starts the standbys (muster's step reports).
+model = torch.nn.Linear(16, 1).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+deadline = time.time() + float(os.environ.get("WARM_CHECK_KILL_AFTER", "40"))
+while attempt == 0:
+    opt.zero_grad()
+    model(torch.ones(4, 16, device=device)).sum().backward()
+    opt.step()
+    dist.all_reduce(x)
+    if rank == 1 and time.time() > deadline:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+EOF
+if [[ -z $PY && ${WARM_CHECK_BACKEND:-nccl} == nccl ]]; then
+    log "warm-restart: SKIPPED (no python with a CUDA build of torch; set MUSTER_TORCH_PYTHON)"
+    STEPS_JSON+=('{"step":"warm-restart","rc":null,"skipped":true}')
+else
+    WPY=${PY:-${MUSTER_TORCH_PYTHON:-python3}}
+    WNPROC=gpu
+    [[ ${WARM_CHECK_BACKEND:-nccl} == gloo ]] && WNPROC=2
+    run_step warm-restart 120 warm-restart.txt \
+        env PYTHON_EXEC="$(command -v "$WPY" || echo "$WPY")" "$MUSTER" --standalone \
+        --nproc-per-node "$WNPROC" --max-restarts 1 --warm-restart on --metrics-addr none \
+        "$OUT/warm_restart.py"
+    WARM=$(grep -c 'warm start in its standby' "$OUT/warm-restart.err" 2>/dev/null)
+    COLD=$(grep -c 'cold start' "$OUT/warm-restart.err" 2>/dev/null)
+    log "warm-restart: ${WARM:-0} rank(s) started warm, ${COLD:-0} cold $(grep -o 'cold start: [^;]*' "$OUT/warm-restart.err" 2>/dev/null | head -1)"
 fi
 
 (
