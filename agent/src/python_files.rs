@@ -93,14 +93,19 @@ pub struct WriteError {
 /// for their `PYTHONPATH`: the shared copy under `base` (the directory `private` was made in),
 /// else the archive [`ARCHIVE`] written into `private`.
 pub fn install(base: &Path, private: &Path, which: Files) -> Result<PathBuf, WriteError> {
-    let files: Vec<&PythonFile> = FILES
-        .iter()
-        .filter(|file| which == Files::Workers || file.startup)
-        .collect();
+    let files = selected(which);
     if let Some(dir) = shared::ensure(base, &files) {
         return Ok(dir);
     }
     write_archive(private, &files)
+}
+
+/// The shipped files `which` names, in the archive's order.
+fn selected(which: Files) -> Vec<&'static PythonFile> {
+    FILES
+        .iter()
+        .filter(|file| which == Files::Workers || file.startup)
+        .collect()
 }
 
 /// Writes `files` into `dir` as the archive [`ARCHIVE`]; returns its path.
@@ -255,13 +260,6 @@ mod tests {
         for file in FILES {
             assert_eq!(file.crc, zip::crc32(file.text.as_bytes()), "{}", file.path);
         }
-    }
-
-    fn selected(which: Files) -> Vec<&'static PythonFile> {
-        FILES
-            .iter()
-            .filter(|file| which == Files::Workers || file.startup)
-            .collect()
     }
 
     #[test]

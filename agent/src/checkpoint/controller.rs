@@ -73,14 +73,18 @@ impl exit_code::Coded for StartError {
     }
 }
 
+/// Where the helper is: the agent's private directory and the `PYTHONPATH` entry the workers
+/// import it from (see [`python_files::install`]).
+struct Helper {
+    dir: Arc<ScratchDir>,
+    python_entry: PathBuf,
+}
+
 /// Handle to the running controller.
 pub struct Preemption {
     /// The agent's private directory, holding the helper; `None`: nowhere was writable (or the
     /// helper could not be written there), the workers go without it.
-    helper_dir: Option<Arc<ScratchDir>>,
-    /// Where the workers import the helper from, first on their `PYTHONPATH` (see
-    /// [`python_files::install`]); set exactly when `helper_dir` is.
-    python_entry: Option<PathBuf>,
+    helper: Option<Helper>,
     socket: String,
     view: super::local::ProgressView,
     triggers: mpsc::UnboundedSender<(Trigger, Option<StopRequest>)>,
@@ -116,11 +120,7 @@ impl Preemption {
         shutdown: CancellationToken,
         events: Events,
     ) -> Result<Preemption, StartError> {
-        let (helper_dir, python_entry) = match write_helper(private_dir, config.tmp_dir.is_some())?
-        {
-            Some((dir, entry)) => (Some(dir), Some(entry)),
-            None => (None, None),
-        };
+        let helper = write_helper(private_dir, config.tmp_dir.is_some())?;
         let channel = LocalChannel::bind(&shutdown)?;
         channel.report_steps(events.clone());
         channel.set_liveness_interval(crate::watch::hang::liveness_interval(config.hang.timeout));
@@ -140,8 +140,7 @@ impl Preemption {
         };
         let task = tokio::spawn(controller.run(observer, trigger_rx));
         Ok(Preemption {
-            helper_dir,
-            python_entry,
+            helper,
             socket,
             view,
             triggers,
@@ -166,18 +165,18 @@ impl Preemption {
     /// The directory holding `muster_checkpoint.py` and muster's `sitecustomize.py`, if one
     /// could be written.
     pub fn helper_dir(&self) -> Option<&Path> {
-        self.helper_dir.as_deref().map(ScratchDir::path)
+        self.helper.as_ref().map(|h| h.dir.path())
     }
 
     /// Where the helper's directory was made (a directory muster found writable).
     pub fn writable_base(&self) -> Option<&Path> {
-        self.helper_dir.as_deref().map(ScratchDir::base)
+        self.helper.as_ref().map(|h| h.dir.base())
     }
 
     /// Where the workers import muster's Python from (`sitecustomize` and the helper), if
     /// anywhere.
     pub fn python_entry(&self) -> Option<&Path> {
-        self.python_entry.as_deref()
+        self.helper.as_ref().map(|h| h.python_entry.as_path())
     }
 
     /// The workers' `PYTHONPATH`: the helper's entry first, then what the agent was given;
@@ -267,7 +266,7 @@ fn exit_code_after(outcome: Option<&Outcome>, launch_code: u8, preempted_exit_co
 
 impl Drop for Preemption {
     fn drop(&mut self) {
-        // The helper's directory goes with `helper_dir`.
+        // The helper's directory goes with `helper`.
         self.task.abort();
     }
 }
@@ -276,10 +275,7 @@ impl Drop for Preemption {
 /// directory `dir`, else an archive inside it; see [`python_files::install`]), if there is such
 /// a directory. `Ok(None)`: no directory, or the helper could not be written; only a failure
 /// in a `--tmp-dir` the user `named` is an error.
-fn write_helper(
-    dir: Option<Arc<ScratchDir>>,
-    named: bool,
-) -> Result<Option<(Arc<ScratchDir>, PathBuf)>, StartError> {
+fn write_helper(dir: Option<Arc<ScratchDir>>, named: bool) -> Result<Option<Helper>, StartError> {
     let Some(dir) = dir else {
         return Ok(None);
     };
@@ -287,7 +283,7 @@ fn write_helper(
     // reporter muster's `sitecustomize` loads, and that `sitecustomize`, which the script
     // metrics' hook then shares: it writes no copy of its own beside these).
     match python_files::install(dir.base(), dir.path(), Files::Workers) {
-        Ok(entry) => Ok(Some((dir, entry))),
+        Ok(python_entry) => Ok(Some(Helper { dir, python_entry })),
         Err(WriteError { path, source }) if named => Err(StartError::Helper { path, source }),
         Err(err) => {
             // A full tmpfs, say: going without the helper beats not starting.

@@ -173,7 +173,7 @@ mod tests {
     use std::os::unix::fs::PermissionsExt;
 
     use super::*;
-    use crate::python_files::FILES;
+    use crate::python_files::{selected, Files, FILES};
 
     fn base(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("muster-shared-{name}-{}", std::process::id()));
@@ -183,7 +183,7 @@ mod tests {
     }
 
     fn all() -> Vec<&'static PythonFile> {
-        FILES.iter().collect()
+        selected(Files::Workers)
     }
 
     fn names(dir: &Path) -> Vec<String> {
@@ -233,7 +233,7 @@ mod tests {
     #[test]
     fn another_file_set_gets_a_copy_of_its_own() {
         let base = base("sets");
-        let startup: Vec<&PythonFile> = FILES.iter().filter(|f| f.startup).collect();
+        let startup = selected(Files::StartupHook);
         let whole = ensure(&base, &all()).unwrap();
         let hook = ensure(&base, &startup).unwrap();
         assert_ne!(whole, hook);
