@@ -116,8 +116,14 @@ pub struct Owner {
 }
 
 impl Owner {
-    /// This process; `None` where `/proc` does not say (then nothing is swept either).
+    /// This process; `None` where `/proc` does not say (then nothing is swept either). Read once:
+    /// every private directory of an agent records the same owner.
     pub fn of_self() -> Option<Owner> {
+        static SELF: std::sync::OnceLock<Option<Owner>> = std::sync::OnceLock::new();
+        *SELF.get_or_init(Owner::read_self)
+    }
+
+    fn read_self() -> Option<Owner> {
         let pid = std::process::id();
         let pidns = std::fs::read_link("/proc/self/ns/pid")
             .ok()?
@@ -188,15 +194,20 @@ pub fn private_name(prefix: &str) -> String {
 }
 
 /// [`sweep`] of `base` for `prefix` on a thread of its own: listing /tmp is no business of the
-/// launch's start-up.
+/// launch's start-up. A start that the base's link count already excuses (see
+/// [`sweeps_this_time`]) starts no thread: with thousands of agents on one /tmp, most.
 pub fn sweep_in_background(base: &Path, prefix: &str) {
     let Some(me) = Owner::of_self() else {
         return;
     };
+    let draw = rand::random::<f64>();
+    if subdirectories(base).is_some_and(|n| !sweeps_this_time(n, draw)) {
+        return;
+    }
     let (base, prefix) = (base.to_owned(), prefix.to_owned());
     let _ = std::thread::Builder::new()
         .name("muster-sweep".into())
-        .spawn(move || sweep(&base, &prefix, me, &Owner::alive));
+        .spawn(move || sweep_drawn(&base, &prefix, me, &Owner::alive, draw));
 }
 
 /// Removes from `base` the private directories of `prefix` whose owner is gone: made by an agent
@@ -210,7 +221,17 @@ pub fn sweep_in_background(base: &Path, prefix: &str) {
 /// Where more than [`SWEEP_ALWAYS_UP_TO`] such directories exist (many agents sharing one
 /// machine's /tmp, as in a scale test), only some starts sweep ([`sweeps_this_time`]).
 pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool) -> usize {
-    let draw = rand::random::<f64>();
+    sweep_drawn(base, prefix, me, alive, rand::random::<f64>())
+}
+
+/// [`sweep`] with its draw made (the same draw decides before and after the listing).
+fn sweep_drawn(
+    base: &Path,
+    prefix: &str,
+    me: Owner,
+    alive: &dyn Fn(Owner) -> bool,
+    draw: f64,
+) -> usize {
     // Most starts beside thousands of directories need not even list them: the base's link
     // count bounds how many there are, for free.
     if subdirectories(base).is_some_and(|n| !sweeps_this_time(n, draw)) {

@@ -322,7 +322,11 @@ def test_prometheus_follows_an_agent_through_a_failure_and_a_restart(tmp_path):
         assert prom.scalar('muster_rendezvous_rounds_total{outcome="completed"}') == 2
         assert prom.scalar('muster_worker_exits_total{code="3"}') == 1
         assert prom.scalar('muster_agent_phase{phase="running"}') == 1
-        assert prom.scalar('sum(muster_store_operations_total{store="workers"})') > 0
+        # The workers' own store operations (init_process_group, the all-reduce's keys), by the
+        # next scrape after they happened: a one-node agent keeps no watcher on that store.
+        workers_ops = 'sum(muster_store_operations_total{store="workers"})'
+        wait_until(lambda: (prom.scalar(workers_ops) or 0) > 0, 30,
+                   what=f"Prometheus to see {workers_ops} > 0")
         median = prom.scalar('quantile_over_time(0.5, scrape_duration_seconds{job="muster"}[5m])')
         longest = prom.scalar('max_over_time(scrape_duration_seconds{job="muster"}[5m])')
         print(f"\nPrometheus' scrapes of the agent: median {median * 1000:.2f} ms, "
@@ -569,7 +573,11 @@ def test_prometheus_scrapes_a_two_node_dry_run_through_a_gang_restart(tmp_path):
         assert prom.scalar('min(muster_rendezvous_duration_seconds_bucket{le="+Inf"})') >= 2
         assert prom.scalar('sum(muster_worker_exits_total{code="3"})') == 1
         assert prom.scalar("max(muster_world_size)") == 4
-        assert prom.scalar('sum(muster_store_operations_total{store="workers"})') > 0
+        # The workers' own store operations (init_process_group, the all-reduce's keys), by the
+        # next scrape after they happened: a one-node agent keeps no watcher on that store.
+        workers_ops = 'sum(muster_store_operations_total{store="workers"})'
+        wait_until(lambda: (prom.scalar(workers_ops) or 0) > 0, 30,
+                   what=f"Prometheus to see {workers_ops} > 0")
 
         (ctl / "finish").touch()
         assert job.proc.wait(timeout=60) == 0, job.output()

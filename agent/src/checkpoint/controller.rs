@@ -327,10 +327,14 @@ impl Controller {
                         }
                         self.channel.forget_all();
                         let stop_watching = self.shutdown.child_token();
-                        spawn_watcher(&assignment, stop_watching.clone(), request_tx.clone());
+                        // One node hears only itself: its own requests come back through
+                        // `publish`, and a watcher would be a store connection for nothing.
+                        if assignment.group_world_size > 1 {
+                            spawn_watcher(&assignment, stop_watching.clone(), request_tx.clone());
+                        }
                         // A trigger that arrived while no attempt ran is published now.
                         if let Some(l) = &local {
-                            publish(&assignment, &l.trigger, l.deadline);
+                            publish(&assignment, &l.trigger, l.deadline, &request_tx);
                         }
                         attempt = Some(Attempt { assignment, stop_watching });
                     }
@@ -349,7 +353,7 @@ impl Controller {
                         self.budget.as_secs_f64()
                     );
                     if let Some(a) = &attempt {
-                        publish(&a.assignment, &trigger, deadline);
+                        publish(&a.assignment, &trigger, deadline, &request_tx);
                     } else {
                         // No workers' store to agree through: stop as torchrun would.
                         self.stop_between_attempts(&trigger);
@@ -517,7 +521,13 @@ fn store_addr(assignment: &RankAssignment) -> Option<std::net::SocketAddr> {
 }
 
 /// Publishes this node's request on the attempt's store, in the background.
-fn publish(assignment: &RankAssignment, trigger: &Trigger, deadline: Instant) {
+/// On a one-node gang, the standing request goes straight to `requests` (no watcher runs there).
+fn publish(
+    assignment: &RankAssignment,
+    trigger: &Trigger,
+    deadline: Instant,
+    requests: &mpsc::UnboundedSender<(u32, Request)>,
+) {
     let Some(store) = store_addr(assignment) else {
         return;
     };
@@ -525,9 +535,16 @@ fn publish(assignment: &RankAssignment, trigger: &Trigger, deadline: Instant) {
     let node = assignment.node_rank;
     let reason = format!("{} on node {node}", trigger.reason);
     let budget = deadline.saturating_duration_since(Instant::now());
+    let alone =
+        (assignment.group_world_size <= 1).then(|| (requests.clone(), assignment.restart_count));
     tokio::spawn(async move {
-        if let Err(err) = super::trigger(store, &run_id, node, budget, &reason).await {
-            warn!("cannot publish the checkpoint request: {err}");
+        match super::trigger(store, &run_id, node, budget, &reason).await {
+            Ok(standing) => {
+                if let Some((requests, restart_count)) = alone {
+                    let _ = requests.send((restart_count, standing));
+                }
+            }
+            Err(err) => warn!("cannot publish the checkpoint request: {err}"),
         }
     });
 }

@@ -216,7 +216,7 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
     let store = store_addr(&attempt).filter(|_| attempt.assignment.group_world_size > 1);
     let stop_waiting = CancellationToken::new();
     let _stop_on_drop = stop_waiting.clone().drop_guard();
-    let notices = gang_notices(store, &run_id, &stop_waiting);
+    let notices = gang_notices(store, &run_id, notice_watch_delay(&policy), &stop_waiting);
     let trigger = wait_for_trigger(&policy, &view, &attempt, notices).await;
     let limit = announce(&trigger, node, store, &run_id);
 
@@ -238,11 +238,37 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
     }
 }
 
-/// Another node's hang notice, read from the attempt's store; a future that never resolves
-/// when there is no store to read (or the watcher ends without a notice).
+/// How long after its attempt starts a node opens the connection that waits for other nodes'
+/// hang notices: the smaller of [`NOTICE_WATCH_DELAY_MAX`] and half this node's shortest limit.
+/// A notice comes only once some rank has passed a limit, and every limit counts from the
+/// rank's own report (its first step, `init_process_group`, a section), so none is lost: one
+/// published before the connection opens is read at once then (WAIT answers for a key that
+/// exists). What it saves is one connection per node in the burst of a gang's start (node 0
+/// accepts them all at once), and all of it for ranks that finish within that second.
+fn notice_watch_delay(policy: &Policy) -> Duration {
+    let fixed = match policy.timeout {
+        hang::HangTimeout::Fixed(limit) => Some(limit),
+        hang::HangTimeout::Off | hang::HangTimeout::Auto => None,
+    };
+    [fixed, policy.startup_timeout, Some(policy.section_timeout)]
+        .into_iter()
+        .flatten()
+        .min()
+        .map_or(NOTICE_WATCH_DELAY_MAX, |shortest| {
+            (shortest / 2).min(NOTICE_WATCH_DELAY_MAX)
+        })
+}
+
+/// See [`notice_watch_delay`].
+const NOTICE_WATCH_DELAY_MAX: Duration = Duration::from_secs(1);
+
+/// Another node's hang notice, read from the attempt's store from `delay` after now (see
+/// [`notice_watch_delay`]); a future that never resolves when there is no store to read (or the
+/// watcher ends without a notice).
 fn gang_notices(
     store: Option<SocketAddr>,
     run_id: &str,
+    delay: Duration,
     stop_waiting: &CancellationToken,
 ) -> impl Future<Output = Notice> {
     let (notice_tx, notice_rx) = tokio::sync::oneshot::channel::<Notice>();
@@ -250,6 +276,10 @@ fn gang_notices(
         let run_id = run_id.to_owned();
         let stop = stop_waiting.clone();
         tokio::spawn(async move {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(delay) => {}
+            }
             match gang::wait(store, &run_id, stop).await {
                 Ok(Some(notice)) => {
                     let _ = notice_tx.send(notice);
@@ -658,5 +688,70 @@ mod tests {
         .await;
         assert!(waited.is_err(), "an own notice ended the wait");
         shutdown.cancel();
+    }
+
+    #[test]
+    fn the_notice_watch_opens_within_half_the_shortest_limit_and_a_second() {
+        let policy = |timeout, startup_timeout| Policy {
+            timeout,
+            section_timeout: Duration::from_secs(3600),
+            startup_timeout,
+        };
+        let default = Policy::default();
+        assert_eq!(notice_watch_delay(&default), NOTICE_WATCH_DELAY_MAX);
+        let fixed = policy(HangTimeout::Fixed(Duration::from_millis(500)), None);
+        assert_eq!(notice_watch_delay(&fixed), Duration::from_millis(250));
+        let startup = policy(HangTimeout::Auto, Some(Duration::from_secs(1)));
+        assert_eq!(notice_watch_delay(&startup), Duration::from_millis(500));
+        let off = policy(HangTimeout::Off, None);
+        assert_eq!(notice_watch_delay(&off), NOTICE_WATCH_DELAY_MAX);
+    }
+
+    /// A notice published while the watch waits to connect is read as soon as it connects, and a
+    /// watch stopped while it waits never connects.
+    #[tokio::test]
+    async fn a_notice_published_before_the_watch_connects_is_not_lost() {
+        use rendezvous::store::server::{Config, Server};
+
+        let server = Server::bind("127.0.0.1:0".parse().unwrap(), Config::default())
+            .await
+            .unwrap();
+        let store = server.local_addr();
+        let stats = server.stats();
+        let shutdown = CancellationToken::new();
+        let serving = tokio::spawn(server.run(shutdown.clone()));
+
+        let stopped = CancellationToken::new();
+        let never = gang_notices(Some(store), "run", Duration::from_millis(300), &stopped);
+        stopped.cancel();
+        let waited = tokio::time::timeout(Duration::from_millis(600), never).await;
+        assert!(waited.is_err(), "a stopped watch reported a notice");
+        assert_eq!(
+            stats
+                .connections_accepted
+                .load(std::sync::atomic::Ordering::Relaxed),
+            0,
+            "a stopped watch connected"
+        );
+
+        let stop = CancellationToken::new();
+        let started = Instant::now();
+        let notices = gang_notices(Some(store), "run", Duration::from_millis(300), &stop);
+        let notice = Notice {
+            node_rank: 2,
+            rank: 5,
+            limit: Duration::from_secs(1),
+            startup: false,
+            what: "rank 5 made no progress".to_owned(),
+        };
+        gang::publish(store, "run", &notice).await.unwrap();
+        let heard = tokio::time::timeout(Duration::from_secs(10), notices)
+            .await
+            .expect("the notice was read once the watch connected");
+        assert_eq!((heard.node_rank, heard.rank), (2, 5));
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        stop.cancel();
+        shutdown.cancel();
+        let _ = serving.await;
     }
 }

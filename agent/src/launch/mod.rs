@@ -113,11 +113,12 @@ pub type RankEnv = Arc<dyn Fn(u32, u32, u32) -> Vec<(String, OsString)> + Send +
 
 impl Launch {
     pub fn new(config: Config) -> Self {
+        let publisher = Publisher::for_ranks(config.nproc_per_node);
         Self {
             config: Arc::new(config),
             rendezvous: None,
             terminate_hook: None,
-            publisher: Publisher::new(),
+            publisher,
             logs: None,
             extra_env: Vec::new(),
             rank_cpus: Vec::new(),
