@@ -201,13 +201,13 @@ pub fn sweep_in_background(base: &Path, prefix: &str) {
         return;
     };
     let draw = rand::random::<f64>();
-    if subdirectories(base).is_some_and(|n| !sweeps_this_time(n, draw)) {
+    if excused(base, draw) {
         return;
     }
     let (base, prefix) = (base.to_owned(), prefix.to_owned());
     let _ = std::thread::Builder::new()
         .name("muster-sweep".into())
-        .spawn(move || sweep_drawn(&base, &prefix, me, &Owner::alive, draw));
+        .spawn(move || sweep_listed(&base, &prefix, me, &Owner::alive, draw));
 }
 
 /// Removes from `base` the private directories of `prefix` whose owner is gone: made by an agent
@@ -221,22 +221,28 @@ pub fn sweep_in_background(base: &Path, prefix: &str) {
 /// Where more than [`SWEEP_ALWAYS_UP_TO`] such directories exist (many agents sharing one
 /// machine's /tmp, as in a scale test), only some starts sweep ([`sweeps_this_time`]).
 pub fn sweep(base: &Path, prefix: &str, me: Owner, alive: &dyn Fn(Owner) -> bool) -> usize {
-    sweep_drawn(base, prefix, me, alive, rand::random::<f64>())
+    let draw = rand::random::<f64>();
+    if excused(base, draw) {
+        return 0;
+    }
+    sweep_listed(base, prefix, me, alive, draw)
 }
 
-/// [`sweep`] with its draw made (the same draw decides before and after the listing).
-fn sweep_drawn(
+/// Whether a start whose draw is `draw` may skip even listing `base`: most starts beside
+/// thousands of directories, whose count the base's link count bounds for free.
+fn excused(base: &Path, draw: f64) -> bool {
+    subdirectories(base).is_some_and(|n| !sweeps_this_time(n, draw))
+}
+
+/// [`sweep`] past the link-count check, with its draw made: the same draw decides again once the
+/// listing has counted the candidates.
+fn sweep_listed(
     base: &Path,
     prefix: &str,
     me: Owner,
     alive: &dyn Fn(Owner) -> bool,
     draw: f64,
 ) -> usize {
-    // Most starts beside thousands of directories need not even list them: the base's link
-    // count bounds how many there are, for free.
-    if subdirectories(base).is_some_and(|n| !sweeps_this_time(n, draw)) {
-        return 0;
-    }
     let Ok(entries) = std::fs::read_dir(base) else {
         return 0;
     };
