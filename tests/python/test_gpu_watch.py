@@ -32,7 +32,9 @@ UNHEALTHY_GPU = 204
 
 # Ranks mark that they run (before importing torch, so the mark proves the process was up), then
 # train: one all_reduce per step until `finish` appears, or rank FAIL_RANK exits 3 when `fail`
-# appears.
+# appears. The step's all_reduce carries whether a rank saw `finish`, so that every rank leaves
+# after the same step: a rank that saw it one step before its peer left it mid all_reduce against
+# a closed connection (exit 1).
 WORKER = r'''
 import os, sys, time
 from pathlib import Path
@@ -43,12 +45,12 @@ import torch
 import torch.distributed as dist
 dist.init_process_group("gloo")
 (ctl / f"training-{rank}-w{dist.get_world_size()}").write_text("")
-t = torch.ones(1)
 step = 0
 while True:
-    dist.all_reduce(t)
+    finish = torch.tensor([1.0 if (ctl / "finish").exists() else 0.0])
+    dist.all_reduce(finish)
     step += 1
-    if (ctl / "finish").exists() or (dist.get_world_size() == 1 and step >= 20):
+    if finish.item() > 0 or (dist.get_world_size() == 1 and step >= 20):
         break
     if (ctl / "fail").exists() and rank == os.environ.get("FAIL_RANK"):
         print(f"rank {rank} gives up at step {step}", flush=True)

@@ -329,7 +329,7 @@ impl Controller {
                         let stop_watching = self.shutdown.child_token();
                         // One node hears only itself: its own requests come back through
                         // `publish`, and a watcher would be a store connection for nothing.
-                        if assignment.group_world_size > 1 {
+                        if assignment.has_peer_nodes() {
                             spawn_watcher(&assignment, stop_watching.clone(), request_tx.clone());
                         }
                         // A trigger that arrived while no attempt ran is published now.
@@ -536,7 +536,7 @@ fn publish(
     let reason = format!("{} on node {node}", trigger.reason);
     let budget = deadline.saturating_duration_since(Instant::now());
     let alone =
-        (assignment.group_world_size <= 1).then(|| (requests.clone(), assignment.restart_count));
+        (!assignment.has_peer_nodes()).then(|| (requests.clone(), assignment.restart_count));
     tokio::spawn(async move {
         match super::trigger(store, &run_id, node, budget, &reason).await {
             Ok(standing) => {

@@ -213,7 +213,7 @@ async fn run(policy: Policy, view: ProgressView, attempt: WatchedAttempt) -> Han
     let node = attempt.assignment.node_rank;
     let run_id = attempt.assignment.run_id.clone();
     // One node has no one to tell.
-    let store = store_addr(&attempt).filter(|_| attempt.assignment.group_world_size > 1);
+    let store = store_addr(&attempt).filter(|_| attempt.assignment.has_peer_nodes());
     let stop_waiting = CancellationToken::new();
     let _stop_on_drop = stop_waiting.clone().drop_guard();
     let notices = gang_notices(store, &run_id, notice_watch_delay(&policy), &stop_waiting);

@@ -30,6 +30,14 @@ pub struct RankAssignment {
     pub run_id: String,
 }
 
+impl RankAssignment {
+    /// Whether other nodes share this attempt: what a node posts to the workers' store is then
+    /// for them to read, and theirs for this node to watch. A node alone hears only itself.
+    pub fn has_peer_nodes(&self) -> bool {
+        self.group_world_size > 1
+    }
+}
+
 /// What one round of the rendezvous hands to the launch loop.
 pub struct Round {
     pub assignment: RankAssignment,

@@ -91,3 +91,9 @@ if args.print_weights:
     print(f"WEIGHTS {rank} {weights.hexdigest()}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+# What PyTorch asks of every script (its docs, "Shutdown"): a process that leaves with its gloo
+# group alive can abort in the group's teardown at exit ("terminate called without an active
+# exception", SIGABRT) once its peer has gone, under torchrun as under muster: a trained job
+# would end 134 now and then. The Trainer does not do it; the script does, as real ones should.
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()
