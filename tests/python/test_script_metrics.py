@@ -171,9 +171,10 @@ def test_the_snippet_on_two_ranks_is_served_by_muster_with_rank_labels(tmp_path)
         assert "# TYPE training_steps_total counter" in body
         promtool_check(body)
 
-        # Each rank had its own directory under muster's, and muster's port.
+        # Each rank had its own directory, beside its error file in muster's private run
+        # directory (torchrun's attempt_<N>/<local rank>), and muster's port.
         dirs = {(launch.ctl / f"env-0-{r}").read_text().split("\n")[0] for r in (0, 1)}
-        assert len(dirs) == 2 and all(d.endswith(f"rank-{r}") for d, r in zip(sorted(dirs), (0, 1)))
+        assert len(dirs) == 2 and all(d.endswith(f"/attempt_0/{r}") for d, r in zip(sorted(dirs), (0, 1))), dirs
         assert (launch.ctl / "env-0-0").read_text().split("\n")[1] == str(port)
         # Another port is the script's own server, serving that process's registry.
         status, _, own = http_get(("127.0.0.1", other), "/metrics", timeout=10)

@@ -241,6 +241,7 @@ async fn start_rank(
                 assignment.restart_count,
                 assignment.base_global_rank + local_rank,
                 local_rank,
+                dir.filter(|_| !spec.files),
             )
         })
         .into_iter()

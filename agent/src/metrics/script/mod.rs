@@ -4,9 +4,14 @@
 //! A script that calls `prometheus_client.start_http_server(8000)` would collide with muster's
 //! endpoint on the same port (and with every other rank of the pod). Instead muster runs the
 //! ranks in prometheus_client's multiprocess mode and serves their values itself:
-//! - [`ScriptMetrics::rank_env`] gives each rank `PROMETHEUS_MULTIPROC_DIR=<dir>/attempt-<N>/rank-<R>`
-//!   (created empty before the rank starts; the previous attempt's directory is removed when a
-//!   new attempt starts, so served values are the current attempt's);
+//! - [`ScriptMetrics::rank_env`] gives each rank its own `PROMETHEUS_MULTIPROC_DIR`, empty when
+//!   the rank starts: the rank's own directory of the attempt in the agent's private run
+//!   directory (`…/<run>/attempt_<N>/<local rank>`, beside its error file; prometheus_client's
+//!   files have names of their own), else (`--log-dir`: that directory is the user's)
+//!   `<dir>/attempt-<N>/rank-<R>`. The previous attempt's files are removed when a new attempt
+//!   starts, so served values are the current attempt's. Sharing the error file's directory saves
+//!   a rank's start a directory made and removed (`mkdir` and `rmdir` on the root file system cost
+//!   60–120 µs each here, on the path from launch to the last rank);
 //! - [`ScriptMetrics::worker_env`] gives `MUSTER_METRICS_PORT` (the port muster serves on) and a
 //!   directory holding `sitecustomize.py` (python/muster_sitecustomize.py) to put first on
 //!   `PYTHONPATH`: it turns `start_http_server(<that port>)` into a no-op with one log line.
@@ -53,7 +58,8 @@ pub const METRICS_PORT_ENV: &str = "MUSTER_METRICS_PORT";
 /// Where the ranks' files are.
 #[derive(Debug)]
 enum Layout {
-    /// muster's: `<base>/attempt-<N>/rank-<R>`, one directory per rank and attempt.
+    /// muster's: one directory per rank and attempt, the rank's own in the run directory or
+    /// `<base>/attempt-<N>/rank-<R>`.
     PerRank { base: PathBuf },
     /// The user's own directory, served as a whole and never touched.
     User(PathBuf),
@@ -64,6 +70,9 @@ struct RankDir {
     rank: u32,
     local_rank: u32,
     path: PathBuf,
+    /// The rank's own directory in the run directory, which is not this module's to remove: only
+    /// prometheus_client's files in it are.
+    borrowed: bool,
 }
 
 #[derive(Debug, Default)]
@@ -71,6 +80,8 @@ struct Current {
     attempt: Option<u32>,
     /// By local rank.
     ranks: BTreeMap<u32, RankDir>,
+    /// `<base>/attempt-<N>`, when this attempt's ranks needed directories of muster's own.
+    own_attempt_dir: Option<PathBuf>,
 }
 
 /// Where the checkpoint helper put muster's start-up hook.
@@ -169,26 +180,47 @@ impl ScriptMetrics {
     }
 
     /// The variables of rank `rank` (local rank `local_rank`) of attempt `attempt`, called just
-    /// before it starts: its own empty `PROMETHEUS_MULTIPROC_DIR`. The first rank of a new attempt
-    /// removes the previous attempt's files. With the user's own directory: nothing.
+    /// before it starts: its own empty `PROMETHEUS_MULTIPROC_DIR`, which is `own_dir` (the rank's
+    /// directory of this attempt in the agent's private run directory) when given. The first rank
+    /// of a new attempt removes the previous attempt's files. With the user's own directory:
+    /// nothing.
     ///
     /// A directory that cannot be made costs only the script's metrics: a warning, and the rank
     /// starts without multiprocess mode.
-    pub fn rank_env(&self, attempt: u32, rank: u32, local_rank: u32) -> Vec<(String, OsString)> {
+    pub fn rank_env(
+        &self,
+        attempt: u32,
+        rank: u32,
+        local_rank: u32,
+        own_dir: Option<&Path>,
+    ) -> Vec<(String, OsString)> {
         let Layout::PerRank { base } = &self.layout else {
             return Vec::new();
         };
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         if current.attempt != Some(attempt) {
-            if let Some(old) = current.attempt {
-                remove_dir(&attempt_dir(base, old));
-            }
+            remove_attempt(&mut current);
             current.attempt = Some(attempt);
-            current.ranks.clear();
         }
-        let path = attempt_dir(base, attempt).join(format!("rank-{rank}"));
         // A rank started twice in one attempt starts from nothing too.
-        remove_dir(&path);
+        if let Some(earlier) = current.ranks.remove(&local_rank) {
+            remove_rank_files(&earlier);
+        }
+        if let Some(dir) = own_dir {
+            current.ranks.insert(
+                local_rank,
+                RankDir {
+                    rank,
+                    local_rank,
+                    path: dir.to_path_buf(),
+                    borrowed: true,
+                },
+            );
+            return vec![(MULTIPROC_DIR_ENV.to_owned(), dir.into())];
+        }
+        let attempt_dir = attempt_dir(base, attempt);
+        let path = attempt_dir.join(format!("rank-{rank}"));
+        current.own_attempt_dir = Some(attempt_dir);
         if let Err(err) = std::fs::create_dir_all(&path) {
             tracing::warn!(
                 "cannot create {} for rank {rank}'s prometheus_client files ({err}); its metrics \
@@ -204,6 +236,7 @@ impl ScriptMetrics {
                 rank,
                 local_rank,
                 path: path.clone(),
+                borrowed: false,
             },
         );
         vec![(MULTIPROC_DIR_ENV.to_owned(), path.into_os_string())]
@@ -313,18 +346,17 @@ impl Drop for ScriptMetrics {
 impl ScriptMetrics {
     /// Removes muster's private directory (the hook and the ranks' files, never the user's own
     /// directory), or in the helper's directory the ranks' files; the script's metrics are gone
-    /// from `/metrics` from then on.
+    /// from `/metrics` from then on. Files in the ranks' own directories of the run directory
+    /// are left to it: it goes with the agent.
     pub fn remove_files(&self) {
         let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
         current.ranks.clear();
-        match (&self.own_home, &self.layout) {
-            (Some(home), _) => remove_dir(home),
-            (None, Layout::PerRank { base }) => {
-                if let Some(attempt) = current.attempt.take() {
-                    remove_dir(&attempt_dir(base, attempt));
-                }
-            }
-            (None, Layout::User(_)) => {}
+        current.attempt = None;
+        if let Some(dir) = current.own_attempt_dir.take() {
+            remove_dir(&dir);
+        }
+        if let Some(home) = &self.own_home {
+            remove_dir(home);
         }
     }
 
@@ -349,8 +381,8 @@ impl ScriptMetrics {
             launch = launch.with_worker_env(key, value);
         }
         let this = Arc::clone(self);
-        launch.with_rank_env(Arc::new(move |attempt, rank, local_rank| {
-            this.rank_env(attempt, rank, local_rank)
+        launch.with_rank_env(Arc::new(move |attempt, rank, local_rank, own_dir| {
+            this.rank_env(attempt, rank, local_rank, own_dir)
         }))
     }
 }
@@ -404,6 +436,39 @@ pub fn user_multiproc_dir(env: &dyn Fn(&str) -> Option<OsString>) -> Option<Path
 
 fn attempt_dir(base: &Path, attempt: u32) -> PathBuf {
     base.join(format!("attempt-{attempt}"))
+}
+
+/// Removes what the ranks of the attempt that ends wrote: muster's own attempt directory, or
+/// prometheus_client's files in the ranks' own directories (their error files stay, as under
+/// torchrun).
+fn remove_attempt(current: &mut Current) {
+    for (_, rank) in std::mem::take(&mut current.ranks) {
+        if rank.borrowed {
+            remove_rank_files(&rank);
+        }
+    }
+    if let Some(dir) = current.own_attempt_dir.take() {
+        remove_dir(&dir);
+    }
+}
+
+/// Empties a rank's directory of prometheus_client's files (all of it, when it is muster's own).
+fn remove_rank_files(rank: &RankDir) {
+    if !rank.borrowed {
+        remove_dir(&rank.path);
+        return;
+    }
+    let Ok(listing) = std::fs::read_dir(&rank.path) else {
+        return;
+    };
+    for entry in listing.filter_map(Result::ok) {
+        let name = entry.file_name();
+        if name.to_str().and_then(FileName::parse).is_some() {
+            if let Err(err) = std::fs::remove_file(entry.path()) {
+                tracing::debug!("cannot remove {}: {err}", entry.path().display());
+            }
+        }
+    }
 }
 
 fn remove_dir(path: &Path) {

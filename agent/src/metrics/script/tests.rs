@@ -330,7 +330,7 @@ fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
         script.worker_env(),
         vec![("MUSTER_METRICS_PORT".to_owned(), "8000".into())]
     );
-    let dir0 = env_value(&script.rank_env(0, 4, 0), "PROMETHEUS_MULTIPROC_DIR").unwrap();
+    let dir0 = env_value(&script.rank_env(0, 4, 0, None), "PROMETHEUS_MULTIPROC_DIR").unwrap();
     assert!(dir0.is_dir());
     assert!(dir0.ends_with("attempt-0/rank-4"));
     copy_dir(&fixtures().join("ranks/rank-0"), &dir0);
@@ -341,7 +341,7 @@ fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
     );
 
     // Attempt 1: attempt 0's files are gone, and so are their values.
-    let dir1 = env_value(&script.rank_env(1, 4, 0), "PROMETHEUS_MULTIPROC_DIR").unwrap();
+    let dir1 = env_value(&script.rank_env(1, 4, 0, None), "PROMETHEUS_MULTIPROC_DIR").unwrap();
     assert!(!dir0.exists());
     assert!(dir1.is_dir());
     assert!(script.families().is_empty());
@@ -374,15 +374,66 @@ fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_o
     // Nothing written, nothing made: the helper's directory holds the hook already.
     assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 1);
-    let dir0 = env_value(&script.rank_env(0, 0, 0), "PROMETHEUS_MULTIPROC_DIR").unwrap();
+    let dir0 = env_value(&script.rank_env(0, 0, 0, None), "PROMETHEUS_MULTIPROC_DIR").unwrap();
     assert_eq!(dir0, helper.join("attempt-0").join("rank-0"));
     assert!(dir0.is_dir());
-    let dir1 = env_value(&script.rank_env(1, 0, 0), "PROMETHEUS_MULTIPROC_DIR").unwrap();
+    let dir1 = env_value(&script.rank_env(1, 0, 0, None), "PROMETHEUS_MULTIPROC_DIR").unwrap();
     assert!(!dir0.exists() && dir1.is_dir());
     // The end removes the ranks' files and leaves the helper's directory to its owner.
     drop(script);
     assert!(helper.is_dir());
     assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+#[test]
+fn a_ranks_own_run_directory_holds_its_files_and_a_new_attempt_empties_it_of_them_only() {
+    let tmp = scratch("borrowed");
+    let helper = tmp.join("helper");
+    std::fs::create_dir_all(&helper).unwrap();
+    let entry = tmp.join("shared-python");
+    let hook = super::Hook {
+        dir: &helper,
+        python_entry: &entry,
+    };
+    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(hook)).unwrap();
+    // The run directory's attempt_0/0, as the launch makes it, with the rank's error file.
+    let own0 = tmp.join("run").join("attempt_0").join("0");
+    std::fs::create_dir_all(&own0).unwrap();
+    std::fs::write(own0.join("error.json"), "{}").unwrap();
+    let dir0 = env_value(
+        &script.rank_env(0, 4, 0, Some(&own0)),
+        "PROMETHEUS_MULTIPROC_DIR",
+    )
+    .unwrap();
+    assert_eq!(dir0, own0);
+    // No directory of muster's own for it.
+    assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
+    copy_dir(&fixtures().join("ranks/rank-0"), &own0);
+    let text = encode(&script.families());
+    assert!(
+        text.contains("training_loss{rank=\"4\",local_rank=\"0\"} 0.5"),
+        "{text}"
+    );
+
+    // Attempt 1: attempt 0's prometheus_client files are gone, its error file and directory stay.
+    let own1 = tmp.join("run").join("attempt_1").join("0");
+    std::fs::create_dir_all(&own1).unwrap();
+    script.rank_env(1, 4, 0, Some(&own1));
+    let left: Vec<_> = std::fs::read_dir(&own0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("error.json")]);
+    assert!(script.families().is_empty());
+    copy_dir(&fixtures().join("ranks/rank-1"), &own1);
+    assert!(encode(&script.families()).contains("training_loss{rank=\"4\",local_rank=\"0\"} 1.5"));
+
+    // The end stops serving them and leaves the directory (and its files) to the run directory.
+    script.remove_files();
+    assert!(script.families().is_empty());
+    assert!(std::fs::read_dir(&own1).unwrap().count() > 0);
+    drop(script);
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
@@ -394,7 +445,7 @@ fn the_users_own_directory_is_served_whole_and_left_alone() {
     copy_dir(&fixtures().join("pooled"), &user);
     let script =
         ScriptMetrics::create(&tmp, 8000, HashSet::new(), Some(user.clone()), None).unwrap();
-    assert!(script.rank_env(0, 0, 0).is_empty());
+    assert!(script.rank_env(0, 0, 0, None).is_empty());
     let text = encode(&script.families());
     assert!(text.contains("requests_total{path=\"/a\"} 5"), "{text}");
     // The fixtures' pids are not running: `live*` gauges drop out, as after mark_process_dead.
