@@ -208,6 +208,21 @@ def _tasks():
         return None
 
 
+def _thread_count():
+    """How many threads this process has, from the kernel's own counter (`Threads:` in
+    /proc/self/status); None where /proc does not say. A listing of /proc/self/task stops early
+    at a thread that is leaving (it names that one, and none after it): only this count tells a
+    listing taken meanwhile from a whole one."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _nice(tid):
     """Thread `tid`'s nice value (field 19 of its stat; the name, field 2, may hold spaces and
     parentheses); None when it is gone or unreadable."""
@@ -224,7 +239,9 @@ def stray_threads(wait_s=1.0):
     (started on the import thread, whose lower priority they keep). A library's pool at the
     rank's priority (OpenBLAS's, once numpy loaded on the main thread) is what a cold rank has
     too and is not counted. Returns (python, native) thread ids; a joined thread may take a
-    moment to leave the kernel's list, so strays are looked at again for up to `wait_s`."""
+    moment to leave the kernel's list, so strays are looked at again for up to `wait_s`, and
+    "none" is believed only of a listing that holds every thread (`_thread_count`) and no thread
+    that was leaving: one that stopped at a leaving thread missed the threads after it."""
     import threading
     import time
 
@@ -234,12 +251,15 @@ def stray_threads(wait_s=1.0):
         tasks = _tasks()
         if tasks is None:
             return list(range(threading.active_count() - 1)), []
+        count = _thread_count()
         python = {t.native_id for t in threading.enumerate()} - {main}
         main_nice = _nice(main)
-        native = [t for t in tasks
-                  if t != main and t not in python and _nice(t) not in (None, main_nice)]
+        nices = {t: _nice(t) for t in tasks if t != main}
+        native = [t for t, nice in nices.items()
+                  if t not in python and nice not in (None, main_nice)]
         python = [t for t in python if t in tasks]
-        if (not python and not native) or time.monotonic() >= deadline:
+        whole = (count is None or count == len(tasks)) and None not in nices.values()
+        if (whole and not python and not native) or time.monotonic() >= deadline:
             return python, native
         time.sleep(0.005)
 
@@ -262,7 +282,7 @@ def import_all(names, nice=10):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except (OSError, AttributeError):
             pass
-        before = len(_tasks() or ())
+        before = _thread_count() or 0
         for name in names:
             try:
                 __import__(name)
@@ -271,7 +291,7 @@ def import_all(names, nice=10):
             except BaseException:  # noqa: BLE001 - an import may raise anything
                 if "." not in name:
                     failed.append(name)
-            now = len(_tasks() or ())
+            now = _thread_count() or 0
             if now > before:
                 spawners.append(name)
             before = now
