@@ -108,11 +108,10 @@ pub type RankMarksSource =
     Arc<dyn Fn(tokio::time::Instant) -> Vec<restart_timeline::RankMarks> + Send + Sync>;
 
 /// Variables for one rank of one attempt, computed just before it starts:
-/// `(restart_count, rank, local_rank)` to `(name, value)` pairs, set after every other variable.
-/// `(attempt, global rank, local rank, the rank's own directory)`: the variables of one rank
-/// as it starts. The directory is the rank's `attempt_<N>/<local rank>` in the agent's private run
-/// directory (made just before, holding its error file), when it has one; under `--log-dir` it is
-/// the user's and none is passed.
+/// `(restart_count, rank, local_rank, the rank's own directory)` to `(name, value)` pairs, set
+/// after every other variable. The directory is the rank's `attempt_<N>/<local rank>` in the
+/// agent's private run directory (made just before, holding its error file), when it has one;
+/// under `--log-dir` it is the user's and none is passed.
 pub type RankEnv =
     Arc<dyn Fn(u32, u32, u32, Option<&std::path::Path>) -> Vec<(String, OsString)> + Send + Sync>;
 

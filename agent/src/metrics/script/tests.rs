@@ -359,9 +359,9 @@ fn each_attempt_gets_fresh_rank_directories_and_replaces_the_last() {
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
-#[test]
-fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_of_its_own() {
-    let tmp = scratch("hook");
+/// Script metrics whose hook the checkpoint helper put in `<tmp>/helper` (imported from
+/// `<tmp>/shared-python`): the script, the helper's directory, the `PYTHONPATH` entry.
+fn with_helper(tmp: &Path) -> (ScriptMetrics, PathBuf, PathBuf) {
     let helper = tmp.join("helper");
     std::fs::create_dir_all(&helper).unwrap();
     let entry = tmp.join("shared-python");
@@ -369,7 +369,14 @@ fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_o
         dir: &helper,
         python_entry: &entry,
     };
-    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(hook)).unwrap();
+    let script = ScriptMetrics::create(tmp, 8000, HashSet::new(), None, Some(hook)).unwrap();
+    (script, helper, entry)
+}
+
+#[test]
+fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_of_its_own() {
+    let tmp = scratch("hook");
+    let (script, helper, entry) = with_helper(&tmp);
     assert_eq!(script.python_path_entry(), entry);
     // Nothing written, nothing made: the helper's directory holds the hook already.
     assert_eq!(std::fs::read_dir(&helper).unwrap().count(), 0);
@@ -389,14 +396,7 @@ fn a_helper_directory_holds_the_hook_and_the_ranks_files_and_muster_makes_none_o
 #[test]
 fn a_ranks_own_run_directory_holds_its_files_and_a_new_attempt_empties_it_of_them_only() {
     let tmp = scratch("borrowed");
-    let helper = tmp.join("helper");
-    std::fs::create_dir_all(&helper).unwrap();
-    let entry = tmp.join("shared-python");
-    let hook = super::Hook {
-        dir: &helper,
-        python_entry: &entry,
-    };
-    let script = ScriptMetrics::create(&tmp, 8000, HashSet::new(), None, Some(hook)).unwrap();
+    let (script, helper, _) = with_helper(&tmp);
     // The run directory's attempt_0/0, as the launch makes it, with the rank's error file.
     let own0 = tmp.join("run").join("attempt_0").join("0");
     std::fs::create_dir_all(&own0).unwrap();
