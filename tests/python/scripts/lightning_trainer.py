@@ -99,11 +99,8 @@ if args.print_weights:
 # would end 134 now and then. The Trainer does not do it; the script does, as real ones should.
 if torch.distributed.is_initialized():
     torch.distributed.destroy_process_group()
-# That made the abort rarer, not impossible (an HF rank 0 died of it once more in a CI run, after its
-# last collective; never in 36 runs here under two CPU hogs): what is left is torch's own race at
-# interpreter finalization, its C++ threads dropping tensors while Python takes the GIL down
-# (pytorch/pytorch#190489, open upstream; it is not the launcher's). So the script leaves as
-# Python would, exit handlers included (muster's and torch's), only without that finalization.
+# And it leaves without the interpreter's finalization, exit handlers included: torch's race there
+# (pytorch/pytorch#190489) is not the launcher's; hf_trainer.py says more.
 atexit._run_exitfuncs()
 sys.stdout.flush()
 sys.stderr.flush()
