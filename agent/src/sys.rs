@@ -1,20 +1,22 @@
-//! The agent's only `unsafe`: the code that runs in a freshly forked worker between `fork` and
-//! `exec`, and [`lower_this_threads_priority`] (one system call on plain integers, which nix does
-//! not wrap).
+//! The agent's only `unsafe`: starting a worker ([`WorkerCommand`], a `posix_spawn`-style clone
+//! whose child runs only system calls until it execs), the code that runs in muster's other
+//! freshly forked children between `fork` and `exec`, and [`lower_this_threads_priority`] (one
+//! system call on plain integers, which nix does not wrap).
 //!
+//! A worker runs in its own session and process group (so a stop signal reaches the worker's own
+//! children too, and a terminal's Ctrl-C reaches only the agent), and the kernel SIGKILLs it when
+//! the agent dies (`PR_SET_PDEATHSIG`), so no worker outlives a SIGKILLed agent.
 //! [`die_with_parent`] does the same parent-death half for muster's other children (the dry
-//! run's agents, the GPU pre-flight's helper), so a SIGKILLed parent leaves none of them behind.
-//!
-//! It puts the worker in its own session and process group (so a stop signal reaches the
-//! worker's own children too, and a terminal's Ctrl-C reaches only the agent), and asks the kernel
-//! to SIGKILL the worker when the agent dies (`PR_SET_PDEATHSIG`), so no worker outlives a
-//! SIGKILLed agent. Only async-signal-safe system calls run here and nothing allocates: the
-//! agent has other threads, and one of them may have held the allocator's lock at fork time.
+//! run's agents, the GPU pre-flight's helper), which std's `Command` forks: there only
+//! async-signal-safe system calls run and nothing allocates, since the agent has other threads
+//! and one of them may have held the allocator's lock at fork time.
 //!
 //! `PR_SET_PDEATHSIG` fires when the *thread* that forked the child exits, not the process. The
 //! agent therefore spawns workers only from its runtime's long-lived thread (the main thread of a
 //! current-thread runtime), never from `spawn_blocking`, whose threads retire when idle.
 #![allow(unsafe_code)]
+
+mod spawn;
 
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -22,45 +24,7 @@ use std::process::Command;
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
 
-/// Makes `cmd` start as an isolated worker of the agent whose pid is `agent`.
-pub fn isolate_worker(cmd: &mut Command, agent: Pid, cpus: Option<nix::sched::CpuSet>) {
-    let hook = move || -> std::io::Result<()> {
-        nix::unistd::setsid()?;
-        // `--numa-binding`: set before exec so every thread the worker ever starts inherits it.
-        if let Some(cpus) = &cpus {
-            nix::sched::sched_setaffinity(Pid::from_raw(0), cpus)?;
-        }
-        nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
-        // The agent may have died between fork and prctl; then nobody would ever kill us.
-        if nix::unistd::getppid() != agent {
-            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
-        }
-        Ok(())
-    };
-    // SAFETY: the hook only makes async-signal-safe system calls (setsid, sched_setaffinity, prctl,
-    // getppid) and does not allocate (the CPU set was built before the fork); the error it may return is built from a raw errno.
-    unsafe {
-        cmd.pre_exec(hook);
-    }
-}
-
-/// Lets the child started by `cmd` inherit `fd` (open in the agent with close-on-exec, so no
-/// other child gets it): a warm standby's end of its socket to the agent.
-pub fn pass_fd(cmd: &mut Command, fd: std::os::fd::RawFd) {
-    let hook = move || -> std::io::Result<()> {
-        // SAFETY: fcntl on a descriptor number is async-signal-safe and touches no memory.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFD) };
-        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) } < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
-    };
-    // SAFETY: the hook only calls fcntl (async-signal-safe) and does not allocate; the error it
-    // may return is built from errno.
-    unsafe {
-        cmd.pre_exec(hook);
-    }
-}
+pub use spawn::{StartedWorker, WorkerCommand};
 
 /// Asks the kernel to SIGKILL the child started by `cmd` when `parent` (the calling process, whose
 /// calling *thread* must outlive the child: see the module doc) dies.

@@ -125,23 +125,26 @@ pub fn parse_nnodes(text: &str) -> Result<NodeRange, String> {
     Ok(NodeRange { min, max })
 }
 
-/// `--nproc-per-node`: a count, `gpu`, `cpu` or `auto` (GPUs if any, else CPUs).
-pub fn parse_nproc(text: &str, gpus: u32, cpus: u32) -> Result<u32, String> {
+/// `--nproc-per-node`: a count, `gpu`, `cpu` or `auto` (GPUs if any, else CPUs). The machine is
+/// asked only for a word: a count (the common case) lists no `/dev` and reads no cgroup.
+pub fn parse_nproc(
+    text: &str,
+    gpus: &dyn Fn() -> u32,
+    cpus: &dyn Fn() -> u32,
+) -> Result<u32, String> {
     let n = match text.trim() {
         "gpu" | "cuda" => {
+            let gpus = gpus();
             if gpus == 0 {
                 return Err("`gpu` asks for one worker per GPU, but this node has no GPU".into());
             }
             gpus
         }
-        "cpu" => cpus,
-        "auto" => {
-            if gpus > 0 {
-                gpus
-            } else {
-                cpus
-            }
-        }
+        "cpu" => cpus(),
+        "auto" => match gpus() {
+            0 => cpus(),
+            gpus => gpus,
+        },
         other => other
             .parse::<u32>()
             .map_err(|_| "expected a number, gpu, cpu or auto".to_owned())?,
@@ -571,7 +574,7 @@ struct JobShape {
 fn job_shape(low: &LowArgs, probe: &Probe<'_>) -> Result<JobShape, ConfigError> {
     let nnodes = parsed(low, "nnodes", parse_nnodes)?.unwrap_or(NodeRange { min: 1, max: 1 });
     let nproc_per_node = parsed(low, "nproc-per-node", |text| {
-        parse_nproc(text, (probe.gpu_count)(), (probe.cpu_count)())
+        parse_nproc(text, probe.gpu_count, probe.cpu_count)
     })?
     .unwrap_or(1);
     let node_rank = parse_u32(low, "node-rank", 0)?;
@@ -1074,11 +1077,17 @@ mod tests {
 
     #[test]
     fn nproc_variants() {
-        assert_eq!(parse_nproc("auto", 0, 6), Ok(6));
-        assert_eq!(parse_nproc("auto", 2, 6), Ok(2));
-        assert_eq!(parse_nproc("cpu", 2, 6), Ok(6));
-        assert!(parse_nproc("gpu", 0, 6).unwrap_err().contains("no GPU"));
-        assert!(parse_nproc("0", 0, 6).is_err());
+        let (no_gpu, two_gpus, six_cpus) = (&|| 0, &|| 2, &|| 6);
+        assert_eq!(parse_nproc("auto", no_gpu, six_cpus), Ok(6));
+        assert_eq!(parse_nproc("auto", two_gpus, six_cpus), Ok(2));
+        assert_eq!(parse_nproc("cpu", two_gpus, six_cpus), Ok(6));
+        assert!(parse_nproc("gpu", no_gpu, six_cpus)
+            .unwrap_err()
+            .contains("no GPU"));
+        assert!(parse_nproc("0", no_gpu, six_cpus).is_err());
+        // A count asks the machine nothing.
+        let unasked = &|| -> u32 { panic!("a count needs no probe") };
+        assert_eq!(parse_nproc(" 4 ", unasked, unasked), Ok(4));
         let err = build_with(&["--nproc-per-node", "gpu", "train.py"], &[PATH], 0).unwrap_err();
         assert!(
             err.0.contains("--nproc-per-node `gpu` (command line)"),

@@ -35,14 +35,15 @@ use crate::logs::LogFormat;
 
 /// Entry point used by the binary.
 pub fn main(args: &[OsString]) -> ExitCode {
-    let format = match subcommand(args) {
-        "store" | "gpu-check" | "dry-run" | "stacks" => LogFormat::Text,
-        _ => crate::cli::requested_log_format(args),
-    };
     let code = match run(args) {
         Ok(code) => code,
         Err(err) => {
             let code = exit_code_of(&err);
+            // Parsed again only here: a launch that starts pays nothing for its error's format.
+            let format = match subcommand(args) {
+                "store" | "gpu-check" | "dry-run" | "stacks" => LogFormat::Text,
+                _ => crate::cli::requested_log_format(args),
+            };
             eprint!("{}", error_record(&err, code, format));
             code
         }

@@ -10,7 +10,6 @@
 use std::ffi::OsString;
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -269,18 +268,14 @@ async fn start_rank(
             Err(why) => tracing::info!("rank {rank} (local rank {local_rank}): cold start: {why}"),
         }
     }
-    let mut cmd = Command::new(&config.entrypoint.program);
+    let mut cmd = crate::sys::WorkerCommand::new(&config.entrypoint.program, agent);
     cmd.args(&config.entrypoint.args)
         .envs(overlay)
         .envs(rank_vars)
-        .stdin(Stdio::inherit())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let cpus = rank_cpus(spec, local_rank);
-    crate::sys::isolate_worker(&mut cmd, agent, cpus);
+        .cpus(rank_cpus(spec, local_rank));
     let child = spec
         .reaper
-        .spawn(&mut cmd, local_rank as usize, exits_tx.clone())
+        .spawn_worker(&cmd, local_rank as usize, exits_tx.clone())
         .map_err(|source| LaunchError::Spawn {
             program: config.entrypoint.program.to_string_lossy().into_owned(),
             source,

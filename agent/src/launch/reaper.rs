@@ -8,7 +8,8 @@
 //! worker is a session leader, so its descendants are outside the agent's session, while a child
 //! that other agent code started (`std::process`, `tokio::process`) is inside it and is left to
 //! its owner's `wait`. Without /proc the reaper falls back to `waitpid(-1)`, which would take
-//! such children's statuses too; spawn through [`Reaper::spawn`] to get exits as events anyway.
+//! such children's statuses too; spawn through [`Reaper::spawn_worker`] to get exits as events
+//! anyway.
 //! The pid table is process-wide, so several launches in one process (tests, an in-process dry
 //! run) may each start a reaper: whichever reaps a pid reports it to the launch that spawned it.
 
@@ -51,8 +52,8 @@ impl std::fmt::Display for ExitStatus {
     }
 }
 
-/// A process started by [`Reaper::spawn`]: its pid and the pipes asked for. There is no `wait`:
-/// the exit arrives as an [`ExitReport`].
+/// A process started by [`Reaper::spawn_worker`]: its pid and its stdout and stderr. There is no
+/// `wait`: the exit arrives as an [`ExitReport`].
 #[derive(Debug)]
 pub struct Spawned {
     pub pid: u32,
@@ -104,14 +105,20 @@ impl Reaper {
     }
 
     fn reap_all(&self) {
-        // Holding the lock while waiting means a child that exits before [`Reaper::spawn`] has
-        // registered it stays a zombie until the next pass instead of being reaped unknown.
+        // Holding the lock while waiting means a child that exits before
+        // [`Reaper::spawn_worker`] has registered it stays a zombie until the next pass instead
+        // of being reaped unknown.
         let mut children = self.lock();
         let known: Vec<Pid> = children.keys().copied().collect();
         for pid in known {
             if let Some(status) = try_wait(pid) {
                 Self::report(&mut children, pid, status);
             }
+        }
+        // Most passes (a worker's exit, the first pass) leave no other child to reap: then the
+        // walk of /proc below has nothing to find.
+        if !any_child_waitable() {
+            return;
         }
         match orphans(&children) {
             Some(orphans) => {
@@ -145,21 +152,22 @@ impl Reaper {
         }
     }
 
-    /// Spawns `cmd` and reports its exit as `(tag, status)` on `exits`.
-    pub fn spawn(
+    /// Starts the worker `cmd` and reports its exit as `(tag, status)` on `exits`. The lock is
+    /// held from the start to the registration: a worker that exits at once is reaped only
+    /// once it is known.
+    pub fn spawn_worker(
         &self,
-        cmd: &mut std::process::Command,
+        cmd: &crate::sys::WorkerCommand,
         tag: usize,
         exits: mpsc::UnboundedSender<ExitReport>,
     ) -> std::io::Result<Spawned> {
         let mut children = self.lock();
-        let mut child = cmd.spawn()?;
-        let pid = child.id();
-        children.insert(Pid::from_raw(pid as i32), Entry { tag, tx: exits });
+        let worker = cmd.spawn()?;
+        children.insert(Pid::from_raw(worker.pid as i32), Entry { tag, tx: exits });
         Ok(Spawned {
-            pid,
-            stdout: child.stdout.take(),
-            stderr: child.stderr.take(),
+            pid: worker.pid,
+            stdout: Some(worker.stdout),
+            stderr: Some(worker.stderr),
         })
     }
 
@@ -187,6 +195,22 @@ impl Reaper {
         for pid in self.lock().keys() {
             let _ = killpg(*pid, sig);
         }
+    }
+}
+
+/// Whether some child of this process (of any of its threads) has ended and waits to be reaped,
+/// leaving it unreaped (`WNOWAIT`). When the kernel cannot say, yes.
+fn any_child_waitable() -> bool {
+    use nix::sys::wait::{waitid, Id};
+    loop {
+        return match waitid(
+            Id::All,
+            WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+        ) {
+            Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => false,
+            Err(nix::errno::Errno::EINTR) => continue,
+            _ => true,
+        };
     }
 }
 
@@ -239,10 +263,9 @@ mod tests {
     async fn other_code_keeps_its_own_children() {
         let reaper = Reaper::start().unwrap();
         let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut ours = std::process::Command::new("/bin/sh");
+        let mut ours = crate::sys::WorkerCommand::new("/bin/sh", nix::unistd::getpid());
         ours.args(["-c", "exit 7"]);
-        crate::sys::isolate_worker(&mut ours, nix::unistd::getpid(), None);
-        let worker = reaper.spawn(&mut ours, 5, tx).unwrap();
+        let worker = reaper.spawn_worker(&ours, 5, tx).unwrap();
         assert!(worker.pid > 0);
         let mut foreign = std::process::Command::new("/bin/sh")
             .args(["-c", "exit 4"])
@@ -256,5 +279,30 @@ mod tests {
         // Let the reaper see the foreign child's SIGCHLD too; it must leave the status alone.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         assert_eq!(foreign.wait().unwrap().code(), Some(4));
+    }
+
+    #[tokio::test]
+    async fn an_orphaned_grandchild_is_reaped_when_it_ends() {
+        use std::io::Read as _;
+        let reaper = Reaper::start().unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        // The worker leaves a child behind, which is re-parented to this process (a subreaper)
+        // and ends after the worker's own exit was reported.
+        let mut worker = crate::sys::WorkerCommand::new("/bin/sh", nix::unistd::getpid());
+        worker.args(["-c", "sleep 0.3 & echo $!"]);
+        let spawned = reaper.spawn_worker(&worker, 9, tx).unwrap();
+        assert_eq!(rx.recv().await, Some((9, ExitStatus::Exited(0))));
+        let mut out = String::new();
+        spawned.stdout.unwrap().read_to_string(&mut out).unwrap();
+        let orphan: i32 = out.trim().parse().expect("the orphan's pid");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // A zombie keeps its /proc entry until someone reaps it.
+        while std::path::Path::new(&format!("/proc/{orphan}")).exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "orphan {orphan} not reaped"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
     }
 }

@@ -28,7 +28,6 @@ use std::fmt;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, SystemTime};
 
@@ -38,6 +37,7 @@ use tokio::sync::mpsc;
 
 use super::config::Entrypoint;
 use super::reaper::{ExitReport, ExitStatus, Reaper, Spawned};
+use crate::sys::WorkerCommand;
 
 /// What the standby runs with `python -u -c` (`COMMAND` in `standby.py`; a test holds them
 /// equal): the working directory that `-c` puts first on `sys.path` goes, so a file of the
@@ -640,23 +640,27 @@ impl Pool {
         let list = self.dir.join(format!("standby_{}.json", plan.local_rank));
         std::fs::write(&list, &made_for.modules)?;
         let (ours, theirs) = UnixStream::pair()?;
-        let mut cmd = Command::new(&plan.entrypoint.program);
+        let mut cmd = WorkerCommand::new(&plan.entrypoint.program, agent);
         cmd.args(["-u", "-c", COMMAND])
-            .envs(plan.overlay.iter().map(|(k, v)| (k, v)))
-            .env(FD_ENV, theirs.as_raw_fd().to_string())
-            .env(LIST_ENV, &list)
-            .stdin(Stdio::inherit())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+            .envs(plan.overlay.iter().cloned())
+            .envs([
+                (
+                    OsString::from(FD_ENV),
+                    OsString::from(theirs.as_raw_fd().to_string()),
+                ),
+                (OsString::from(LIST_ENV), list.clone().into_os_string()),
+            ])
+            .cpus(plan.cpus)
+            .inherit_fd(theirs.as_raw_fd());
         for name in PER_ATTEMPT {
             cmd.env_remove(name);
         }
-        crate::sys::isolate_worker(&mut cmd, agent, plan.cpus);
-        crate::sys::pass_fd(&mut cmd, theirs.as_raw_fd());
         let mut inner = self.lock();
         let tag = inner.next_tag;
         inner.next_tag += 1;
-        let spawned = self.reaper.spawn(&mut cmd, tag, inner.exits_tx.clone())?;
+        let spawned = self
+            .reaper
+            .spawn_worker(&cmd, tag, inner.exits_tx.clone())?;
         drop(theirs);
         // A rank that once had this pid left its file: this standby has handed nothing yet.
         let _ = std::fs::remove_file(handed_env_path(&self.dir, spawned.pid));
