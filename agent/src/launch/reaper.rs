@@ -117,7 +117,7 @@ impl Reaper {
         }
         // Most passes (a worker's exit, the first pass) leave no other child to reap: then the
         // walk of /proc below has nothing to find.
-        if !any_child_waitable() {
+        if child_state() != ChildState::SomeEnded {
             return;
         }
         match orphans(&children) {
@@ -198,18 +198,27 @@ impl Reaper {
     }
 }
 
-/// Whether some child of this process (of any of its threads) has ended and waits to be reaped,
-/// leaving it unreaped (`WNOWAIT`). When the kernel cannot say, yes.
-fn any_child_waitable() -> bool {
+/// What this process's children (of any of its threads, of any kind: `__WALL`) are, as one
+/// `waitid(WNOHANG | WNOWAIT)` tells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum ChildState {
+    None,
+    AllRunning,
+    /// At least one has ended and waits to be reaped; also the answer when the kernel cannot say.
+    SomeEnded,
+}
+
+/// One look at this process's children, reaping none.
+pub(super) fn child_state() -> ChildState {
     use nix::sys::wait::{waitid, Id};
+    let flags =
+        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT | WaitPidFlag::__WALL;
     loop {
-        return match waitid(
-            Id::All,
-            WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
-        ) {
-            Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::ECHILD) => false,
+        return match waitid(Id::All, flags) {
+            Err(nix::errno::Errno::ECHILD) => ChildState::None,
+            Ok(WaitStatus::StillAlive) => ChildState::AllRunning,
             Err(nix::errno::Errno::EINTR) => continue,
-            _ => true,
+            _ => ChildState::SomeEnded,
         };
     }
 }

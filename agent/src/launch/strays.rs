@@ -88,25 +88,12 @@ fn read_stat(pid: i32) -> Option<ProcStat> {
 fn candidates(scope: &Scope) -> Option<Vec<ProcStat>> {
     // Every process of the attempt is the agent's child or descends from one: an agent with no
     // child at all (the common end of an attempt whose workers were reaped) has nothing to walk.
-    if scope.agent == nix::unistd::getpid().as_raw() && !has_any_child() {
+    if scope.agent == nix::unistd::getpid().as_raw()
+        && super::reaper::child_state() == super::reaper::ChildState::None
+    {
         return Some(Vec::new());
     }
     descendants(scope.agent).or_else(all_processes)
-}
-
-/// Whether this process has a child, running or not yet reaped, of any kind (`__WALL`); when
-/// the kernel cannot say, yes.
-fn has_any_child() -> bool {
-    use nix::sys::wait::{waitid, Id, WaitPidFlag};
-    let flags =
-        WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT | WaitPidFlag::__WALL;
-    loop {
-        return match waitid(Id::All, flags) {
-            Err(nix::errno::Errno::ECHILD) => false,
-            Err(nix::errno::Errno::EINTR) => continue,
-            _ => true,
-        };
-    }
 }
 
 /// Every descendant of `root`; `None` when `root`'s own `children` lists cannot be read.
