@@ -279,8 +279,15 @@ struct ChildStack {
 
 impl ChildStack {
     fn new() -> io::Result<ChildStack> {
-        let page = 4096;
-        let len = CHILD_STACK + page;
+        // The kernel's page, not 4 KiB: on a 64 KiB-page kernel (aarch64 GPU nodes) a guard of
+        // one 4 KiB "page" would protect the whole first page and leave the child 4 KiB of stack.
+        let page = nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+            .ok()
+            .flatten()
+            .and_then(|p| usize::try_from(p).ok())
+            .filter(|p| p.is_power_of_two())
+            .unwrap_or(4096);
+        let len = CHILD_STACK.next_multiple_of(page) + page;
         // SAFETY: a fresh anonymous mapping; no existing memory is touched.
         let base = unsafe {
             libc::mmap(
