@@ -5,8 +5,10 @@ run (never an absolute time: this is a shared 2-core machine), repeated ROUNDS t
 value is the median of the rounds. It is compared with the value recorded in
 scripts/bench.d/baseline.json, within a noise margin of its own: three times the spread the
 baseline's own rounds showed (their median absolute deviation, scaled to a standard deviation),
-and never less than MIN_MARGIN of the baseline value. A row worse by more than its margin is a
-regression: the table says REGRESSED and the exit code is 1.
+and never less than MIN_MARGIN of the baseline value. A row worse by more than its margin is
+measured again (its group's rounds once more); worse by more than its margin both times, it is a
+regression: the table says REGRESSED with both values and the exit code is 1. Worse only once,
+the table says so ("ok on a second look") and the exit code stays 0.
 
 Rows (all "lower is better" except where the table says otherwise):
 - launch ready / exit: `muster --standalone --nproc-per-node 2` running
@@ -196,13 +198,15 @@ def wanted(group):
     return not only or group in only.split(",")
 
 
-def measure():
-    rounds = {}
+def measure(groups_wanted=None):
+    """Rounds per row for every wanted group (`groups_wanted`: only these, e.g. a second look);
+    returns ({row: [values]}, {row: its group})."""
+    rounds, group_of = {}, {}
     groups = [("launch", launch_round), ("scale", scale_round)]
     if Path(LOADGEN).exists():
         groups.append(("store", None))
     for group, fn in groups:
-        if not wanted(group):
+        if not wanted(group) or (groups_wanted is not None and group not in groups_wanted):
             continue
         print(f"measuring {group} ({ROUNDS} rounds) ...", file=sys.stderr, flush=True)
         if group == "store":
@@ -210,11 +214,17 @@ def measure():
                 for _ in range(ROUNDS):
                     for row, v in store_round(servers).items():
                         rounds.setdefault(row, []).append(v)
+                        group_of[row] = group
             continue
         for _ in range(ROUNDS):
             for row, v in fn().items():
                 rounds.setdefault(row, []).append(v)
-    return rounds
+                group_of[row] = group
+    return rounds, group_of
+
+
+def worse_by(row, base, now):
+    return base["value"] - now if higher_is_better(row) else now - base["value"]
 
 
 def describe():
@@ -226,7 +236,7 @@ def describe():
 
 
 def main():
-    rounds = measure()
+    rounds, group_of = measure()
     if RECORD:
         rows = {row: {"value": round(statistics.median(vs), 4), "spread": round(spread(vs), 4),
                       "rounds": [round(v, 4) for v in vs]} for row, vs in rounds.items()}
@@ -236,26 +246,49 @@ def main():
             print(f"- {row}: {r['value']:.3f} (spread {r['spread']:.3f})")
         return 0
     baseline = json.loads(BASELINE.read_text())
+    now = {row: statistics.median(vs) for row, vs in rounds.items()}
+
+    def margin(row):
+        base = baseline["rows"][row]
+        return max(3 * base["spread"], MIN_MARGIN * base["value"])
+
+    def beyond(row, value):
+        base = baseline["rows"].get(row)
+        return base is not None and worse_by(row, base, value) > margin(row)
+
+    # A shared machine has moments that no baseline's spread foresaw (the same binary has read
+    # 1.30 and 1.53 on the gang row an hour apart): a row that reads worse is measured again, and
+    # only a row worse both times is a regression, as the network check names only a link that
+    # stays slow.
+    suspects = [row for row in now if beyond(row, now[row])]
+    second = {}
+    if suspects:
+        print(f"measuring again: {', '.join(suspects)}", file=sys.stderr, flush=True)
+        again, _ = measure({group_of[row] for row in suspects})
+        second = {row: statistics.median(again[row]) for row in suspects if row in again}
     print(f"baseline: {baseline['recorded']}; now: {describe()}\n")
     print("| row | baseline | now | margin | verdict |")
     print("|---|---:|---:|---:|---|")
     regressed = 0
-    for row, vs in rounds.items():
-        now = statistics.median(vs)
+    for row, value in now.items():
         base = baseline["rows"].get(row)
         if base is None:
-            print(f"| {row} | – | {now:.3f} | – | no baseline (record one) |")
+            print(f"| {row} | – | {value:.3f} | – | no baseline (record one) |")
             continue
-        margin = max(3 * base["spread"], MIN_MARGIN * base["value"])
-        worse = base["value"] - now if higher_is_better(row) else now - base["value"]
-        if worse > margin:
-            verdict = "REGRESSED"
-            regressed += 1
-        elif worse < -margin:
+        shown = f"{value:.3f}"
+        if row in suspects:
+            again_value = second.get(row, value)
+            shown = f"{value:.3f}, again {again_value:.3f}"
+            if beyond(row, again_value):
+                verdict = "REGRESSED"
+                regressed += 1
+            else:
+                verdict = "ok on a second look"
+        elif worse_by(row, base, value) < -margin(row):
             verdict = "better (record a new baseline)"
         else:
             verdict = "ok"
-        print(f"| {row} | {base['value']:.3f} | {now:.3f} | ±{margin:.3f} | {verdict} |")
+        print(f"| {row} | {base['value']:.3f} | {shown} | ±{margin(row):.3f} | {verdict} |")
     print(f"\n{regressed} row(s) regressed" if regressed else "\nno row regressed")
     return 1 if regressed else 0
 
