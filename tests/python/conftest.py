@@ -17,6 +17,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+# The last lines of a test script that formed a gloo group, after destroy_process_group: it
+# leaves as Python would, exit handlers included (muster's `exiting`), but without interpreter
+# finalization, where torch 2.15's gloo teardown sometimes aborts (SIGABRT, "terminate called
+# without an active exception"; pytorch/pytorch#190489): not a hang and not the launcher's.
+LEAVE_WITHOUT_FINALIZATION = """
+import atexit, os, sys
+atexit._run_exitfuncs()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
 
 def muster_bin() -> str:
     path = os.environ.get("MUSTER_BIN") or str(REPO / "target" / "release" / "muster")

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from conftest import REPO, muster_bin, muster_env, wait_until
+from conftest import LEAVE_WITHOUT_FINALIZATION, REPO, muster_bin, muster_env, wait_until
 from test_watch import Agent
 
 HANG_TIMEOUT = 6
@@ -68,15 +68,7 @@ for step in range(1, steps + 1):
     time.sleep(0.02)
 print(f"DONE rank={rank}", flush=True)
 dist.destroy_process_group()
-# Not the interpreter's own finalization: torch 2.15's gloo teardown sometimes aborts there
-# (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489), 1 run in
-# ~470 here. The exit handlers (muster's included) still run, as at a normal exit.
-import atexit, os, sys
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
-'''
+''' + LEAVE_WITHOUT_FINALIZATION
 
 # One rank, no process group: optimizer steps, then it waits (reporting nothing more) until the
 # test has read the agent's metrics.
@@ -221,15 +213,7 @@ print(f"EVAL rank={rank} passes={evaluate(float(os.environ['EVAL_S']))}", flush=
 train(20)
 print(f"DONE rank={rank}", flush=True)
 dist.destroy_process_group()
-# Not the interpreter's own finalization: torch 2.15's gloo teardown sometimes aborts there
-# (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489), 1 run in
-# ~470 here. The exit handlers (muster's included) still run, as at a normal exit.
-import atexit, os, sys
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
-'''
+''' + LEAVE_WITHOUT_FINALIZATION
 
 
 def eval_loop(tmp_path, env):

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from conftest import muster_bin, muster_env
+from conftest import LEAVE_WITHOUT_FINALIZATION, muster_bin, muster_env
 
 SCRIPT = """\
 import hashlib, os
@@ -61,15 +61,7 @@ digest = hashlib.sha256(b"".join(full[k].numpy().tobytes() for k in sorted(full)
 print("WEIGHTS %d %s" % (rank, digest), flush=True)
 dist.barrier()
 dist.destroy_process_group()
-# Not the interpreter's own finalization: torch 2.15's gloo teardown sometimes aborts there
-# (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489), 1 run in
-# ~470 here. The exit handlers (muster's included) still run, as at a normal exit.
-import atexit, os, sys
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
-"""
+""" + LEAVE_WITHOUT_FINALIZATION
 
 
 def run(tmp_path, kill):
@@ -121,15 +113,7 @@ assert taken == [False] * 20, taken
 dist.all_reduce(torch.ones(1))
 print("TRAINED ON", flush=True)
 dist.destroy_process_group()
-# Not the interpreter's own finalization: torch 2.15's gloo teardown sometimes aborts there
-# (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#190489), 1 run in
-# ~470 here. The exit handlers (muster's included) still run, as at a normal exit.
-import atexit, os, sys
-atexit._run_exitfuncs()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
-"""
+""" + LEAVE_WITHOUT_FINALIZATION
 
 
 def test_a_state_the_helper_cannot_copy_turns_snapshots_off_and_training_goes_on(tmp_path):
